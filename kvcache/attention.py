@@ -1,0 +1,273 @@
+"""Attention that reads K/V from an :class:`~kvcache.mha_pool.MHAKVCache` through token slots.
+
+Batch format (both functions)
+    A batch of ``B`` requests. Request ``r`` has ``T_r = len(slots[r])`` tokens whose K/V are
+    already in layer ``layer_id`` of the pool (store the new tokens' K/V *before* attending), and
+    ``q_lens[r]`` query tokens: its *last* ``q_lens[r]`` tokens, so query ``j`` sits at position
+    ``T_r - q_lens[r] + j`` and, causally, sees keys ``0 .. T_r - q_lens[r] + j``.
+    Decode is ``q_lens[r] == 1``; a prefill that reuses a cached prefix of length ``c`` is
+    ``q_lens[r] == T_r - c``.
+
+    ``q``: ``(sum(q_lens), num_q_heads, head_dim)``, requests packed one after another.
+    GQA: ``num_q_heads = group * local_kv_heads``; query head ``h`` uses KV head ``h // group``
+    (the convention of ``repeat_interleave`` / ``scaled_dot_product_attention(enable_gqa=True)``).
+    Output has the shape and dtype of ``q``; scores are computed in float32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from .kernels.store import TRITON_INTERPRET, _HAVE_TRITON
+from .mha_pool import MHAKVCache
+
+if _HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+__all__ = [
+    "gather_kv",
+    "paged_attention",
+    "paged_decode_attention",
+    "paged_decode_backend",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks
+# ---------------------------------------------------------------------------------------------
+
+
+def _slots_to_pages(slots: torch.Tensor, page_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    s = slots.long()
+    return s // page_size, s % page_size
+
+
+def _check_slots(kv_cache: MHAKVCache, slots: Sequence[torch.Tensor]) -> List[int]:
+    """Each entry a non-empty 1-D int32/int64 tensor on the pool's device, values in range."""
+    if isinstance(slots, torch.Tensor) or not isinstance(slots, (list, tuple)):
+        raise TypeError(f"slots must be a list of 1-D tensors, got {type(slots).__name__}")
+    lens = []
+    for r, s in enumerate(slots):
+        if not isinstance(s, torch.Tensor):
+            raise TypeError(f"slots[{r}] must be a torch.Tensor, got {type(s).__name__}")
+        if s.dim() != 1 or s.numel() == 0:
+            raise ValueError(f"slots[{r}] must be 1-D and non-empty, got shape {tuple(s.shape)}")
+        if s.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"slots[{r}] must be int32 or int64, got {s.dtype}")
+        if s.device != kv_cache.device:
+            raise ValueError(f"slots[{r}] is on {s.device}, the pool on {kv_cache.device}")
+        lo, hi = (int(x) for x in torch.aminmax(s))
+        if lo < 0 or hi >= kv_cache.num_slots:
+            bad = lo if lo < 0 else hi
+            raise IndexError(f"slots[{r}] holds {bad}, outside [0, num_slots={kv_cache.num_slots})")
+        lens.append(s.numel())
+    return lens
+
+
+def _check_q(q: object, kv_cache: MHAKVCache, total_q: int) -> int:
+    """Return the GQA group size."""
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    if q.dim() != 3 or q.shape[0] != total_q or q.shape[2] != kv_cache.head_dim:
+        raise ValueError(
+            f"q must have shape (sum(q_lens)={total_q}, num_q_heads, head_dim={kv_cache.head_dim}), "
+            f"got {tuple(q.shape)}"
+        )
+    if q.shape[1] % kv_cache.local_kv_heads != 0:
+        raise ValueError(
+            f"num_q_heads={q.shape[1]} must be a multiple of local_kv_heads={kv_cache.local_kv_heads}"
+        )
+    if not q.dtype.is_floating_point:
+        raise ValueError(f"q must be floating point, got {q.dtype}")
+    if q.device != kv_cache.device:
+        raise ValueError(f"q is on {q.device}, the pool on {kv_cache.device}")
+    return q.shape[1] // kv_cache.local_kv_heads
+
+
+def _default_scale(scale: Optional[float], head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# Torch reference
+# ---------------------------------------------------------------------------------------------
+
+
+def gather_kv(kv_cache: MHAKVCache, layer_id: int, slots: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the tokens at ``slots`` (``(T,)``) in layer ``layer_id``: each ``(T, local_kv_heads, head_dim)``."""
+    _check_slots(kv_cache, [slots])
+    page, offset = _slots_to_pages(slots, kv_cache.page_size)
+    return kv_cache.k_cache(layer_id)[page, offset], kv_cache.v_cache(layer_id)[page, offset]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    kv_cache: MHAKVCache,
+    layer_id: int,
+    slots: Sequence[torch.Tensor],
+    q_lens: Optional[Sequence[int]] = None,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
+    """Causal (GQA) attention for a batch of requests whose K/V sit in ``kv_cache``. Torch reference.
+
+    ``q``: ``(sum(q_lens), num_q_heads, head_dim)``; ``slots[r]``: ``(T_r,)`` token slots of request
+    ``r`` in order; ``q_lens[r]`` in ``[1, T_r]`` (default: all 1, i.e. decode); ``scale`` defaults
+    to ``1/sqrt(head_dim)``. Returns ``(sum(q_lens), num_q_heads, head_dim)`` in ``q.dtype``.
+    See the module docstring for positions and the causal mask.
+    """
+    kv_cache._check_layer(layer_id)
+    seq_lens = _check_slots(kv_cache, slots)
+    if q_lens is None:
+        q_lens = [1] * len(seq_lens)
+    q_lens = list(q_lens)
+    if len(q_lens) != len(seq_lens):
+        raise ValueError(f"len(q_lens)={len(q_lens)} != len(slots)={len(seq_lens)}")
+    for r, (ql, t) in enumerate(zip(q_lens, seq_lens)):
+        if isinstance(ql, bool) or not isinstance(ql, int) or not 1 <= ql <= t:
+            raise ValueError(f"q_lens[{r}]={ql!r} must be an int in [1, T={t}] (T = len(slots[{r}]))")
+    group = _check_q(q, kv_cache, sum(q_lens))
+    sm_scale = _default_scale(scale, kv_cache.head_dim)
+
+    k_layer, v_layer = kv_cache.k_cache(layer_id), kv_cache.v_cache(layer_id)
+    out = torch.empty_like(q)
+    start = 0
+    for s, ql, t in zip(slots, q_lens, seq_lens):
+        page, offset = _slots_to_pages(s, kv_cache.page_size)
+        # (T, kv_heads, D) -> (q_heads, T, D): query head h reads KV head h // group.
+        k = k_layer[page, offset].float().repeat_interleave(group, dim=1).transpose(0, 1)
+        v = v_layer[page, offset].float().repeat_interleave(group, dim=1).transpose(0, 1)
+        qr = q[start : start + ql].float().transpose(0, 1)  # (q_heads, ql, D)
+        scores = (qr @ k.transpose(1, 2)) * sm_scale  # (q_heads, ql, T)
+        q_pos = torch.arange(t - ql, t, device=q.device)[:, None]
+        k_pos = torch.arange(t, device=q.device)[None, :]
+        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        out[start : start + ql] = (scores.softmax(dim=-1) @ v).transpose(0, 1).to(q.dtype)
+        start += ql
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton decode kernel
+# ---------------------------------------------------------------------------------------------
+
+if _HAVE_TRITON:
+
+    @triton.jit
+    def _decode_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, starts_ptr, out_ptr,
+        sm_scale, head_dim, page_size,
+        stride_q_b, stride_q_h, stride_q_d,
+        stride_kc_p, stride_kc_s, stride_kc_h, stride_kc_d,
+        stride_vc_p, stride_vc_s, stride_vc_h, stride_vc_d,
+        stride_o_b, stride_o_h, stride_o_d,
+        GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        """Program (b, h): request b's one query token, the GROUP query heads sharing KV head h.
+
+        Walks the request's slots BLOCK_N at a time with an online softmax, so K/V of a KV head
+        are read once for all the query heads of its group.
+        """
+        pid_b = tl.program_id(0)
+        pid_h = tl.program_id(1)
+        start = tl.load(starts_ptr + pid_b)
+        end = tl.load(starts_ptr + pid_b + 1)
+
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_g = offs_g < GROUP
+        mask_d = offs_d < head_dim
+        q_heads = pid_h * GROUP + offs_g
+
+        q_ptrs = q_ptr + pid_b * stride_q_b + q_heads[:, None] * stride_q_h + offs_d[None, :] * stride_q_d
+        q = tl.load(q_ptrs, mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+
+        m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            offs = n0 + offs_n
+            mask_n = offs < end
+            slot = tl.load(slots_ptr + offs, mask=mask_n, other=0).to(tl.int64)
+            page = slot // page_size
+            in_page = slot % page_size
+            kv_mask = mask_n[:, None] & mask_d[None, :]
+            k_ptrs = (k_cache_ptr + (page * stride_kc_p + in_page * stride_kc_s + pid_h * stride_kc_h)[:, None]
+                      + offs_d[None, :] * stride_kc_d)
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(tl.float32)  # (BLOCK_N, BLOCK_D)
+            # (G, 1, D) * (1, N, D) summed over D: tl.dot needs every dim >= 16, G is often 1..8.
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * sm_scale  # (BLOCK_G, BLOCK_N)
+            s = tl.where(mask_n[None, :], s, float("-inf"))
+
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+
+            v_ptrs = (v_cache_ptr + (page * stride_vc_p + in_page * stride_vc_s + pid_h * stride_vc_h)[:, None]
+                      + offs_d[None, :] * stride_vc_d)
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(tl.float32)  # (BLOCK_N, BLOCK_D)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            m_i = m_new
+
+        out = acc / l_i[:, None]
+        o_ptrs = out_ptr + pid_b * stride_o_b + q_heads[:, None] * stride_o_h + offs_d[None, :] * stride_o_d
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
+
+
+def paged_decode_backend(device: torch.device | str) -> str:
+    """``"triton"``, ``"triton-interpreter"`` or ``"torch"``: what :func:`paged_decode_attention` uses."""
+    dev = torch.device(device)
+    if _HAVE_TRITON and dev.type == "cuda":
+        return "triton"
+    if _HAVE_TRITON and dev.type == "cpu" and TRITON_INTERPRET:
+        return "triton-interpreter"
+    return "torch"
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    kv_cache: MHAKVCache,
+    layer_id: int,
+    slots: Sequence[torch.Tensor],
+    scale: Optional[float] = None,
+    *,
+    block_n: int = 32,
+) -> torch.Tensor:
+    """Decode attention (one query token per request) with the Triton kernel.
+
+    ``q``: ``(B, num_q_heads, head_dim)``, row ``r`` is the last token of request ``r``;
+    ``slots[r]``: ``(T_r,)``, all of request ``r``'s tokens including that one. Returns
+    ``(B, num_q_heads, head_dim)`` in ``q.dtype``; equals ``paged_attention(q, ..., q_lens=[1]*B)``
+    up to float rounding. Runs the Triton kernel on CUDA or under ``TRITON_INTERPRET=1`` on CPU,
+    and falls back to :func:`paged_attention` elsewhere (see :func:`paged_decode_backend`).
+    """
+    kv_cache._check_layer(layer_id)
+    seq_lens = _check_slots(kv_cache, slots)
+    group = _check_q(q, kv_cache, len(seq_lens))
+    if isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 1 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 1, got {block_n!r}")
+    if paged_decode_backend(q.device) == "torch":
+        return paged_attention(q, kv_cache, layer_id, slots, [1] * len(seq_lens), scale)
+    if len(seq_lens) == 0:
+        return torch.empty_like(q)
+
+    flat_slots = torch.cat([s.to(torch.int32) for s in slots])
+    starts = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
+    starts[1:] = torch.tensor(seq_lens).cumsum(0)
+    starts = starts.to(q.device)
+    k_layer, v_layer = kv_cache.k_cache(layer_id), kv_cache.v_cache(layer_id)
+    out = torch.empty_like(q)
+    grid = (len(seq_lens), kv_cache.local_kv_heads)
+    _decode_kernel[grid](
+        q, k_layer, v_layer, flat_slots, starts, out,
+        _default_scale(scale, kv_cache.head_dim), kv_cache.head_dim, kv_cache.page_size,
+        *q.stride(), *k_layer.stride(), *v_layer.stride(), *out.stride(),
+        GROUP=group, BLOCK_G=triton.next_power_of_2(group), BLOCK_N=block_n,
+        BLOCK_D=triton.next_power_of_2(kv_cache.head_dim),
+    )
+    return out
