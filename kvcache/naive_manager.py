@@ -1,0 +1,66 @@
+"""`NaiveCacheManager`: the manager that caches nothing, the baseline every other one beats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Tuple
+
+import torch
+
+from ._validate import check_indices, check_size, check_token_ids
+from .base import BaseCacheHandle, BaseCacheManager, SizeInfo
+
+__all__ = ["NaiveCacheHandle", "NaiveCacheManager"]
+
+
+@dataclass(frozen=True)
+class NaiveCacheHandle(BaseCacheHandle):
+    """Always ``cached_len == 0``: nothing is ever cached."""
+
+
+class NaiveCacheManager(BaseCacheManager):
+    """Every request recomputes its whole prompt; nothing outlives the request.
+
+    ``insert_prefix`` reports every token as "already cached", so a caller that frees the
+    duplicates it allocated frees all of them: allocate, use, free at once, and no leak.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.empty_tensor = torch.empty(0, dtype=torch.int32, device=self.device)
+
+    def match_prefix(self, input_ids: torch.Tensor) -> Tuple[NaiveCacheHandle, torch.Tensor]:
+        check_token_ids(input_ids)
+        return NaiveCacheHandle(0), self.empty_tensor
+
+    def lock_handle(self, handle: BaseCacheHandle, unlock: bool = False) -> None:
+        if not isinstance(handle, BaseCacheHandle):
+            raise TypeError(f"handle must be a BaseCacheHandle, got {type(handle).__name__}")
+
+    def insert_prefix(self, input_ids: torch.Tensor, indices: torch.Tensor) -> int:
+        check_token_ids(input_ids)
+        check_indices(indices, self.device)
+        if len(indices) != len(input_ids):
+            raise ValueError(
+                f"len(indices) ({len(indices)}) must equal len(input_ids) ({len(input_ids)})"
+            )
+        return len(indices)
+
+    def evict(self, size: int) -> torch.Tensor:
+        if check_size(size) == 0:
+            return self.empty_tensor
+        raise NotImplementedError(f"NaiveCacheManager caches nothing and cannot evict {size} tokens")
+
+    def reset(self) -> None:
+        pass
+
+    @property
+    def size_info(self) -> SizeInfo:
+        return SizeInfo(evictable_size=0, protected_size=0)
+
+    def check_integrity(self) -> None:
+        pass
+
+    def cached_indices(self) -> torch.Tensor:
+        """Slots held by the cache: none."""
+        return self.empty_tensor
