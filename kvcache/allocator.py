@@ -1,0 +1,100 @@
+"""`PageAllocator`: the free list of KV pages, and the mapping between pages and token slots.
+
+A page is ``page_size`` consecutive token slots: page ``p`` holds slots
+``p * page_size ... p * page_size + page_size - 1``. The allocator hands out and takes back whole
+pages; a request that fills part of its last page keeps the rest of that page for later tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._validate import check_positive_int, check_size
+
+__all__ = ["PageAllocator"]
+
+
+class PageAllocator:
+    """Free list of ``num_pages`` pages on ``device``, handed out in FIFO order.
+
+    Promises: a page is either free or handed out, never both; ``free`` refuses a page that is
+    out of range, already free, or listed twice, and changes nothing when it refuses.
+    """
+
+    def __init__(self, num_pages: int, page_size: int = 1, device: torch.device | str = "cpu") -> None:
+        self.num_pages = check_positive_int(num_pages, "num_pages")
+        self.page_size = check_positive_int(page_size, "page_size")
+        self.device = torch.device(device)
+        self.reset()
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    def free_pages(self) -> torch.Tensor:
+        """The free pages, in the order they will be handed out (1-D int32, a copy)."""
+        return self._free.clone()
+
+    def reset(self) -> None:
+        """Every page free again, in order ``0 .. num_pages - 1``."""
+        self._free = torch.arange(self.num_pages, dtype=torch.int32, device=self.device)
+        self._is_free = torch.ones(self.num_pages, dtype=torch.bool, device=self.device)
+
+    def allocate(self, num_pages: int) -> torch.Tensor:
+        """Take ``num_pages`` pages off the free list; ``RuntimeError`` if fewer are free."""
+        check_size(num_pages, "num_pages")
+        if num_pages > len(self._free):
+            raise RuntimeError(f"cannot allocate {num_pages} pages: only {len(self._free)} are free")
+        pages, self._free = self._free[:num_pages], self._free[num_pages:]
+        self._is_free[pages.long()] = False
+        return pages
+
+    def free(self, pages: torch.Tensor) -> None:
+        """Return ``pages`` (1-D integer) to the end of the free list."""
+        if not isinstance(pages, torch.Tensor) or pages.dim() != 1 or pages.is_floating_point():
+            raise TypeError(f"pages must be a 1-D integer tensor, got {pages!r}")
+        if len(pages) == 0:
+            return
+        pages = pages.to(device=self.device, dtype=torch.int32)
+        lo, hi = int(pages.min()), int(pages.max())
+        if lo < 0 or hi >= self.num_pages:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"page {bad} is outside [0, {self.num_pages})")
+        if len(torch.unique(pages)) != len(pages):
+            raise ValueError(f"pages listed more than once: {pages.tolist()}")
+        already = self._is_free[pages.long()]
+        if bool(already.any()):
+            raise RuntimeError(f"double free: pages {pages[already].tolist()} are already free")
+        self._is_free[pages.long()] = True
+        self._free = torch.cat([self._free, pages])
+
+    # ------------------------------------------------------- pages <-> slots
+    def pages_to_slots(self, pages: torch.Tensor, num_tokens: int | None = None) -> torch.Tensor:
+        """Slots of ``pages`` in order, cut to the first ``num_tokens`` (default: all), int32."""
+        ps = self.page_size
+        offsets = torch.arange(ps, dtype=torch.int32, device=pages.device)
+        slots = (pages.to(torch.int32)[:, None] * ps + offsets).reshape(-1)
+        if num_tokens is not None:
+            if not 0 <= num_tokens <= len(slots):
+                raise ValueError(f"num_tokens must be in [0, {len(slots)}], got {num_tokens}")
+            slots = slots[:num_tokens]
+        return slots
+
+    def slots_to_pages(self, slots: torch.Tensor) -> torch.Tensor:
+        """The distinct pages that ``slots`` touch, in first-touch order (int32).
+
+        Slots of one request are laid out page after page, so this is every ``page_size``-th
+        slot divided by ``page_size`` when the run starts on a page boundary.
+        """
+        if len(slots) == 0:
+            return slots.to(torch.int32)
+        pages = torch.div(slots, self.page_size, rounding_mode="floor").to(torch.int32)
+        if self.page_size == 1:
+            return pages
+        keep = torch.ones(len(pages), dtype=torch.bool, device=pages.device)
+        keep[1:] = pages[1:] != pages[:-1]
+        return pages[keep]
