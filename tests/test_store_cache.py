@@ -1,0 +1,209 @@
+"""store_cache on both backends against a plain torch model, for every cache geometry the pool makes.
+
+The Triton cases run on Triton's CPU interpreter; they are skipped unless ``TRITON_INTERPRET=1`` was
+set before kvcache was imported (the project's test command sets it). Sizes stay small: the
+interpreter is slow.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import kvcache.kernels.store as store_mod
+from kvcache.kernels import (
+    TRITON_INTERPRET,
+    store_cache,
+    store_cache_backend,
+    store_cache_torch,
+    store_cache_triton,
+)
+
+needs_interpreter = pytest.mark.skipif(not TRITON_INTERPRET, reason="needs TRITON_INTERPRET=1 before import")
+BACKENDS = [pytest.param(store_cache_triton, id="triton", marks=needs_interpreter),
+            pytest.param(store_cache_torch, id="torch"),
+            pytest.param(store_cache, id="dispatch")]
+
+
+def make_caches(kind: str, num_pages: int, page_size: int, heads: int, dim: int, dtype=torch.float32):
+    """A (k_cache, v_cache) pair with the strides that `kind` of storage gives."""
+    layers, layer = 3, 1
+    if kind == "flat":  # (num_slots, H, D), contiguous
+        buf = torch.zeros(2, num_pages * page_size, heads, dim, dtype=dtype)
+        return buf[0], buf[1]
+    if kind == "flat_strided":  # slot stride larger than H*D (every other row of a bigger tensor)
+        buf = torch.zeros(2, 2 * num_pages * page_size, heads, dim, dtype=dtype)
+        return buf[0, ::2], buf[1, ::2]
+    if kind == "dim_strided":  # head_dim not contiguous either
+        buf = torch.zeros(2, num_pages, page_size, heads, 2 * dim, dtype=dtype)
+        return buf[0, ..., 1::2], buf[1, ..., 1::2]
+    if kind == "layer_first":
+        buf = torch.zeros(2, layers, num_pages, page_size, heads, dim, dtype=dtype)
+        return buf[0, layer], buf[1, layer]
+    if kind == "page_first":  # the pool's PageFirst layer view: not flattenable when page_size > 1
+        buf = torch.zeros(2, num_pages, layers, page_size, heads, dim, dtype=dtype).permute(0, 2, 1, 3, 4, 5)
+        return buf[0, layer], buf[1, layer]
+    raise AssertionError(kind)
+
+
+def reference(cache: torch.Tensor, indices: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """What the cache must look like afterwards, built one token at a time on a dense copy."""
+    out = cache.clone()
+    flat = out.reshape(-1, *out.shape[-2:])
+    for i, s in enumerate(indices.tolist()):
+        flat[s] = x[i]
+    return flat.reshape(out.shape)
+
+
+def random_batch(n, num_slots, heads, dim, dtype, index_dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randperm(num_slots, generator=g)[:n].to(index_dtype)
+    k = torch.randn(n, heads, dim, generator=g).to(dtype)
+    v = torch.randn(n, heads, dim, generator=g).to(dtype)
+    return idx, k, v
+
+
+def test_backend_choice():
+    assert store_cache_backend("cpu") == ("triton-interpreter" if TRITON_INTERPRET else "torch")
+    assert TRITON_INTERPRET == (os.environ.get("TRITON_INTERPRET") == "1")
+    assert store_cache_backend("cuda") == "triton"
+    assert store_cache_backend(torch.device("meta")) == "torch"
+
+
+def test_dispatch_calls_the_chosen_backend(monkeypatch):
+    called = []
+    monkeypatch.setattr(store_mod, "_store_triton", lambda *a: called.append("triton"))
+    monkeypatch.setattr(store_mod, "_store_torch", lambda *a: called.append("torch"))
+    kc, vc = make_caches("flat", 4, 1, 1, 2)
+    store_cache(kc, vc, torch.tensor([1], dtype=torch.int32), torch.ones(1, 1, 2), torch.ones(1, 1, 2))
+    assert called == ["triton" if TRITON_INTERPRET else "torch"]
+
+
+@pytest.mark.parametrize("fn", BACKENDS)
+@pytest.mark.parametrize("kind", ["flat", "flat_strided", "dim_strided", "layer_first", "page_first"])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_matches_reference(fn, kind, page_size, index_dtype):
+    if kind.startswith("flat") and page_size != 1:
+        pytest.skip("flat caches have no page dimension")
+    heads, dim = 3, 20  # head_dim not a power of two: masked lanes
+    num_pages = 8 // page_size + 1
+    kc, vc = make_caches(kind, num_pages, page_size, heads, dim)
+    kc.normal_(generator=torch.Generator().manual_seed(1))  # old contents must survive elsewhere
+    idx, k, v = random_batch(5, num_pages * page_size, heads, dim, torch.float32, index_dtype, seed=page_size)
+    want_k, want_v = reference(kc, idx, k), reference(vc, idx, v)
+    fn(kc, vc, idx, k, v)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+
+
+@pytest.mark.parametrize("fn", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_dtypes_bit_exact(fn, dtype):
+    kc, vc = make_caches("page_first", 3, 4, 2, 8, dtype)
+    idx, k, v = random_batch(6, 12, 2, 8, dtype, torch.int32, seed=3)
+    fn(kc, vc, idx, k, v)
+    assert torch.equal(kc, reference(torch.zeros_like(kc), idx, k))
+    assert torch.equal(vc, reference(torch.zeros_like(vc), idx, v))
+
+
+@pytest.mark.parametrize("fn", BACKENDS)
+def test_non_contiguous_sources(fn):
+    kc, vc = make_caches("layer_first", 4, 2, 3, 4)
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(4, 3, 3, generator=g).permute(2, 1, 0)  # (3 tokens, 3 heads, 4 dims), all strides odd
+    v = torch.randn(3, 3, 8, generator=g)[..., ::2]
+    idx = torch.tensor([7, 0, 4], dtype=torch.int64)
+    fn(kc, vc, idx, k, v)
+    assert torch.equal(kc, reference(torch.zeros_like(kc), idx, k))
+    assert torch.equal(vc, reference(torch.zeros_like(vc), idx, v))
+
+
+@needs_interpreter
+def test_triton_tiles_many_heads():
+    """heads * head_dim above one program's tile: the kernel splits heads over grid axis 1."""
+    heads, dim = 40, 128
+    kc, vc = make_caches("page_first", 2, 2, heads, dim)
+    idx, k, v = random_batch(2, 4, heads, dim, torch.float32, torch.int32, seed=5)
+    store_cache_triton(kc, vc, idx, k, v)
+    assert torch.equal(kc, reference(torch.zeros_like(kc), idx, k))
+    assert torch.equal(vc, reference(torch.zeros_like(vc), idx, v))
+
+
+@pytest.mark.parametrize("fn", BACKENDS)
+def test_empty_batch_is_a_no_op(fn):
+    kc, vc = make_caches("flat", 4, 1, 2, 4)
+    fn(kc, vc, torch.empty(0, dtype=torch.int32), torch.empty(0, 2, 4), torch.empty(0, 2, 4))
+    assert not kc.any() and not vc.any()
+
+
+@pytest.mark.parametrize("fn", BACKENDS)
+@pytest.mark.parametrize("kind,page_size", [("flat", 1), ("page_first", 4)])
+@pytest.mark.parametrize("bad", [-1, 16, 1000])
+def test_out_of_range_raises_and_writes_nothing(fn, kind, page_size, bad):
+    kc, vc = make_caches(kind, 16 // page_size, page_size, 2, 4)
+    idx = torch.tensor([3, bad, 5], dtype=torch.int32)  # the good rows must not be written either
+    with pytest.raises(IndexError, match=rf"{bad}.*num_slots=16"):
+        fn(kc, vc, idx, torch.ones(3, 2, 4), torch.ones(3, 2, 4))
+    assert not kc.any() and not vc.any()
+
+
+def _misuse_cases():
+    kc, vc = make_caches("layer_first", 4, 2, 2, 4)
+    idx = torch.tensor([0, 1], dtype=torch.int32)
+    x = torch.ones(2, 2, 4)
+    base = dict(k_cache=kc, v_cache=vc, indices=idx, k=x, v=x)
+    return base, [
+        (TypeError, dict(k="not a tensor")),
+        (TypeError, dict(indices=[0, 1])),
+        (ValueError, dict(indices=idx.float())),
+        (ValueError, dict(indices=idx.to(torch.int16))),
+        (ValueError, dict(indices=idx.view(1, 2))),
+        (ValueError, dict(indices=idx[:1])),
+        (ValueError, dict(k=torch.ones(2, 3, 4))),
+        (ValueError, dict(v=torch.ones(2, 2, 5))),
+        (ValueError, dict(k=x.half())),
+        (ValueError, dict(v=x.double())),
+        (ValueError, dict(v_cache=torch.zeros(4, 2, 2, 5))),
+        (ValueError, dict(v_cache=vc.half())),
+        (ValueError, dict(k_cache=torch.zeros(8, 2))),
+        (ValueError, dict(k=torch.ones(2, 2, 4, device="meta"))),
+        (ValueError, dict(indices=torch.zeros(2, dtype=torch.int32, device="meta"))),
+    ]
+
+
+@pytest.mark.parametrize("fn", BACKENDS)
+def test_misuse_raises_before_writing(fn):
+    base, cases = _misuse_cases()
+    for exc, override in cases:
+        args = dict(base, **override)
+        with pytest.raises(exc):
+            fn(args["k_cache"], args["v_cache"], args["indices"], args["k"], args["v"])
+        assert not base["k_cache"].any() and not base["v_cache"].any(), override
+
+
+@pytest.mark.skipif(TRITON_INTERPRET, reason="only meaningful without the interpreter")
+def test_triton_refuses_cpu_without_interpreter():
+    kc, vc = make_caches("flat", 2, 1, 1, 2)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        store_cache_triton(kc, vc, torch.tensor([0]), torch.ones(1, 1, 2), torch.ones(1, 1, 2))
+
+
+@settings(max_examples=12, derandomize=True, deadline=None)
+@given(
+    kind=st.sampled_from(["flat_strided", "layer_first", "page_first"]),
+    page_size=st.sampled_from([1, 2, 16]),
+    n=st.integers(0, 8),
+    seed=st.integers(0, 2**16),
+)
+def test_dispatch_matches_torch_backend(kind, page_size, n, seed):
+    """Whatever store_cache dispatches to agrees bit for bit with the torch backend."""
+    num_pages = 8 // page_size + 1
+    kc, vc = make_caches(kind, num_pages, page_size, 2, 8, torch.bfloat16)
+    kc2, vc2 = kc.clone(), vc.clone()
+    idx, k, v = random_batch(n, num_pages * page_size, 2, 8, torch.bfloat16, torch.int64, seed)
+    store_cache(kc, vc, idx, k, v)
+    store_cache_torch(kc2, vc2, idx, k, v)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
