@@ -207,3 +207,20 @@ def test_dispatch_matches_torch_backend(kind, page_size, n, seed):
     store_cache(kc, vc, idx, k, v)
     store_cache_torch(kc2, vc2, idx, k, v)
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["flat_strided", "layer_first", "page_first"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_triton_matches_torch(kind, dtype):
+    assert store_cache_backend("cuda") == "triton"
+    kc, vc = (t.cuda() for t in make_caches(kind, 64, 16 if kind != "flat_strided" else 1, 8, 128, dtype))
+    kc2, vc2 = kc.clone(), vc.clone()
+    idx, k, v = random_batch(500, kc.shape[0] * (kc.shape[1] if kc.dim() == 4 else 1), 8, 128, dtype, torch.int32, 0)
+    idx, k, v = idx.cuda(), k.cuda(), v.cuda()
+    store_cache(kc, vc, idx, k, v)
+    store_cache_torch(kc2, vc2, idx, k, v)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    with pytest.raises(IndexError):
+        store_cache(kc, vc, torch.full_like(idx, 10**6), k, v)

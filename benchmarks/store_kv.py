@@ -1,0 +1,186 @@
+"""Time ``store_cache`` against torch alternatives for scattering new tokens' K/V into the pool.
+
+    python benchmarks/store_kv.py                 # CPU: up to 4096 tokens, ~1 minute
+    python benchmarks/store_kv.py --full          # 1 .. 32768 tokens
+    python benchmarks/store_kv.py --interpreter   # CPU: time the Triton kernel in the interpreter
+
+Methods, per row (one pool layer, ``n`` tokens at random distinct slots):
+
+* ``store_cache``: what ``store_cache`` dispatches to on this device (Triton on CUDA). On the CPU
+  that is the torch backend unless ``TRITON_INTERPRET=1``; the benchmark times the torch backend
+  there (it says so) unless ``--interpreter`` asks for the Triton kernel in the interpreter,
+  which measures Python, not memory.
+* ``index_put``: ``k_cache[page, offset] = k`` (advanced-index assignment), same for ``v``.
+* ``index_copy_``: ``k_cache.view(num_slots, H, D).index_copy_(0, slots, k)``; only where the layer
+  view flattens without a copy (not PageFirst with ``page_size > 1``).
+* ``store_cache(no bounds check)`` (CUDA only): without the host read-back of min/max indices.
+
+Bandwidth = (bytes of k and v read + bytes written + index bytes) / time. On CUDA each row also
+gives the fraction of a measured device-to-device copy's bandwidth. Timing: median of
+``triton.testing.do_bench`` on CUDA, ``torch.utils.benchmark`` on the CPU. Results go to a JSON
+file with the device name, versions and date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    p.add_argument("--full", action="store_true", help="batch sizes up to 32768 tokens")
+    p.add_argument("--max-tokens", type=int, default=None, help="largest batch (default 4096 CPU, 32768 CUDA)")
+    p.add_argument("--interpreter", action="store_true",
+                   help="CPU only: time the Triton kernel under TRITON_INTERPRET=1 (slow; caps tokens at 256)")
+    p.add_argument("--heads", nargs="+", default=["8x128"], help="KV-head layouts HxD, e.g. 8x128 2x64")
+    p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16"])
+    p.add_argument("--page-sizes", nargs="+", type=int, default=[1, 16])
+    p.add_argument("--min-run-time", type=float, default=0.05, help="CPU: seconds per timing")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/store_kv-<device>.json)")
+    return p.parse_args(argv)
+
+
+ARGS = parse_args() if __name__ == "__main__" else None
+if ARGS is not None and ARGS.interpreter:
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede importing triton / kvcache
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kvcache.base import KVCacheLayout  # noqa: E402
+from kvcache.kernels import store_cache, store_cache_backend, store_cache_torch, store_cache_triton  # noqa: E402
+from kvcache.mha_pool import MHAKVCache  # noqa: E402
+
+
+def time_fn(fn: Callable[[], None], device: torch.device, min_run_time: float) -> float:
+    """Median seconds per call."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3
+    from torch.utils import benchmark
+
+    fn()  # warm-up
+    return benchmark.Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time).median
+
+
+def copy_bandwidth(device: torch.device) -> Optional[float]:
+    """Bytes/s of a large device-to-device copy (read + write), the ceiling for a scatter."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(256 * 2**20, dtype=torch.float32, device=device)  # 1 GiB
+    dst = torch.empty_like(src)
+    t = time_fn(lambda: dst.copy_(src), device, 0)
+    return 2 * src.numel() * src.element_size() / t
+
+
+def methods(pool: MHAKVCache, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor, interpreter: bool) -> Dict[str, Callable[[], None]]:
+    kc, vc = pool.k_cache(0), pool.v_cache(0)
+    dev = pool.device
+    idx64 = idx.long()
+    page, off = idx64 // pool.page_size, idx64 % pool.page_size
+    out: Dict[str, Callable[[], None]] = {}
+    if dev.type == "cuda":
+        out["store_cache[triton]"] = lambda: store_cache(kc, vc, idx, k, v)
+        out["store_cache[triton](no bounds check)"] = lambda: store_cache(kc, vc, idx, k, v, check_bounds=False)
+    elif interpreter:
+        out["store_cache[triton-interpreter]"] = lambda: store_cache_triton(kc, vc, idx, k, v)
+    else:
+        out["store_cache[torch]"] = lambda: store_cache_torch(kc, vc, idx, k, v)
+
+    def index_put() -> None:
+        kc[page, off] = k
+        vc[page, off] = v
+
+    out["index_put"] = index_put
+    try:
+        kf, vf = kc.view(pool.num_slots, pool.local_kv_heads, pool.head_dim), vc.view(pool.num_slots, pool.local_kv_heads, pool.head_dim)
+    except RuntimeError:  # PageFirst with page_size > 1: the layer view is not flattenable
+        pass
+    else:
+        out["index_copy_"] = lambda: (kf.index_copy_(0, idx64, k), vf.index_copy_(0, idx64, v))
+    return out
+
+
+def main(args: argparse.Namespace) -> None:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.interpreter and device.type != "cpu":
+        raise SystemExit("--interpreter is for the CPU")
+    max_n = args.max_tokens or (32768 if args.full or device.type == "cuda" else 4096)
+    if args.interpreter:
+        max_n = min(max_n, 256)
+    sizes = [n for n in (1, 4, 16, 64, 256, 1024, 4096, 16384, 32768) if n <= max_n]
+    if max_n not in sizes:
+        sizes.append(max_n)
+    torch.manual_seed(0)
+    bw_copy = copy_bandwidth(device)
+    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    note = {
+        "cuda": "store_cache runs the Triton kernel",
+        "cpu": ("store_cache timed as the Triton kernel in the interpreter (measures Python, not memory)"
+                if args.interpreter else
+                "store_cache timed on its torch backend: what it dispatches to on the CPU without TRITON_INTERPRET"),
+    }[device.type]
+    print(f"# device: {device} ({dev_name}); torch {torch.__version__}, triton {triton_version}")
+    print(f"# store_cache backend here: {store_cache_backend(device)}; {note}")
+    if bw_copy:
+        print(f"# device-to-device copy bandwidth: {bw_copy / 1e9:.1f} GB/s")
+    header = f"{'layout':<10} {'ps':>3} {'HxD':>6} {'dtype':<9} {'tokens':>6}  {'method':<38} {'time us':>10} {'GB/s':>8}"
+    print(header + ("  %copy" if bw_copy else ""))
+
+    rows = []
+    for hd in args.heads:
+        heads, dim = (int(x) for x in hd.lower().split("x"))
+        for dtype_name in args.dtypes:
+            dtype = getattr(torch, dtype_name)
+            for layout in KVCacheLayout:
+                for ps in args.page_sizes:
+                    num_pages = -(-2 * max_n // ps)
+                    pool = MHAKVCache(heads, 2, dim, num_pages, dtype, layout, device, page_size=ps)
+                    for n in sizes:
+                        idx = torch.randperm(pool.num_slots, device=device)[:n].to(torch.int32)
+                        k = torch.randn(n, heads, dim, device=device).to(dtype)
+                        v = torch.randn(n, heads, dim, device=device).to(dtype)
+                        moved = 2 * 2 * k.numel() * k.element_size() + idx.numel() * idx.element_size()
+                        for name, fn in methods(pool, idx, k, v, args.interpreter).items():
+                            t = time_fn(fn, device, args.min_run_time)
+                            row = dict(layout=layout.name, page_size=ps, heads=heads, head_dim=dim, dtype=dtype_name,
+                                       tokens=n, method=name, time_s=t, bytes=moved, bandwidth_Bps=moved / t)
+                            if bw_copy:
+                                row["fraction_of_copy_bw"] = moved / t / bw_copy
+                            rows.append(row)
+                            line = (f"{layout.name:<10} {ps:>3} {hd:>6} {dtype_name:<9} {n:>6}  {name:<38} "
+                                    f"{t * 1e6:>10.1f} {moved / t / 1e9:>8.2f}")
+                            print(line + (f"  {row['fraction_of_copy_bw']:>5.1%}" if bw_copy else ""), flush=True)
+                    del pool
+
+    result = dict(
+        device=str(device), device_name=dev_name, torch=torch.__version__, triton=triton_version,
+        python=platform.python_version(), date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        cpu_threads=torch.get_num_threads(), store_cache_backend=store_cache_backend(device),
+        interpreter=bool(args.interpreter), note=note, copy_bandwidth_Bps=bw_copy,
+        index_distribution="random distinct slots (torch.randperm)", rows=rows,
+    )
+    out = Path(args.out or Path(__file__).resolve().parent / "results" / f"store_kv-{device.type}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"# wrote {out}")
+
+
+if __name__ == "__main__":
+    main(ARGS)
