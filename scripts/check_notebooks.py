@@ -1,0 +1,99 @@
+#!/usr/bin/env python3
+"""Check that every chapter was executed top to bottom without an error before it is built.
+
+The website shows the outputs stored in book/*.ipynb (Jupyter Book runs with
+execute_notebooks: "off"), so `make book` runs this first and fails when a chapter
+  - has a code cell that was never executed (no execution_count),
+  - holds an error output (a cell raised: show an expected error with try/except instead),
+  - was not executed in one fresh run from the top: execution counts must be 1, 2, 3, ... in
+    document order, and each execute_result must carry its cell's count,
+  - is not listed in _toc.yml (it would silently be left out of the website).
+Empty code cells are skipped (Jupyter does not execute them). Fix a failure with
+`make refresh`, which re-executes every chapter in place.
+
+Usage: scripts/check_notebooks.py [NOTEBOOK ...]   (default: book/*.ipynb)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def toc_files() -> set[str]:
+    import yaml
+
+    toc = yaml.safe_load((REPO / "_toc.yml").read_text())
+    files = {toc["root"]}
+
+    def walk(node):
+        if isinstance(node, dict):
+            if "file" in node:
+                files.add(node["file"])
+            for k in ("parts", "chapters", "sections"):
+                for child in node.get(k) or []:
+                    walk(child)
+
+    walk({k: v for k, v in toc.items() if k != "root"})
+    return {str(Path(f).with_suffix("")) for f in files}
+
+
+def check(path: Path, listed: set[str] | None) -> list[str]:
+    problems = []
+    try:
+        nb = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        return [f"cannot read notebook: {e}"]
+    expected = 1
+    for i, cell in enumerate(nb.get("cells", [])):
+        if cell.get("cell_type") != "code":
+            continue
+        source = cell.get("source", "")
+        source = "".join(source) if isinstance(source, list) else source
+        where = f"cell {i} ({source.strip().splitlines()[0][:60]!r})" if source.strip() else f"cell {i}"
+        count = cell.get("execution_count")
+        if not source.strip():
+            continue
+        if count is None:
+            problems.append(f"{where}: never executed (no execution_count)")
+            continue
+        if count != expected:
+            problems.append(f"{where}: execution_count {count}, expected {expected} "
+                            "(not one top-to-bottom run)")
+        expected = count + 1
+        for out in cell.get("outputs", []):
+            kind = out.get("output_type")
+            if kind == "error":
+                problems.append(f"{where}: raised {out.get('ename')}: {out.get('evalue')}")
+            elif kind == "execute_result" and out.get("execution_count") not in (None, count):
+                problems.append(f"{where}: output from execution {out.get('execution_count')}, "
+                                f"cell says {count}")
+    if listed is not None and path.resolve().is_relative_to(REPO):
+        rel = str(path.resolve().relative_to(REPO).with_suffix(""))
+        if rel not in listed:
+            problems.append("not listed in _toc.yml (add it to its part; see README.md)")
+    return problems
+
+
+def main(argv: list[str]) -> int:
+    paths = [Path(a) for a in argv] or sorted((REPO / "book").glob("*.ipynb"))
+    try:
+        listed = toc_files()
+    except FileNotFoundError:
+        listed = None
+    failed = 0
+    for path in paths:
+        problems = check(path, listed)
+        for p in problems:
+            print(f"{path}: {p}", file=sys.stderr)
+        failed += bool(problems)
+    print(f"check_notebooks: {len(paths)} notebook(s), {failed} with problems",
+          file=sys.stderr if failed else sys.stdout)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,84 @@
+"""The book's own tooling: the notebook check that `make book` runs first, and the nbval
+sanitize file (which must mask what varies between runs and nothing else)."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CHECK = REPO / "scripts" / "check_notebooks.py"
+SANITIZE = REPO / "tests" / "nbval_sanitize.cfg"
+
+
+def code(source, count, outputs=()):
+    return {"cell_type": "code", "metadata": {}, "source": source,
+            "execution_count": count, "outputs": list(outputs)}
+
+
+def write(tmp_path, cells):
+    nb = {"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+    path = tmp_path / "chapter.ipynb"
+    path.write_text(json.dumps(nb))
+    return path
+
+
+def run_check(path):
+    return subprocess.run([sys.executable, str(CHECK), str(path)], capture_output=True, text=True)
+
+
+def test_executed_notebook_passes(tmp_path):
+    out = {"output_type": "execute_result", "execution_count": 2, "data": {"text/plain": "3"},
+           "metadata": {}}
+    path = write(tmp_path, [code("x = 1", 1), {"cell_type": "markdown", "metadata": {}, "source": "hi"},
+                            code("x + 2", 2, [out]), code("", None)])
+    r = run_check(path)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("cells, message", [
+    ([code("x = 1", 1), code("y = 2", None)], "never executed"),
+    ([code("1/0", 1, [{"output_type": "error", "ename": "ZeroDivisionError",
+                       "evalue": "division by zero", "traceback": []}])], "raised ZeroDivisionError"),
+    ([code("a = 1", 2), code("b = 1", 1)], "expected 1"),
+    ([code("a = 1", 1), code("b = 1", 3)], "expected 2"),
+    ([code("a", 1, [{"output_type": "execute_result", "execution_count": 7,
+                     "data": {"text/plain": "1"}, "metadata": {}}])], "output from execution 7"),
+])
+def test_check_notebooks_fails(tmp_path, cells, message):
+    r = run_check(write(tmp_path, cells))
+    assert r.returncode == 1
+    assert message in r.stderr
+
+
+def sanitize(text):
+    pairs = re.findall(r"^regex: (.*)$\n^replace: (.*)$", SANITIZE.read_text(), flags=re.MULTILINE)
+    assert pairs, "nbval would read no pattern from the sanitize file"
+    for regex, replace in pairs:
+        text = re.sub(regex, replace, text)
+    return text
+
+
+@pytest.mark.parametrize("varying, masked", [
+    ("<kvcache.radix_manager.RadixTreeNode object at 0x7f3a2c1b9e50>",
+     "<kvcache.radix_manager.RadixTreeNode object at 0xADDRESS>"),
+    ("store_cache: 123.4 µs per call", "store_cache: TIME per call"),
+    ("evict took 1.23 ms, match 850 ns, total 0.52 s", "evict took TIME, match TIME, total TIME"),
+    ('<?xml version="1.0"?>\n<svg width="62pt"><g id="node1"><text>a</text></g></svg>\n', "<svg/>"),
+])
+def test_sanitize_masks_what_varies(varying, masked):
+    assert sanitize(varying) == masked
+
+
+@pytest.mark.parametrize("stable", [
+    "cached_len=4, indices=tensor([0, 1, 2, 3], dtype=torch.int32)",
+    "nbytes = 131,072,000 (125.0 MiB)",
+    "SizeInfo(evictable_size=3, protected_size=5)",
+    "page_size=16 slots, 0x10 = 16",
+    "2 ranks, 8 heads each, 32 layers",
+])
+def test_sanitize_leaves_the_rest(stable):
+    assert sanitize(stable) == stable

@@ -1,0 +1,463 @@
+"""The built website works offline: every page opens in headless Chromium, every figure
+loads, and no page requests anything outside ``file://``.
+
+``make test`` builds the book first (``make book``), so ``_build/html`` exists here; the
+tests skip only when it does not (e.g. ``pytest tests/`` run by hand before a build).
+
+The browser is Debian's ``chromium`` driven over the Chrome DevTools Protocol through
+``--remote-debugging-pipe`` (file descriptors 3 and 4), which needs no extra Python package
+and no TCP port. Every request a page makes (from the page, its frames and its workers) is
+recorded with ``Network.requestWillBeSent``; DNS is mapped to nothing as a second line of
+defence, so a page that tries to reach a CDN fails here even on a machine with network.
+
+Run as a script to look at a page yourself::
+
+    .venv/bin/python tests/test_site.py --screenshot /tmp/intro.png book/intro.html
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# BOOK_ROOT: the directory holding _toc.yml and _build/html (the repository by default).
+BOOK_ROOT = Path(os.environ.get("BOOK_ROOT", REPO)).resolve()
+HTML = BOOK_ROOT / "_build" / "html"
+LOCAL_SCHEMES = {"file", "data", "blob", "about"}
+PAGE_TIMEOUT_S = 60.0
+QUIET_S = 1.0  # a page is settled when no request started or finished for this long
+
+
+def find_chromium() -> str | None:
+    for name in (os.environ.get("CHROMIUM"), "/usr/bin/chromium", "chromium", "chromium-browser"):
+        if name and (path := shutil.which(name)):
+            return path
+    return None
+
+
+# --------------------------------------------------------------------------- DevTools client
+
+
+class DevToolsError(RuntimeError):
+    pass
+
+
+class Chromium:
+    """Headless Chromium and a minimal CDP client over --remote-debugging-pipe."""
+
+    def __init__(self, executable: str):
+        self.profile = tempfile.mkdtemp(prefix="kvcache-site-chromium-")
+        to_chrome_r, self._to_chrome = os.pipe()
+        self._from_chrome, from_chrome_w = os.pipe()
+        # The child's ends move to fds 3 and 4; keep them clear of those numbers first.
+        to_chrome_r, from_chrome_w = (self._high_fd(to_chrome_r), self._high_fd(from_chrome_w))
+        args = [
+            executable,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--no-default-browser-check",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--disable-extensions",
+            "--disable-dev-shm-usage",
+            "--mute-audio",
+            "--hide-scrollbars",
+            "--window-size=1280,900",
+            # Nothing resolves: a request that escapes file:// cannot reach the network.
+            "--host-resolver-rules=MAP * ~NOTFOUND",
+            f"--user-data-dir={self.profile}",
+            "--remote-debugging-pipe",
+            "about:blank",
+        ]
+        # Chromium reads commands from fd 3 and writes replies to fd 4.
+        script = f'exec "$0" "$@" 3<&{to_chrome_r} 4>&{from_chrome_w} {to_chrome_r}<&- {from_chrome_w}>&-'
+        self.proc = subprocess.Popen(
+            ["/bin/bash", "-c", script, *args],
+            pass_fds=(to_chrome_r, from_chrome_w),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        os.close(to_chrome_r)
+        os.close(from_chrome_w)
+        self._next_id = 0
+        self._replies: dict[int, dict] = {}
+        self._events: list[dict] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self._stderr_tail: list[bytes] = []
+        threading.Thread(target=self._read_loop, daemon=True).start()
+        threading.Thread(target=self._stderr_loop, daemon=True).start()
+        self.call("Browser.getVersion", timeout=30)
+
+    @staticmethod
+    def _high_fd(fd: int) -> int:
+        import fcntl
+
+        high = fcntl.fcntl(fd, fcntl.F_DUPFD, 10)
+        os.close(fd)
+        return high
+
+    # -- transport
+    def _read_loop(self) -> None:
+        buf = b""
+        while True:
+            try:
+                chunk = os.read(self._from_chrome, 1 << 16)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                break
+            buf += chunk
+            *messages, buf = buf.split(b"\0")
+            with self._cond:
+                for raw in messages:
+                    msg = json.loads(raw)
+                    if "id" in msg:
+                        self._replies[msg["id"]] = msg
+                    else:
+                        self._events.append(msg)
+                self._cond.notify_all()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _stderr_loop(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self._stderr_tail = (self._stderr_tail + [line])[-20:]
+
+    def send(self, method: str, params: dict | None = None, session: str | None = None) -> int:
+        self._next_id += 1
+        msg: dict = {"id": self._next_id, "method": method, "params": params or {}}
+        if session:
+            msg["sessionId"] = session
+        os.write(self._to_chrome, json.dumps(msg).encode() + b"\0")
+        return self._next_id
+
+    def call(self, method: str, params: dict | None = None, session: str | None = None,
+             timeout: float = 30.0) -> dict:
+        msg_id = self.send(method, params, session)
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while msg_id not in self._replies:
+                left = deadline - time.monotonic()
+                if self._closed or left <= 0:
+                    tail = b"".join(self._stderr_tail).decode(errors="replace")
+                    raise DevToolsError(f"no reply to {method} (chromium said: {tail[-2000:]})")
+                self._cond.wait(left)
+            reply = self._replies.pop(msg_id)
+        if "error" in reply:
+            raise DevToolsError(f"{method}: {reply['error']}")
+        return reply.get("result", {})
+
+    def take_events(self) -> list[dict]:
+        with self._cond:
+            events, self._events = self._events, []
+        return events
+
+    def close(self) -> None:
+        try:
+            self.call("Browser.close", timeout=10)
+        except DevToolsError:
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        for fd in (self._to_chrome, self._from_chrome):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        shutil.rmtree(self.profile, ignore_errors=True)
+
+    # -- pages
+    def visit(self, url: str, screenshot: Path | None = None) -> "Visit":
+        """Open url in a fresh tab, wait until it settles, and report what it did."""
+        target = self.call("Target.createTarget", {"url": "about:blank"})["targetId"]
+        session = self.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+        visit = Visit(url)
+        sessions = {session}
+        try:
+            self.call("Network.enable", session=session)
+            self.call("Page.enable", session=session)
+            self.call("Runtime.enable", session=session)
+            # Frames in other processes and workers get their own sessions; hold them until
+            # their network is watched, then let them run.
+            self.call("Target.setAutoAttach", {"autoAttach": True, "waitForDebuggerOnStart": True,
+                                               "flatten": True}, session=session)
+            self.take_events()
+            self.send("Page.navigate", {"url": url}, session=session)
+            deadline = time.monotonic() + PAGE_TIMEOUT_S
+            loaded = False
+            pending: set[str] = set()
+            urls: dict[str, str] = {}
+            last_activity = time.monotonic()
+            while True:
+                for ev in self.take_events():
+                    method, params = ev.get("method"), ev.get("params", {})
+                    if ev.get("sessionId") not in sessions:
+                        continue
+                    if method == "Target.attachedToTarget":
+                        child = params["sessionId"]
+                        sessions.add(child)
+                        for m in ("Network.enable", "Runtime.runIfWaitingForDebugger"):
+                            self.send(m, session=child)
+                    elif method == "Network.requestWillBeSent":
+                        pending.add(params["requestId"])
+                        urls[params["requestId"]] = params["request"]["url"]
+                        visit.requests.append(params["request"]["url"])
+                        last_activity = time.monotonic()
+                    elif method == "Network.webSocketCreated":
+                        visit.requests.append(params["url"])
+                    elif method in ("Network.loadingFinished", "Network.loadingFailed"):
+                        pending.discard(params["requestId"])
+                        last_activity = time.monotonic()
+                        if method == "Network.loadingFailed" and not params.get("canceled"):
+                            visit.failed.append(f"{params.get('errorText')} {urls.get(params['requestId'], '?')}")
+                    elif method == "Network.responseReceived":
+                        status = params["response"].get("status", 200)
+                        if status >= 400:
+                            visit.failed.append(f"HTTP {status} {params['response']['url']}")
+                    elif method == "Page.loadEventFired":
+                        loaded = True
+                        last_activity = time.monotonic()
+                    elif method == "Runtime.exceptionThrown":
+                        d = params["exceptionDetails"]
+                        visit.js_errors.append(
+                            (d.get("exception") or {}).get("description") or d.get("text", "?"))
+                now = time.monotonic()
+                if loaded and not pending and now - last_activity >= QUIET_S:
+                    break
+                if now > deadline:
+                    visit.timed_out = True
+                    break
+                time.sleep(0.05)
+            result = self.call("Runtime.evaluate", {
+                "expression": FIGURE_PROBE, "awaitPromise": True, "returnByValue": True,
+            }, session=session, timeout=PAGE_TIMEOUT_S)
+            if "exceptionDetails" in result:
+                raise DevToolsError(f"figure probe failed on {url}: {result['exceptionDetails']}")
+            visit.figures = result["result"]["value"]
+            if screenshot is not None:
+                size = self.call("Page.getLayoutMetrics", session=session)["cssContentSize"]
+                clip = {"x": 0, "y": 0, "width": size["width"], "height": min(size["height"], 8000),
+                        "scale": 1}
+                shot = self.call("Page.captureScreenshot", {"format": "png", "clip": clip,
+                                                            "captureBeyondViewport": True},
+                                 session=session)
+                import base64
+
+                screenshot.write_bytes(base64.b64decode(shot["data"]))
+        finally:
+            self.call("Target.closeTarget", {"targetId": target})
+        return visit
+
+
+# Runs in the page once it has settled: make lazy images load, then describe every figure.
+FIGURE_PROBE = r"""
+(async () => {
+  const imgs = [...document.querySelectorAll('img')];
+  imgs.forEach(i => { i.loading = 'eager'; });
+  await Promise.all(imgs.map(i => i.decode().catch(() => null)));
+  const inOutput = el => !!el.closest('.cell_output, .output, figure, article');
+  const figs = [];
+  for (const i of imgs) {
+    figs.push({kind: 'img', src: i.currentSrc || i.src, ok: i.complete && i.naturalWidth > 0,
+               width: i.naturalWidth, output: !!i.closest('.cell_output, .output')});
+  }
+  for (const o of document.querySelectorAll('object')) {
+    const r = o.getBoundingClientRect();
+    let ok = r.width > 0 && r.height > 0;
+    try { if (o.contentDocument) ok = ok && !!o.contentDocument.documentElement; } catch (e) {}
+    figs.push({kind: 'object', src: o.data, ok, width: r.width, output: !!o.closest('.cell_output, .output')});
+  }
+  for (const s of document.querySelectorAll('svg')) {
+    if (!inOutput(s) || s.closest('svg') !== s || s.closest('mjx-container, .MathJax, .widget-area, .jupyter-widgets')) continue;
+    const r = s.getBoundingClientRect();
+    const hidden = s.closest('details:not([open]), [hidden]') || getComputedStyle(s).display === 'none';
+    if (hidden) continue;
+    figs.push({kind: 'svg', src: 'inline <svg>', ok: r.width > 0 && r.height > 0, width: r.width,
+               output: !!s.closest('.cell_output, .output'),
+               graphviz: s.outerHTML.includes('Generated by graphviz')});
+  }
+  // ipywidgets stored in the notebook: the vendored HTML manager renders each view next to
+  // the <script type="application/vnd.jupyter.widget-view+json"> that describes it.
+  for (const w of document.querySelectorAll('script[type="application/vnd.jupyter.widget-view+json"]')) {
+    const host = w.parentElement;
+    const view = host && host.querySelector('.jupyter-widgets, .widget-inline-hbox, .widget-box');
+    const r = view ? view.getBoundingClientRect() : {width: 0, height: 0};
+    figs.push({kind: 'widget', src: 'ipywidgets view', ok: !!view && r.width > 0 && r.height > 0,
+               width: r.width, output: true});
+  }
+  return figs;
+})()
+"""
+
+
+class Visit:
+    def __init__(self, url: str):
+        self.url = url
+        self.requests: list[str] = []
+        self.failed: list[str] = []
+        self.js_errors: list[str] = []
+        self.figures: list[dict] = []
+        self.timed_out = False
+
+    @property
+    def external(self) -> list[str]:
+        return sorted({u for u in self.requests if urlparse(u).scheme not in LOCAL_SCHEMES})
+
+
+# --------------------------------------------------------------------------- the book's pages
+
+
+def toc_files(toc_path: Path) -> list[str]:
+    """Every file the Jupyter Book 1 toc lists (root, parts, chapters, sections), in order."""
+    import yaml
+
+    toc = yaml.safe_load(toc_path.read_text())
+    files = [toc["root"]]
+
+    def walk(node):
+        if isinstance(node, dict):
+            if "file" in node:
+                files.append(node["file"])
+            for key in ("parts", "chapters", "sections"):
+                for child in node.get(key, []) or []:
+                    walk(child)
+        elif isinstance(node, list):
+            for child in node:
+                walk(child)
+
+    walk({k: v for k, v in toc.items() if k != "root"})
+    return files
+
+
+def built_pages() -> list[Path]:
+    skip = {"_static", "_sources", "_images", "_sphinx_design_static", "_panels_static"}
+    return sorted(p for p in HTML.rglob("*.html")
+                  if not (set(p.relative_to(HTML).parts[:-1]) & skip))
+
+
+def page_id(p: Path) -> str:
+    return str(p.relative_to(HTML))
+
+
+needs_site = pytest.mark.skipif(not (HTML / "index.html").exists(),
+                                reason=f"{HTML} not built: run `make book` first (make test does)")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    exe = find_chromium()
+    if exe is None:
+        pytest.fail("Chromium not found (Debian: apt-get install -y chromium; make setup does it)")
+    b = Chromium(exe)
+    yield b
+    b.close()
+
+
+_visits: dict[Path, Visit] = {}
+
+
+def visit(browser: Chromium, page: Path) -> Visit:
+    if page not in _visits:
+        _visits[page] = browser.visit(page.as_uri())
+    return _visits[page]
+
+
+@needs_site
+def test_every_toc_page_is_built():
+    missing = [f for f in toc_files(BOOK_ROOT / "_toc.yml")
+               if not (HTML / (str(Path(f).with_suffix("")) + ".html")).exists()]
+    assert not missing, f"pages listed in _toc.yml but not built under {HTML}: {missing}"
+
+
+@needs_site
+@pytest.mark.parametrize("page", built_pages() if HTML.exists() else [], ids=page_id)
+def test_page_is_offline_and_complete(browser, page):
+    v = visit(browser, page)
+    assert not v.timed_out, f"{page_id(page)} did not settle within {PAGE_TIMEOUT_S}s"
+    assert not v.external, f"{page_id(page)} requests resources outside file://: {v.external}"
+    broken = [f for f in v.figures if not f["ok"]]
+    assert not broken, f"{page_id(page)}: figures that did not load: {broken}"
+    assert not v.failed, f"{page_id(page)}: requests that failed: {v.failed}"
+    assert not v.js_errors, f"{page_id(page)}: uncaught JavaScript errors: {v.js_errors}"
+
+
+@needs_site
+def test_chapter_figures_render(browser):
+    """Chapters draw radix trees with graphviz (SVG) and plots with matplotlib (PNG): at least
+    one of each must exist in the book once it has chapters, and each must render."""
+    chapters = [HTML / (str(Path(f).with_suffix("")) + ".html")
+                for f in toc_files(BOOK_ROOT / "_toc.yml")[1:]]
+    chapters = [p for p in chapters if p.exists()]
+    if not chapters:
+        pytest.skip("the toc lists no chapter yet (only the intro)")
+    svg = png = 0
+    for page in chapters:
+        v = visit(browser, page)
+        for f in v.figures:
+            if not f["output"]:
+                continue
+            assert f["ok"], f"{page_id(page)}: figure did not render: {f}"
+            path = urlparse(f["src"]).path.lower()
+            if f["kind"] == "svg" and f.get("graphviz"):
+                svg += 1
+            elif path.endswith(".svg") and "Generated by graphviz" in Path(unquote(path)).read_text(errors="replace"):
+                svg += 1
+            elif path.endswith(".png") or f["src"].startswith("data:image/png"):
+                png += 1
+    assert svg > 0, "no chapter shows a graphviz SVG figure that renders"
+    assert png > 0, "no chapter shows a matplotlib PNG figure that renders"
+
+
+# --------------------------------------------------------------------------- by hand
+
+
+def main(argv: list[str]) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("pages", nargs="*", help="pages relative to _build/html (default: all)")
+    ap.add_argument("--screenshot", type=Path, help="save a PNG of the (first) page here")
+    args = ap.parse_args(argv)
+    pages = [HTML / p for p in args.pages] or built_pages()
+    exe = find_chromium()
+    if exe is None:
+        print("chromium not found", file=sys.stderr)
+        return 2
+    b = Chromium(exe)
+    bad = 0
+    try:
+        for i, page in enumerate(pages):
+            v = b.visit(page.as_uri(), screenshot=args.screenshot if i == 0 else None)
+            print(f"{page_id(page)}: {len(v.requests)} requests, external={v.external}, "
+                  f"failed={v.failed}, figures={[(f['kind'], f['ok']) for f in v.figures]}, "
+                  f"js_errors={v.js_errors}, timed_out={v.timed_out}")
+            bad += bool(v.external or v.failed or v.timed_out or any(not f["ok"] for f in v.figures))
+    finally:
+        b.close()
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
