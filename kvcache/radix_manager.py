@@ -220,8 +220,15 @@ class RadixCacheManager(BaseCacheManager):
         return self._is_evictable_leaf(node) and node._heap_priority == priority
 
     def _compact_heap(self) -> None:
-        live = {id(n): (p, n) for p, n in self._heap if self._entry_is_live(p, n)}
-        self._heap = list(live.values())
+        live = []
+        for priority, node in self._heap:
+            if node._heap_priority != priority:
+                continue  # superseded by a newer entry for the same node
+            if self._is_evictable_leaf(node):
+                live.append((priority, node))
+            else:
+                node._heap_priority = None  # its entry is dropped: it must be pushed again
+        self._heap = live
         heapq.heapify(self._heap)
 
     def _refresh(self, node: RadixTreeNode) -> None:
@@ -400,8 +407,12 @@ class RadixCacheManager(BaseCacheManager):
     def _pop_leaf(self) -> RadixTreeNode:
         while self._heap:
             priority, node = heapq.heappop(self._heap)
-            if self._entry_is_live(priority, node):
-                node._heap_priority = None
+            if node._heap_priority != priority:
+                continue  # superseded by a newer entry for the same node
+            # This was the node's entry; it is gone now, so a node that is not evictable at
+            # the moment must be pushed again when it becomes an evictable leaf.
+            node._heap_priority = None
+            if self._is_evictable_leaf(node):
                 return node
         raise RuntimeError("internal error: evictable size is positive but no evictable leaf is filed")
 

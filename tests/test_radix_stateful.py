@@ -1,0 +1,125 @@
+"""Stateful test of RadixCacheManager against the reference cache, invariants after every step."""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvcache import RadixCacheHandle, RadixCacheManager, SizeInfo
+from radix_reference import ReferenceCache
+
+SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+def make_machine(page_size: int, policy: str):
+    seqs = st.lists(st.integers(0, 2), min_size=1, max_size=4 * page_size + 3).map(tuple)
+
+    class RadixMachine(RuleBasedStateMachine):
+        @initialize()
+        def setup(self) -> None:
+            self.m = RadixCacheManager(page_size=page_size, eviction_policy=policy)
+            self.ref = ReferenceCache(page_size)
+            self.next_slot = 0
+            self.handles: List[Tuple[RadixCacheHandle, tuple]] = []  # locked
+            self.matched: List[Tuple[RadixCacheHandle, tuple]] = []
+
+        def fresh_slots(self, n: int) -> List[int]:
+            pages = -(-n // page_size)
+            first = self.next_slot
+            self.next_slot += pages * page_size
+            return list(range(first, first + n))
+
+        @rule(seq=seqs)
+        def insert(self, seq: tuple) -> None:
+            slots = self.fresh_slots(len(seq))
+            got = self.m.insert_prefix(torch.tensor(seq), torch.tensor(slots, dtype=torch.int32))
+            assert got == self.ref.insert(seq, slots)
+
+        @rule(seq=seqs)
+        def match(self, seq: tuple) -> None:
+            handle, idx = self.m.match_prefix(torch.tensor(seq))
+            k, slots = self.ref.match(seq)
+            assert handle.cached_len == k and idx.tolist() == slots and idx.dtype == torch.int32
+            self.matched.append((handle, seq[:k]))
+
+        @precondition(lambda self: self.matched)
+        @rule(i=st.integers(0, 1000))
+        def lock(self, i: int) -> None:
+            handle, prefix = self.matched[i % len(self.matched)]
+            if self.ref.longest(prefix) < len(prefix):  # evicted since the match
+                with pytest.raises(RuntimeError, match="evicted"):
+                    self.m.lock_handle(handle)
+                return
+            self.m.lock_handle(handle)
+            if prefix:
+                self.ref.locks[prefix] = self.ref.locks.get(prefix, 0) + 1
+                self.handles.append((handle, prefix))
+
+        @precondition(lambda self: self.handles)
+        @rule(i=st.integers(0, 1000))
+        def unlock(self, i: int) -> None:
+            handle, prefix = self.handles.pop(i % len(self.handles))
+            self.m.lock_handle(handle, unlock=True)
+            self.ref.locks[prefix] -= 1
+            if not self.ref.locks[prefix]:
+                del self.ref.locks[prefix]
+
+        @rule(size=st.integers(0, 20))
+        def evict(self, size: int) -> None:
+            evictable = self.ref.sizes()[0]
+            leaves_before = [p for p in self.ref.leaves() if not self.ref.locked(p)]
+            if size > evictable:
+                with pytest.raises(RuntimeError):
+                    self.m.evict(size)
+                return
+            out = self.m.evict(size).tolist()
+            assert len(out) >= size and len(set(out)) == len(out)
+            owner = self.ref.owner_of_slots()
+            gone = {owner[s] for s in out}
+            assert all(not self.ref.locked(p) for p in gone)
+            prio = (lambda p: self.ref.entries[p].used) if policy == "lru" else (lambda p: self.ref.entries[p].inserted)
+            oldest_evicted = max(prio(p) for p in gone) if gone else None
+            before = {p: prio(p) for p in leaves_before}
+            for p in gone:
+                del self.ref.entries[p]
+            # Still prefix-closed: nothing cached hangs below an evicted prefix.
+            assert all(q[:i] in self.ref.entries for q in self.ref.entries for i in range(page_size, len(q), page_size))
+            if gone:
+                # Among leaves that were candidates from the start, none kept is older than one taken.
+                taken = [t for p, t in before.items() if p in gone]
+                kept = [t for p, t in before.items() if p not in gone]
+                assert not taken or not kept or max(taken) <= min(kept), "evicted a newer leaf before an older one"
+                if policy == "lru":
+                    # LRU pops in non-decreasing time: a parent is never older than its children.
+                    remaining = [prio(p) for p in self.ref.leaves() if not self.ref.locked(p)]
+                    assert all(oldest_evicted <= r for r in remaining), "evicted a newer leaf before an older one"
+
+        @precondition(lambda self: not self.handles)
+        @rule()
+        def reset(self) -> None:
+            self.m.reset()
+            self.ref = ReferenceCache(page_size)
+            self.matched.clear()
+
+        @invariant()
+        def consistent(self) -> None:
+            if not hasattr(self, "m"):
+                return
+            self.m.check_integrity()
+            assert self.m.size_info == SizeInfo(*self.ref.sizes())
+            assert sorted(self.m.cached_indices().tolist()) == sorted(self.ref.owner_of_slots())
+
+    RadixMachine.TestCase.settings = SETTINGS
+    return RadixMachine
+
+
+TestRadixPS1LRU = make_machine(1, "lru").TestCase
+TestRadixPS1FIFO = make_machine(1, "fifo").TestCase
+TestRadixPS4LRU = make_machine(4, "lru").TestCase
+TestRadixPS4FIFO = make_machine(4, "fifo").TestCase
