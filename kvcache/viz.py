@@ -450,23 +450,39 @@ def _new_graph(name: str, rankdir: str, font_size: float) -> graphviz.Digraph:
     compact = rankdir == "LR"
     g.attr(rankdir=rankdir, bgcolor="transparent", fontname=FONT, fontsize=f"{font_size:g}",
            nodesep="0.08" if compact else "0.18", ranksep="0.22" if compact else "0.3",
-           margin="0.05", newrank="true")
+           margin="0.05", newrank="true", ordering="out")
     g.attr("node", shape="box", fontname=FONT, fontsize=f"{font_size:g}", margin="0.07,0.03",
            height="0.2", width="0.3")
     g.attr("edge", color=EDGE, arrowsize="0.5", penwidth="1.2")
     return g
 
 
+def _dfs(snap: TreeSnapshot, reverse: bool) -> List[NodeSnapshot]:
+    if not reverse:
+        return list(snap.nodes)
+    out, stack = [], [snap.root.uuid]
+    while stack:
+        node = snap.by_uuid[stack.pop()]
+        out.append(node)
+        stack.extend(node.children)  # popped last-first: children reversed
+    return out
+
+
 def _add_tree(g: graphviz.Digraph, snap: TreeSnapshot, prefix: str, *, decode: DecodeLike,
               evict_size: Optional[int], max_chars: int, font_size: float,
-              show_evicted: bool) -> str:
-    """Add ``snap``'s nodes (names ``{prefix}n{uuid}``) and edges to ``g``; return the root's name."""
+              show_evicted: bool, reverse: bool = False) -> str:
+    """Add ``snap``'s nodes (names ``{prefix}n{uuid}``) and edges to ``g``; return the root's name.
+
+    Nodes and edges go in depth-first order, children in insertion order, or reversed with
+    ``reverse`` (dot stacks the nodes of a cluster bottom-up in left-to-right layouts, so
+    reversing keeps the first child on top).
+    """
     order = _evict_order(snap, evict_size)
     root_name = f"{prefix}n{snap.root.uuid}"
     g.node(root_name, "root", shape="circle", fixedsize="true", width="0.36",
            fontsize=f"{font_size * 0.8:g}", style="filled", fontcolor=INK, **{
                k: v for k, v in PALETTE["root"].items()}, **{"class": "kv-root"})
-    for n in snap.nodes[1:]:
+    for n in _dfs(snap, reverse)[1:]:
         name = f"{prefix}n{n.uuid}"
         g.node(name, _label(n, snap.eviction_policy, decode, max_chars, order.get(n.uuid), font_size),
                tooltip=_tooltip(n, decode), **_style(_states(snap, n, order)))
@@ -521,7 +537,14 @@ def draw_tree(tree: Union[RadixCacheManager, TreeSnapshot, "TreeRecorder"], deco
     caption = title if title is not None else snap.caption
     if caption:
         g.attr(label=caption, labelloc="t", labeljust="l", fontcolor=EDGE)
-    _add_tree(g, snap, "", decode=decode, evict_size=evict_size, max_chars=max_chars, font_size=font_size, show_evicted=show_evicted)
+    if direction == "TB":
+        _add_tree(g, snap, "", decode=decode, evict_size=evict_size, max_chars=max_chars,
+                  font_size=font_size, show_evicted=show_evicted)
+    else:  # inside a borderless cluster, so that child order follows the same rule as sequences
+        with g.subgraph(name="cluster_tree") as c:
+            c.attr(style="invis", label="")
+            _add_tree(c, snap, "", decode=decode, evict_size=evict_size, max_chars=max_chars,
+                      font_size=font_size, show_evicted=show_evicted, reverse=True)
     if legend:
         _add_legend(g, font_size, direction)
     return g
@@ -547,27 +570,29 @@ def draw_sequence(snapshots: Union[Sequence[TreeSnapshot], "TreeRecorder"], deco
     biggest = max((s.num_nodes for s in snaps), default=0)
     direction = _auto_rankdir(biggest, rankdir)
     g = _new_graph("radix_sequence", direction, font_size)
-    roots: List[str] = []
-    depths: List[int] = []
-    for i, snap in enumerate(snaps):
+    roots: Dict[int, str] = {}
+    depths: Dict[int, int] = {}
+    panels = list(enumerate(snaps))
+    # dot stacks clusters bottom-up in left-to-right layouts: emit them last first there.
+    for i, snap in (panels if direction == "TB" else panels[::-1]):
         upcoming = snaps[i + 1].evict_size if preview_evictions and i + 1 < len(snaps) else None
         lines = textwrap.wrap(f"{i + 1}. {snap.caption}", caption_width) or [f"{i + 1}."]
         caption = "".join(line.replace("\\", "\\\\") + "\\l" for line in lines)  # left-justified lines
         with g.subgraph(name=f"cluster_{i}") as c:
             c.attr(label=caption, labeljust="l", labelloc="t", fontsize=f"{font_size * 0.9:g}",
                    fontcolor=INK, style="rounded,filled", fillcolor="#f8fafc", color="#d1d5db", margin="8")
-            roots.append(_add_tree(c, snap, f"s{i}", decode=decode, evict_size=upcoming,
-                                   max_chars=max_chars, font_size=font_size,
-                                   show_evicted=show_evicted))
-        depths.append(max(snap.depths().values()) if show_evicted else max(
-            d for u, d in snap.depths().items() if u in snap.by_uuid))
+            roots[i] = _add_tree(c, snap, f"s{i}", decode=decode, evict_size=upcoming,
+                                 max_chars=max_chars, font_size=font_size,
+                                 show_evicted=show_evicted, reverse=direction == "LR")
+        depths[i] = max(d for u, d in snap.depths().items() if show_evicted or u in snap.by_uuid)
     rows = [list(range(i, min(i + per_row, len(snaps)))) for i in range(0, len(snaps), per_row)]
     for row in rows:  # panels of a row side by side, in order
         with g.subgraph() as same:
             same.attr(rank="same")
             for i in row:
                 same.node(roots[i])
-        for a, b in zip(row, row[1:]):
+        chain = row if direction == "TB" else row[::-1]  # LR stacks a same-rank chain upwards
+        for a, b in zip(chain, chain[1:]):
             g.edge(roots[a], roots[b], style="invis")
     for above, below in zip(rows, rows[1:]):  # the next row starts below the deepest panel
         g.edge(roots[above[0]], roots[below[0]], style="invis",

@@ -215,6 +215,12 @@ def test_legend_and_layout_direction():
         big.insert_prefix(torch.tensor([i, 100 + i]), slots(2 * i, 2 * i + 1))
     g = draw_tree(big)
     assert "rankdir=LR" in g.source and len([k for k in dot_nodes(g.source) if k.startswith("n")]) == 21
+    # dot stacks LR clusters bottom-up: panels are emitted last first so that panel 1 is on top.
+    rec = TreeRecorder(big)
+    rec.evict(1)
+    rec.evict(1)
+    src = rec.draw().source
+    assert "rankdir=LR" in src and src.index("cluster_2") < src.index("cluster_1") < src.index("cluster_0")
 
 
 # ------------------------------------------------------------------ snapshots, diffs, sequences
