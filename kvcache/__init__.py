@@ -6,6 +6,7 @@ Pages and requests: `PageAllocator`, `RequestFlow`.
 """
 
 from .allocator import PageAllocator
+from .attention import gather_kv, paged_attention, paged_decode_attention, paged_decode_backend
 from .base import BaseCacheHandle, BaseCacheManager, BaseKVCache, KVCacheLayout, SizeInfo
 from .distributed import (
     DistributedInfo,
@@ -15,11 +16,13 @@ from .distributed import (
     set_tp_info,
     try_get_tp_info,
 )
+from .kernels import store_cache, store_cache_backend, store_cache_torch, store_cache_triton
 from .eviction import EVICTION_POLICIES, register_eviction_policy
 from .mha_pool import MHAKVCache
 from .naive_manager import NaiveCacheHandle, NaiveCacheManager
 from .radix_manager import RadixCacheHandle, RadixCacheManager, RadixTreeNode
 from .request_flow import FlowEvent, FlowStats, Request, RequestFlow
+from .tp import TPConfig, TPResult, run_single_process, run_tp_attention
 
 __all__ = [
     "BaseKVCache", "KVCacheLayout", "BaseCacheHandle", "SizeInfo", "BaseCacheManager",
@@ -27,5 +30,8 @@ __all__ = [
     "RadixTreeNode", "RadixCacheHandle", "RadixCacheManager",
     "EVICTION_POLICIES", "register_eviction_policy",
     "PageAllocator", "RequestFlow", "Request", "FlowStats", "FlowEvent",
+    "store_cache", "store_cache_backend", "store_cache_torch", "store_cache_triton",
+    "paged_attention", "paged_decode_attention", "paged_decode_backend", "gather_kv",
+    "TPConfig", "TPResult", "run_tp_attention", "run_single_process",
     "DistributedInfo", "set_tp_info", "get_tp_info", "try_get_tp_info", "reset_tp_info", "divide_even",
 ]
