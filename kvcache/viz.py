@@ -29,7 +29,7 @@ import html
 import textwrap
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple, Union
 
 import graphviz
 import torch
@@ -432,7 +432,7 @@ def _label(n: NodeSnapshot, policy: str, decode: DecodeLike, max_chars: int,
 
 def _tooltip(n: NodeSnapshot, decode: DecodeLike) -> str:
     dec = _decoder(decode)
-    tokens = _one_line(dec(list(n.tokens))) if dec else ", ".join(map(str, n.tokens))
+    tokens = _middle(_one_line(dec(list(n.tokens))) if dec else ", ".join(map(str, n.tokens)), 400)
     return (f"node {n.uuid}: {n.length} tokens [{tokens}] slots [{format_indices(n.indices, 10**9)}] "
             f"ref_count={n.ref_count} timestamp={n.timestamp} insert_time={n.insert_time}")
 
