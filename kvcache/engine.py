@@ -95,12 +95,18 @@ class Engine:
     def decode_batch(self, reqs: Sequence[Request], tokens: Sequence[Token]) -> torch.Tensor:
         """Append ``tokens[r]`` to request ``r`` and run it; logits ``(B, vocab)`` for the next tokens.
 
-        ``RuntimeError`` before anything changes when the pool cannot take the new pages.
+        Refused before any request changes: ``ValueError`` for a token outside the vocabulary,
+        ``RuntimeError`` for a request not running here or when the pool cannot take the new pages.
         """
         reqs = list(reqs)
         ids = torch.tensor([int(t) for t in tokens], dtype=torch.int64)
         if len(ids) != len(reqs):
             raise ValueError(f"need one token per request: {len(ids)} tokens for {len(reqs)} requests")
+        if len({id(r) for r in reqs}) != len(reqs) or any(self.flow.running.get(r.rid) is not r for r in reqs):
+            raise RuntimeError("every request must be running in this engine, each listed once")
+        vocab = self.model.config.vocab_size
+        if len(ids) and not 0 <= int(ids.min()) <= int(ids.max()) < vocab:
+            raise ValueError(f"tokens must lie in [0, vocab_size={vocab}), got {ids.tolist()}")
         need = sum(len(r) % self.flow.page_size == 0 for r in reqs)
         if need > self.flow.available_pages():
             raise RuntimeError(f"out of KV pages: decode needs {need}, {self.flow.available_pages()} available")

@@ -278,6 +278,10 @@ def test_misuse_raises(model, torch_store):
     req, logits = e.prefill(ids("x" * 32))
     with pytest.raises(RuntimeError, match="out of KV pages"):
         e.decode(req, 0)
-    assert len(req) == 32  # refused before extending
+    with pytest.raises(ValueError, match="vocab_size"):
+        e.decode(req, 256)
+    with pytest.raises(RuntimeError, match="each listed once"):
+        e.decode_batch([req, req], [1, 2])
+    assert len(req) == 32  # each refused before extending
     e.finish(req)
     e.flow.check_integrity()
