@@ -80,7 +80,7 @@ test: setup book
 # --------------------------------------------------------------------------- cleaning
 clean:
 	rm -rf _build .pytest_cache .hypothesis build *.egg-info
-	find . -path ./$(VENV) -prune -o -type d \( -name __pycache__ -o -name .ipynb_checkpoints \) -print0 | xargs -0 rm -rf
+	find . -path ./$(VENV) -prune -o -type d \( -name __pycache__ -o -name .ipynb_checkpoints \) -print0 | xargs -0 -r rm -rf
 
 distclean: clean
 	rm -rf $(VENV)
