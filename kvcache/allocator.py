@@ -50,7 +50,7 @@ class PageAllocator:
         if num_pages > len(self._free):
             raise RuntimeError(f"cannot allocate {num_pages} pages: only {len(self._free)} are free")
         pages, self._free = self._free[:num_pages], self._free[num_pages:]
-        self._is_free[pages.long()] = False
+        self._is_free[pages] = False
         return pages
 
     def free(self, pages: torch.Tensor) -> None:
@@ -60,24 +60,30 @@ class PageAllocator:
         if len(pages) == 0:
             return
         pages = pages.to(device=self.device, dtype=torch.int32)
-        lo, hi = int(pages.min()), int(pages.max())
+        lo, hi = (int(x) for x in torch.aminmax(pages))
         if lo < 0 or hi >= self.num_pages:
             bad = lo if lo < 0 else hi
             raise ValueError(f"page {bad} is outside [0, {self.num_pages})")
-        if len(torch.unique(pages)) != len(pages):
-            raise ValueError(f"pages listed more than once: {pages.tolist()}")
-        already = self._is_free[pages.long()]
+        already = self._is_free[pages]
         if bool(already.any()):
             raise RuntimeError(f"double free: pages {pages[already].tolist()} are already free")
-        self._is_free[pages.long()] = True
+        # A page listed twice is caught by counting instead of sorting: after marking, fewer
+        # pages turned free than were listed.
+        self._is_free[pages] = True
+        if int(self._is_free.sum()) != len(self._free) + len(pages):
+            self._is_free[pages] = False
+            raise ValueError(f"pages listed more than once: {pages.tolist()}")
         self._free = torch.cat([self._free, pages])
 
     # ------------------------------------------------------- pages <-> slots
     def pages_to_slots(self, pages: torch.Tensor, num_tokens: int | None = None) -> torch.Tensor:
         """Slots of ``pages`` in order, cut to the first ``num_tokens`` (default: all), int32."""
         ps = self.page_size
-        offsets = torch.arange(ps, dtype=torch.int32, device=pages.device)
-        slots = (pages.to(torch.int32)[:, None] * ps + offsets).reshape(-1)
+        if ps == 1:
+            slots = pages.to(torch.int32)
+        else:
+            offsets = torch.arange(ps, dtype=torch.int32, device=pages.device)
+            slots = (pages.to(torch.int32)[:, None] * ps + offsets).reshape(-1)
         if num_tokens is not None:
             if not 0 <= num_tokens <= len(slots):
                 raise ValueError(f"num_tokens must be in [0, {len(slots)}], got {num_tokens}")
@@ -90,11 +96,9 @@ class PageAllocator:
         Slots of one request are laid out page after page, so this is every ``page_size``-th
         slot divided by ``page_size`` when the run starts on a page boundary.
         """
-        if len(slots) == 0:
+        if len(slots) == 0 or self.page_size == 1:
             return slots.to(torch.int32)
         pages = torch.div(slots, self.page_size, rounding_mode="floor").to(torch.int32)
-        if self.page_size == 1:
-            return pages
         keep = torch.ones(len(pages), dtype=torch.bool, device=pages.device)
         keep[1:] = pages[1:] != pages[:-1]
         return pages[keep]

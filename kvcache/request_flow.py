@@ -134,9 +134,10 @@ class RequestFlow:
     def events(self) -> List[FlowEvent]:
         return self._trace.events if self._trace is not None else []
 
-    def _log(self, rid: int, step: int, name: str, detail: str) -> None:
+    def _log(self, rid: int, step: int, name: str, detail: Callable[[], str]) -> None:
+        """Record a step; ``detail`` is only formatted when someone listens (it calls ``tolist``)."""
         if self._trace is not None:
-            self._trace(rid, step, name, detail)
+            self._trace(rid, step, name, detail())
 
     # ------------------------------------------------------------ pages
     def available_pages(self) -> int:
@@ -157,9 +158,9 @@ class RequestFlow:
             self.allocator.free(self.allocator.slots_to_pages(slots))
             self.stats.evicted_tokens += len(slots)
             self.stats.evictions += 1
-            self._log(rid, 3, "evict", f"evicted {len(slots)} cached tokens to free {short} pages")
+            self._log(rid, 3, "evict", lambda: f"evicted {len(slots)} cached tokens to free {short} pages")
         pages = self.allocator.allocate(num_pages)
-        self._log(rid, 3, "allocate", f"pages {pages.tolist()}")
+        self._log(rid, 3, "allocate", lambda: f"pages {pages.tolist()}")
         return pages
 
     def _own_pages(self, slots: torch.Tensor) -> torch.Tensor:
@@ -184,13 +185,13 @@ class RequestFlow:
         check_token_ids(input_ids)
         if len(input_ids) == 0:
             raise ValueError("input_ids must hold at least one token")
-        ids = input_ids.to(torch.int64)
+        ids = input_ids.to(torch.int64, copy=True)
         rid = next(self._rids)
         handle, prefix = self.manager.match_prefix(ids[:-1] if compute_last else ids)
         m = handle.cached_len
-        self._log(rid, 1, "match_prefix", f"cached_len={m} indices={prefix.tolist()}")
+        self._log(rid, 1, "match_prefix", lambda: f"cached_len={m} indices={prefix.tolist()}")
         self.manager.lock_handle(handle)
-        self._log(rid, 2, "lock_handle", f"protected={self.manager.size_info.protected_size}")
+        self._log(rid, 2, "lock_handle", lambda: f"protected={self.manager.size_info.protected_size}")
         new_tokens = len(ids) - m
         try:
             pages = self._allocate(rid, -(-new_tokens // self.page_size))
@@ -198,7 +199,7 @@ class RequestFlow:
             self.manager.lock_handle(handle, unlock=True)
             raise
         own = self.allocator.pages_to_slots(pages, new_tokens)
-        req = Request(rid, ids.clone(), torch.cat([prefix, own]), handle, m, m)
+        req = Request(rid, ids, torch.cat([prefix, own]) if m else own, handle, m, m)
         self.running[rid] = req
         self.stats.requests += 1
         self.stats.prompt_tokens += len(ids)
@@ -211,7 +212,7 @@ class RequestFlow:
         n = len(req) if num_tokens is None else num_tokens
         if not req.num_computed <= n <= len(req):
             raise ValueError(f"num_tokens must be in [{req.num_computed}, {len(req)}], got {n}")
-        self._log(req.rid, 6, "store_kv", f"slots {req.indices[req.num_computed:n].tolist()}")
+        self._log(req.rid, 6, "store_kv", lambda: f"slots {req.indices[req.num_computed:n].tolist()}")
         req.num_computed = n
 
     def extend(self, req: Request, new_ids: torch.Tensor) -> torch.Tensor:
@@ -219,12 +220,12 @@ class RequestFlow:
         self._get(req)
         check_token_ids(new_ids, "new_ids")
         k, ps, length = len(new_ids), self.page_size, len(req)
-        spare = (ps - length % ps) % ps
-        take = min(k, spare)
-        tail = req.indices[-1:] + torch.arange(1, take + 1, dtype=torch.int32, device=req.indices.device)
+        take = min(k, (ps - length % ps) % ps)  # free slots left in the last page
         rest = k - take
-        pages = self._allocate(req.rid, -(-rest // ps)) if rest else req.indices[:0]
-        slots = torch.cat([tail[:take], self.allocator.pages_to_slots(pages, rest)])
+        slots = self.allocator.pages_to_slots(self._allocate(req.rid, -(-rest // ps)), rest) if rest else req.indices[:0]
+        if take:
+            tail = req.indices[-1] + torch.arange(1, take + 1, dtype=torch.int32, device=req.indices.device)
+            slots = torch.cat([tail, slots])
         req.input_ids = torch.cat([req.input_ids, new_ids.to(torch.int64)])
         req.indices = torch.cat([req.indices, slots])
         self.stats.decoded_tokens += k
@@ -241,7 +242,7 @@ class RequestFlow:
         n = req.num_computed // self.page_size * self.page_size
         ids, idx = req.input_ids[:n], req.indices[:n]
         already = self.manager.insert_prefix(ids, idx)
-        self._log(req.rid, 4, "insert_prefix", f"{n} tokens, {already} already cached")
+        self._log(req.rid, 4, "insert_prefix", lambda: f"{n} tokens, {already} already cached")
         handle, tree_idx = self.manager.match_prefix(ids)
         lo, hi = req.tree_len, handle.cached_len
         if hi > lo:
@@ -251,7 +252,7 @@ class RequestFlow:
             if bool(dup.any()):
                 pages = torch.div(own[dup], ps, rounding_mode="floor")
                 self.allocator.free(pages)
-                self._log(req.rid, 5, "free", f"duplicate pages {pages.tolist()}")
+                self._log(req.rid, 5, "free", lambda: f"duplicate pages {pages.tolist()}")
             req.indices = torch.cat([tree_idx, req.indices[hi:]])
         self.manager.lock_handle(handle)
         self.manager.lock_handle(req.handle, unlock=True)
@@ -271,12 +272,12 @@ class RequestFlow:
             )
         n = len(req) // self.page_size * self.page_size
         already = self.manager.insert_prefix(req.input_ids[:n], req.indices[:n])
-        self._log(req.rid, 4, "insert_prefix", f"{n} tokens, {already} already cached")
+        self._log(req.rid, 4, "insert_prefix", lambda: f"{n} tokens, {already} already cached")
         to_free = self._own_pages(torch.cat([req.indices[req.tree_len:already], req.indices[n:]]))
         self.allocator.free(to_free)
-        self._log(req.rid, 5, "free", f"pages {to_free.tolist()}")
+        self._log(req.rid, 5, "free", lambda: f"pages {to_free.tolist()}")
         self.manager.lock_handle(req.handle, unlock=True)
-        self._log(req.rid, 7, "unlock", f"protected={self.manager.size_info.protected_size}")
+        self._log(req.rid, 7, "unlock", lambda: f"protected={self.manager.size_info.protected_size}")
         req.finished = True
         del self.running[req.rid]
         return already
