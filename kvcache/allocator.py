@@ -33,7 +33,7 @@ class PageAllocator:
 
     @property
     def num_free_pages(self) -> int:
-        return len(self._free)
+        return self._free.shape[0]
 
     def free_pages(self) -> torch.Tensor:
         """The free pages, in the order they will be handed out (1-D int32, a copy)."""
@@ -47,8 +47,8 @@ class PageAllocator:
     def allocate(self, num_pages: int) -> torch.Tensor:
         """Take ``num_pages`` pages off the free list; ``RuntimeError`` if fewer are free."""
         check_size(num_pages, "num_pages")
-        if num_pages > len(self._free):
-            raise RuntimeError(f"cannot allocate {num_pages} pages: only {len(self._free)} are free")
+        if num_pages > self._free.shape[0]:
+            raise RuntimeError(f"cannot allocate {num_pages} pages: only {self._free.shape[0]} are free")
         pages, self._free = self._free[:num_pages], self._free[num_pages:]
         self._is_free[pages] = False
         return pages
@@ -57,9 +57,10 @@ class PageAllocator:
         """Return ``pages`` (1-D integer) to the end of the free list."""
         if not isinstance(pages, torch.Tensor) or pages.dim() != 1 or pages.is_floating_point():
             raise TypeError(f"pages must be a 1-D integer tensor, got {pages!r}")
-        if len(pages) == 0:
+        if pages.shape[0] == 0:
             return
-        pages = pages.to(device=self.device, dtype=torch.int32)
+        if pages.dtype != torch.int32 or pages.device != self.device:
+            pages = pages.to(device=self.device, dtype=torch.int32)
         lo, hi = (int(x) for x in torch.aminmax(pages))
         if lo < 0 or hi >= self.num_pages:
             bad = lo if lo < 0 else hi
@@ -67,12 +68,11 @@ class PageAllocator:
         already = self._is_free[pages]
         if bool(already.any()):
             raise RuntimeError(f"double free: pages {pages[already].tolist()} are already free")
-        # A page listed twice is caught by counting instead of sorting: after marking, fewer
-        # pages turned free than were listed.
+        if pages.shape[0] > 1:
+            ordered = pages.sort().values
+            if bool((ordered[1:] == ordered[:-1]).any()):
+                raise ValueError(f"pages listed more than once: {pages.tolist()}")
         self._is_free[pages] = True
-        if int(self._is_free.sum()) != len(self._free) + len(pages):
-            self._is_free[pages] = False
-            raise ValueError(f"pages listed more than once: {pages.tolist()}")
         self._free = torch.cat([self._free, pages])
 
     # ------------------------------------------------------- pages <-> slots
@@ -80,7 +80,7 @@ class PageAllocator:
         """Slots of ``pages`` in order, cut to the first ``num_tokens`` (default: all), int32."""
         ps = self.page_size
         if ps == 1:
-            slots = pages.to(torch.int32)
+            slots = pages if pages.dtype == torch.int32 else pages.to(torch.int32)
         else:
             offsets = torch.arange(ps, dtype=torch.int32, device=pages.device)
             slots = (pages.to(torch.int32)[:, None] * ps + offsets).reshape(-1)
@@ -96,8 +96,8 @@ class PageAllocator:
         Slots of one request are laid out page after page, so this is every ``page_size``-th
         slot divided by ``page_size`` when the run starts on a page boundary.
         """
-        if len(slots) == 0 or self.page_size == 1:
-            return slots.to(torch.int32)
+        if slots.shape[0] == 0 or self.page_size == 1:
+            return slots if slots.dtype == torch.int32 else slots.to(torch.int32)
         pages = torch.div(slots, self.page_size, rounding_mode="floor").to(torch.int32)
         keep = torch.ones(len(pages), dtype=torch.bool, device=pages.device)
         keep[1:] = pages[1:] != pages[:-1]

@@ -187,9 +187,7 @@ class RadixCacheManager(BaseCacheManager):
     # ----------------------------------------------------------- arguments
     def _token_array(self, input_ids: torch.Tensor) -> np.ndarray:
         check_token_ids(input_ids)
-        if input_ids.dtype != torch.int64:
-            input_ids = input_ids.to(torch.int64)
-        return input_ids.numpy()
+        return (input_ids if input_ids.dtype == torch.int64 else input_ids.to(torch.int64)).numpy()
 
     def _check_page_aligned(self, indices: torch.Tensor, n: int) -> None:
         """Each page of ``indices[:n]`` must be ``page_size`` consecutive slots of one page."""
@@ -311,8 +309,8 @@ class RadixCacheManager(BaseCacheManager):
         """
         ids = self._token_array(input_ids)
         check_indices(indices, self.device)
-        if len(indices) != len(ids):
-            raise ValueError(f"len(indices) ({len(indices)}) must equal len(input_ids) ({len(ids)})")
+        if indices.shape[0] != len(ids):
+            raise ValueError(f"len(indices) ({indices.shape[0]}) must equal len(input_ids) ({len(ids)})")
         n = len(ids) // self.page_size * self.page_size
         self._check_page_aligned(indices, n)
         tic = self._tick()

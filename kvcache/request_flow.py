@@ -59,7 +59,7 @@ class Request:
         return self.indices[self.num_computed:]
 
     def __len__(self) -> int:
-        return len(self.input_ids)
+        return self.input_ids.shape[0]
 
 
 @dataclass
