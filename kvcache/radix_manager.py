@@ -27,6 +27,7 @@ from .eviction import EVICTION_POLICIES, EvictionPolicy
 __all__ = ["RadixTreeNode", "RadixCacheHandle", "RadixCacheManager"]
 
 _Priority = Tuple[int, int]
+_ITEM = np.dtype(np.int64).itemsize  # bytes per token id in a key
 
 
 class RadixTreeNode:
@@ -41,7 +42,7 @@ class RadixTreeNode:
 
     __slots__ = (
         "children", "_parent", "ref_count", "uuid", "timestamp", "insert_time",
-        "_key", "_value", "_in_tree", "_heap_priority",
+        "_key", "_kb", "_value", "_in_tree", "_heap_priority",
     )
 
     def __init__(self, uuid: int, key: np.ndarray, value: torch.Tensor, timestamp: int,
@@ -53,6 +54,7 @@ class RadixTreeNode:
         self.timestamp = timestamp
         self.insert_time = insert_time
         self._key = key
+        self._kb = key.tobytes()  # the same tokens as bytes: whole-node matches are one memcmp
         self._value = value
         self._in_tree = True
         self._heap_priority: Optional[_Priority] = None
@@ -249,6 +251,7 @@ class RadixCacheManager(BaseCacheManager):
         new._parent = parent
         parent.children[self._child_key(node._key)] = new
         node._key = node._key[pos:]
+        node._kb = node._kb[pos * _ITEM:]
         node._value = node._value[pos:]
         node._parent = new
         new.children[self._child_key(node._key)] = node
@@ -262,15 +265,16 @@ class RadixCacheManager(BaseCacheManager):
         the whole matched prefix was just used.
         """
         node, pos, n = self.root_node, 0, len(ids)
+        ids_b = ids.tobytes()
         while pos < n:
             child = node.children.get(self._child_key(ids, pos))
             if child is None:
                 break
             key = child._key
             m = min(len(key), n - pos)
-            eq = key[:m] == ids[pos:pos + m]
-            if not eq.all():
-                m = int(eq.argmin()) // self.page_size * self.page_size
+            kb = child._kb if m == len(key) else child._kb[: m * _ITEM]
+            if kb != ids_b[pos * _ITEM:(pos + m) * _ITEM]:
+                m = int((key[:m] != ids[pos:pos + m]).argmax()) // self.page_size * self.page_size
             pos += m
             if m < child.length:
                 child = self._split_at(child, m)
@@ -432,6 +436,8 @@ class RadixCacheManager(BaseCacheManager):
                     raise RuntimeError(f"{where}: parent link does not point to the node that files it")
                 if child.length == 0:
                     raise RuntimeError(f"{where}: empty node")
+                if child._kb != child._key.tobytes():
+                    raise RuntimeError(f"{where}: key bytes disagree with the key")
                 if len(child._value) != child.length:
                     raise RuntimeError(f"{where}: {child.length} tokens but {len(child._value)} indices")
                 if child.length % self.page_size:

@@ -43,17 +43,21 @@ def test_lru_and_fifo_differ_on_the_same_sequence():
 
 def test_registering_a_policy():
     name = "longest-first-test"
-    if name not in EVICTION_POLICIES:
-        @register_eviction_policy(name)
-        class LongestFirst:
-            def priority(self, node):
-                return (-node.length, node.uuid)
-    m = RadixCacheManager(eviction_policy=name)
-    m.insert_prefix(t(1), s(0))
-    m.insert_prefix(t(2, 2, 2), s(1, 2, 3))
-    assert m.evict(1).tolist() == [1, 2, 3]
-    with pytest.raises(ValueError, match="already registered"):
-        register_eviction_policy(name)(type("X", (), {}))
+
+    @register_eviction_policy(name)
+    class LongestFirst:
+        def priority(self, node):
+            return (-node.length, node.uuid)
+
+    try:
+        m = RadixCacheManager(eviction_policy=name)
+        m.insert_prefix(t(1), s(0))
+        m.insert_prefix(t(2, 2, 2), s(1, 2, 3))
+        assert m.evict(1).tolist() == [1, 2, 3]
+        with pytest.raises(ValueError, match="already registered"):
+            register_eviction_policy(name)(type("X", (), {}))
+    finally:
+        del EVICTION_POLICIES[name]
 
 
 def test_page_aligned_match_and_insert():
