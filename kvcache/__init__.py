@@ -7,6 +7,7 @@ Pages and requests: `PageAllocator`, `RequestFlow`.
 
 from .allocator import PageAllocator
 from .attention import gather_kv, paged_attention, paged_decode_attention, paged_decode_backend
+from .block_manager import BlockHashCacheHandle, BlockHashCacheManager, CachedBlock
 from .base import BaseCacheHandle, BaseCacheManager, BaseKVCache, KVCacheLayout, SizeInfo
 from .distributed import (
     DistributedInfo,
@@ -30,6 +31,7 @@ __all__ = [
     "BaseKVCache", "KVCacheLayout", "BaseCacheHandle", "SizeInfo", "BaseCacheManager",
     "MHAKVCache", "NaiveCacheHandle", "NaiveCacheManager",
     "RadixTreeNode", "RadixCacheHandle", "RadixCacheManager",
+    "BlockHashCacheManager", "BlockHashCacheHandle", "CachedBlock",
     "EVICTION_POLICIES", "register_eviction_policy",
     "PageAllocator", "RequestFlow", "Request", "FlowStats", "FlowEvent",
     "store_cache", "store_cache_backend", "store_cache_torch", "store_cache_triton",
