@@ -21,6 +21,9 @@ NOTEBOOKS  := $(sort $(wildcard book/*.ipynb))
 # JUPYTER_PREFER_ENV_PATH: the "python3" kernel is the .venv's, whatever ~/.local holds.
 # PYTHONHASHSEED: set/dict orders of strings are the same in every run.
 RUN_ENV := TRITON_INTERPRET=1 JUPYTER_PREFER_ENV_PATH=1 PYTHONHASHSEED=0
+# Every check a caller can trigger must survive `python -O`, which strips asserts.
+OPT_TESTS := tests/test_misuse.py tests/test_mha_pool.py tests/test_store_cache.py \
+             tests/test_distributed.py tests/test_block_manager.py
 NBVAL_FLAGS := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
                --nbval-cell-timeout=1200
 
@@ -70,6 +73,8 @@ refresh: setup
 test: setup book
 	@rc=0; \
 	$(RUN_ENV) $(PY) -m pytest tests || rc=$$?; \
+	echo "misuse checks again under python -O (asserts stripped)"; \
+	$(RUN_ENV) $(PY) -O -m pytest -q -p no:cacheprovider $(OPT_TESTS) || rc=$$?; \
 	if [ -n "$(NOTEBOOKS)" ]; then \
 	  $(RUN_ENV) $(PY) -m pytest $(NBVAL_FLAGS) $(NOTEBOOKS) || rc=$$?; \
 	else \
