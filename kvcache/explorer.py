@@ -298,7 +298,8 @@ class Explorer:
         except Exception as e:  # no `dot` on this machine: fall back to the text tree
             tree = f"<pre>{html.escape(self.text())}</pre><p>(graphviz failed: {html.escape(str(e))})</p>"
         w.tree.value = f'<div class="kvx-tree" style="overflow:auto;max-width:100%">{tree}</div>'
-        w.status.value = f'<pre style="margin:0;line-height:1.35">{html.escape(self.status())}</pre>'
+        w.status.value = ('<pre style="margin:0;line-height:1.35;white-space:pre-wrap">'
+                          f"{html.escape(self.status())}</pre>")
         lines = self.log[-12:]
         w.log.value = ('<pre style="margin:0;line-height:1.35;white-space:pre-wrap">'
                        + html.escape("\n".join(lines) if lines else "(no events yet)") + "</pre>")
@@ -403,7 +404,7 @@ _PLAYER_JS = """
   }
   function start() {
     if (cur === n - 1) { show(0); }
-    play.textContent = "\\u23F8 pause";
+    play.textContent = "\\u275A\\u275A pause";
     root.setAttribute("data-playing", "1");
     timer = setInterval(function () {
       if (cur >= n - 1) { stop(); } else { show(cur + 1); }
@@ -467,7 +468,9 @@ def step_player(source: Union[Explorer, TreeRecorder, Sequence[TreeSnapshot]], d
 
     Each snapshot is drawn with `draw_tree` (with ``preview_evictions``, a step followed by an
     ``evict(size)`` step marks the leaves that evict is about to take) and rendered to SVG by
-    graphviz now, so the page needs nothing at view time. Captions read ``"i / n · caption"``.
+    graphviz now, so the page needs nothing at view time. The page shows each step's caption
+    above its tree and ``i / n`` beside the buttons; ``StepPlayer.captions`` reads
+    ``"i / n · caption"``.
     ``start`` drops the first ``start`` snapshots (e.g. the initial empty tree).
 
     ``player_id`` (the HTML id) defaults to a hash of the captions and trees, so the same
@@ -482,6 +485,7 @@ def step_player(source: Union[Explorer, TreeRecorder, Sequence[TreeSnapshot]], d
         raise ValueError(f"interval_ms must be an int >= 50, got {interval_ms!r}")
     decode = decode if decode is not None else default_decode
     n = len(snaps)
+    draw_kwargs.setdefault("max_chars", 28)
     captions, svgs = [], []
     for i, snap in enumerate(snaps):
         upcoming = snaps[i + 1].evict_size if preview_evictions and i + 1 < n else None
@@ -497,23 +501,23 @@ def step_player(source: Union[Explorer, TreeRecorder, Sequence[TreeSnapshot]], d
         player_id = "kvp-" + digest.hexdigest()[:12]
     esc = html.escape
     frames = "".join(
-        f'<div class="kvp-frame" data-step="{i}" data-caption="{esc(cap)}"{"" if i == 0 else " hidden"}>'
+        f'<div class="kvp-frame" data-step="{i}" data-caption="{esc(snap.caption)}"{"" if i == 0 else " hidden"}>'
         f"{svg}</div>\n"
-        for i, (cap, svg) in enumerate(zip(captions, svgs))
+        for i, (snap, svg) in enumerate(zip(snaps, svgs))
     )
     heading = f'<div class="kvp-title"><b>{esc(title)}</b></div>\n' if title else ""
     doc = (
         f'<div class="kvp" id="{player_id}" data-step="0" data-steps="{n}" tabindex="0">\n'
         f"<style>{_PLAYER_CSS}</style>\n{heading}"
         '<div class="kvp-bar">'
-        '<button type="button" class="kvp-first" title="first step">&#x23EE;</button>'
+        '<button type="button" class="kvp-first" title="first step">&#x00AB; first</button>'
         '<button type="button" class="kvp-prev" title="previous step">&#x25C0; prev</button>'
         '<button type="button" class="kvp-play" title="play / pause">&#x25B6; play</button>'
         '<button type="button" class="kvp-next" title="next step">next &#x25B6;</button>'
-        '<button type="button" class="kvp-last" title="last step">&#x23ED;</button>'
+        '<button type="button" class="kvp-last" title="last step">last &#x00BB;</button>'
         f'<input type="range" class="kvp-range" min="0" max="{n - 1}" value="0" aria-label="step">'
         f'<span class="kvp-count">1 / {n}</span></div>\n'
-        f'<div class="kvp-caption">{esc(captions[0])}</div>\n'
+        f'<div class="kvp-caption">{esc(snaps[0].caption)}</div>\n'
         f"{frames}"
         f"<script>{_PLAYER_JS % {'id': player_id, 'interval': interval_ms}}</script>\n"
         "</div>\n"

@@ -1,0 +1,218 @@
+"""The step player of chapter 14 works on the built website: clicks change the picture and caption.
+
+Opens ``_build/html/book/14_explorer.html`` in headless Chromium (the DevTools client of
+``tests/test_site.py``), and with real mouse clicks on the player's buttons checks that
+*next*, *previous*, *last* and *play* / *pause* move the player: exactly one frame (one
+pre-rendered SVG tree) is shown, it is the frame of the current step, it is drawn with a
+non-zero size, and the caption above it is that step's caption. Every request the page makes
+must stay inside ``file://`` (and friends), and the page must throw no JavaScript error.
+
+``make test`` builds the book first; the test skips only when ``_build/html`` does not exist.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+
+from test_site import HTML, LOCAL_SCHEMES, PAGE_TIMEOUT_S, QUIET_S, browser  # noqa: F401  (fixture)
+from test_site import Chromium
+
+PAGE = HTML / "book" / "14_explorer.html"
+
+pytestmark = pytest.mark.skipif(not HTML.exists(), reason=f"{HTML} does not exist: run `make book` first (make test does)")
+
+# Describes the first player on the page: its step attribute, its frames, and what is shown.
+STATE = r"""
+(() => {
+  const p = document.querySelector('.kvp');
+  if (!p) return null;
+  const frames = [...p.querySelectorAll('.kvp-frame')];
+  const shown = frames.filter(f => !f.hidden && getComputedStyle(f).display !== 'none');
+  const svg = shown.length === 1 ? shown[0].querySelector('svg') : null;
+  const r = svg ? svg.getBoundingClientRect() : {width: 0, height: 0};
+  return {
+    ready: p.getAttribute('data-ready') === '1',
+    step: parseInt(p.getAttribute('data-step'), 10),
+    playing: p.getAttribute('data-playing') === '1',
+    n: frames.length,
+    shown: shown.map(f => parseInt(f.getAttribute('data-step'), 10)),
+    svg_w: r.width, svg_h: r.height,
+    svg_nodes: svg ? svg.querySelectorAll('g.node').length : 0,
+    svg_text: svg ? svg.textContent.replace(/\s+/g, ' ').trim() : '',
+    caption: p.querySelector('.kvp-caption').textContent,
+    frame_caption: shown.length === 1 ? shown[0].getAttribute('data-caption') : null,
+    count: p.querySelector('.kvp-count').textContent,
+    prev_disabled: p.querySelector('.kvp-prev').disabled,
+    next_disabled: p.querySelector('.kvp-next').disabled,
+    play_label: p.querySelector('.kvp-play').textContent,
+  };
+})()
+"""
+
+
+class Page:
+    """One open tab: evaluate JavaScript, click elements with the mouse, and record requests."""
+
+    def __init__(self, b: Chromium, url: str) -> None:
+        self.b = b
+        self.target = b.call("Target.createTarget", {"url": "about:blank"})["targetId"]
+        self.session = b.call("Target.attachToTarget", {"targetId": self.target, "flatten": True})["sessionId"]
+        self.sessions = {self.session}
+        self.requests: list[str] = []
+        self.js_errors: list[str] = []
+        for m in ("Network.enable", "Page.enable", "Runtime.enable"):
+            b.call(m, session=self.session)
+        b.call("Target.setAutoAttach", {"autoAttach": True, "waitForDebuggerOnStart": True, "flatten": True},
+               session=self.session)
+        b.take_events()
+        b.send("Page.navigate", {"url": url}, session=self.session)
+        self.settle(require_load=True)
+
+    def pump(self) -> bool:
+        """Handle events so far; True if there was network activity or the page loaded."""
+        active = False
+        for ev in self.b.take_events():
+            method, params = ev.get("method"), ev.get("params", {})
+            if ev.get("sessionId") not in self.sessions:
+                continue
+            if method == "Target.attachedToTarget":
+                child = params["sessionId"]
+                self.sessions.add(child)
+                for m in ("Network.enable", "Runtime.runIfWaitingForDebugger"):
+                    self.b.send(m, session=child)
+            elif method == "Network.requestWillBeSent":
+                self.requests.append(params["request"]["url"])
+                active = True
+            elif method == "Network.webSocketCreated":
+                self.requests.append(params["url"])
+            elif method in ("Network.loadingFinished", "Network.loadingFailed", "Page.loadEventFired"):
+                active = True
+                if method == "Page.loadEventFired":
+                    self.loaded = True
+            elif method == "Runtime.exceptionThrown":
+                d = params["exceptionDetails"]
+                self.js_errors.append((d.get("exception") or {}).get("description") or d.get("text", "?"))
+        return active
+
+    def settle(self, require_load: bool = False) -> None:
+        self.loaded = not require_load
+        deadline = time.monotonic() + PAGE_TIMEOUT_S
+        last = time.monotonic()
+        while time.monotonic() < deadline:
+            if self.pump():
+                last = time.monotonic()
+            if self.loaded and time.monotonic() - last >= QUIET_S:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"page did not settle within {PAGE_TIMEOUT_S}s")
+
+    def eval(self, expression: str):
+        res = self.b.call("Runtime.evaluate", {"expression": expression, "returnByValue": True,
+                                               "awaitPromise": True}, session=self.session)
+        if "exceptionDetails" in res:
+            raise AssertionError(f"evaluating {expression[:80]!r}: {res['exceptionDetails']}")
+        self.pump()
+        return res["result"].get("value")
+
+    def state(self) -> dict:
+        return self.eval(STATE)
+
+    def click(self, selector: str) -> None:
+        """A real mouse click (press and release) at the centre of the element."""
+        sel = json.dumps(selector)
+        box = self.eval(f"""(() => {{
+            const e = document.querySelector('.kvp').querySelector({sel});
+            e.scrollIntoView({{block: 'center'}});
+            const r = e.getBoundingClientRect();
+            return [r.x + r.width / 2, r.y + r.height / 2, r.width, r.height];
+        }})()""")
+        assert box[2] > 0 and box[3] > 0, f"{selector} is not visible"
+        for kind in ("mousePressed", "mouseReleased"):
+            self.b.call("Input.dispatchMouseEvent", {"type": kind, "x": box[0], "y": box[1], "button": "left",
+                                                     "clickCount": 1}, session=self.session)
+        self.pump()
+
+    def wait_for(self, predicate, timeout: float = 15.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.state()
+            if predicate(s) or time.monotonic() > deadline:
+                return s
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        self.b.call("Target.closeTarget", {"targetId": self.target})
+
+    @property
+    def external(self) -> list[str]:
+        return sorted({u for u in self.requests if urlparse(u).scheme not in LOCAL_SCHEMES})
+
+
+def check_shows(s: dict, step: int, captions: dict) -> None:
+    """The player shows step ``step`` and nothing else, drawn, with that step's caption."""
+    assert s["step"] == step, s
+    assert s["shown"] == [step], f"exactly frame {step} should be shown, got {s['shown']}"
+    assert s["svg_w"] > 50 and s["svg_h"] > 20 and s["svg_nodes"] >= 1, f"frame {step} is not drawn: {s}"
+    assert s["caption"] == s["frame_caption"], s
+    assert s["count"] == f"{step + 1} / {s['n']}"
+    captions[step] = (s["caption"], s["svg_text"])
+
+
+def test_step_player_clicks_through(browser):  # noqa: F811  (the fixture imported from test_site)
+    assert PAGE.exists(), f"{PAGE} was not built (chapter 14 must be in _toc.yml)"
+    page = Page(browser, PAGE.as_uri())
+    try:
+        s = page.state()
+        assert s is not None, "no step player (.kvp) on the page"
+        assert s["ready"], "the player's script did not run"
+        n = s["n"]
+        assert n >= 3, f"the recorded session should have several steps, got {n}"
+        seen: dict = {}
+        check_shows(s, 0, seen)
+        assert s["prev_disabled"] and not s["next_disabled"]
+
+        page.click(".kvp-next")
+        s = page.state()
+        check_shows(s, 1, seen)
+        assert not s["prev_disabled"]
+        page.click(".kvp-next")
+        check_shows(page.state(), 2, seen)
+        page.click(".kvp-prev")
+        check_shows(page.state(), 1, seen)
+        page.click(".kvp-prev")
+        check_shows(page.state(), 0, seen)
+
+        # each step has its own caption and its own picture
+        assert len({seen[i][0] for i in range(3)}) == 3, f"captions do not change: {seen}"
+        assert len({seen[i][1] for i in range(3)}) == 3, "the picture does not change between steps"
+
+        page.click(".kvp-last")
+        s = page.state()
+        check_shows(s, n - 1, seen)
+        assert s["next_disabled"] and not s["prev_disabled"]
+        page.click(".kvp-first")
+        check_shows(page.state(), 0, seen)
+
+        # play advances on its own, pause stops it
+        page.click(".kvp-play")
+        s = page.wait_for(lambda s: s["step"] >= 2)
+        assert s["playing"] and s["step"] >= 2, f"play did not advance: {s}"
+        check_shows(s, s["step"], seen)
+        assert "pause" in s["play_label"]
+        page.click(".kvp-play")
+        s = page.state()
+        assert not s["playing"] and "play" in s["play_label"]
+        stopped = s["step"]
+        time.sleep(2.0)
+        check_shows(page.state(), stopped, seen)  # paused: it stays
+
+        page.settle()
+        assert not page.external, f"the page requested resources outside file://: {page.external}"
+        assert not page.js_errors, f"JavaScript errors: {page.js_errors}"
+    finally:
+        page.close()
