@@ -257,6 +257,7 @@ class RequestFlow:
         self.manager.lock_handle(handle)
         self.manager.lock_handle(req.handle, unlock=True)
         req.handle = handle
+        self._log(req.rid, 2, "lock_handle", lambda: f"lock moved to the cached prefix, tree_len={hi}")
         return already
 
     def finish(self, req: Request) -> int:
