@@ -7,7 +7,8 @@ pre-rendered SVG tree) is shown, it is the frame of the current step, it is draw
 non-zero size, and the caption above it is that step's caption. Every request the page makes
 must stay inside ``file://`` (and friends), and the page must throw no JavaScript error.
 
-``make test`` builds the book first; the test skips only when ``_build/html`` does not exist.
+``make test`` builds the book first; the test skips only when the site is not built (no
+``_build/html/index.html``, the condition ``tests/test_site.py`` uses).
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from urllib.parse import urlparse
 import pytest
 
 from test_site import HTML, LOCAL_SCHEMES, PAGE_TIMEOUT_S, QUIET_S, browser  # noqa: F401  (fixture)
-from test_site import Chromium
+from test_site import Chromium, needs_site
 
 PAGE = HTML / "book" / "14_explorer.html"
 
-pytestmark = pytest.mark.skipif(not HTML.exists(), reason=f"{HTML} does not exist: run `make book` first (make test does)")
+# Skips (like tests/test_site.py) only when the site was not built: no _build/html/index.html.
+pytestmark = needs_site
 
 # Describes the first player on the page: its step attribute, its frames, and what is shown.
 STATE = r"""
