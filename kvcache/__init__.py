@@ -20,6 +20,7 @@ from .distributed import (
 from .kernels import store_cache, store_cache_backend, store_cache_torch, store_cache_triton
 from .eviction import EVICTION_POLICIES, register_eviction_policy
 from .engine import Engine
+from .explorer import Explorer, StepPlayer, step_player
 from .mha_pool import MHAKVCache
 from .model import TinyLlama, TinyLlamaConfig
 from .naive_manager import NaiveCacheHandle, NaiveCacheManager
@@ -37,6 +38,6 @@ __all__ = [
     "store_cache", "store_cache_backend", "store_cache_torch", "store_cache_triton",
     "paged_attention", "paged_decode_attention", "paged_decode_backend", "gather_kv",
     "TPConfig", "TPResult", "run_tp_attention", "run_single_process",
-    "TinyLlama", "TinyLlamaConfig", "Engine",
+    "TinyLlama", "TinyLlamaConfig", "Engine", "Explorer", "StepPlayer", "step_player",
     "DistributedInfo", "set_tp_info", "get_tp_info", "try_get_tp_info", "reset_tp_info", "divide_even",
 ]
