@@ -21,7 +21,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .kernels.store import TRITON_INTERPRET, _HAVE_TRITON
+from .kernels.store import _HAVE_TRITON, store_cache_backend
 from .mha_pool import MHAKVCache
 
 if _HAVE_TRITON:
@@ -220,13 +220,11 @@ if _HAVE_TRITON:
 
 
 def paged_decode_backend(device: torch.device | str) -> str:
-    """``"triton"``, ``"triton-interpreter"`` or ``"torch"``: what :func:`paged_decode_attention` uses."""
-    dev = torch.device(device)
-    if _HAVE_TRITON and dev.type == "cuda":
-        return "triton"
-    if _HAVE_TRITON and dev.type == "cpu" and TRITON_INTERPRET:
-        return "triton-interpreter"
-    return "torch"
+    """``"triton"``, ``"triton-interpreter"`` or ``"torch"``: what :func:`paged_decode_attention` uses.
+
+    The same rule as the store kernel's, so a pool's writes and reads always take the same path.
+    """
+    return store_cache_backend(device)
 
 
 def paged_decode_attention(
