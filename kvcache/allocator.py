@@ -7,6 +7,7 @@ pages; a request that fills part of its last page keeps the rest of that page fo
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ._validate import check_positive_int, check_size
@@ -15,7 +16,11 @@ __all__ = ["PageAllocator"]
 
 
 class PageAllocator:
-    """Free list of ``num_pages`` pages on ``device``, handed out in FIFO order.
+    """Free list of ``num_pages`` pages, handed out in FIFO order as int32 tensors on ``device``.
+
+    The bookkeeping lives on the host in NumPy, as in vLLM's block pool: it is a few small array
+    operations per call, where the same work as torch ops costs a dispatch each (and, on a GPU,
+    a kernel launch and a sync for every check). Only the pages handed out travel to ``device``.
 
     Promises: a page is either free or handed out, never both; ``free`` refuses a page that is
     out of range, already free, or listed twice, and changes nothing when it refuses.
@@ -36,13 +41,15 @@ class PageAllocator:
         return self._free.shape[0]
 
     def free_pages(self) -> torch.Tensor:
-        """The free pages, in the order they will be handed out (1-D int32, a copy)."""
-        return self._free.clone()
+        """The free pages, in the order they will be handed out (1-D int32 on ``device``, a copy)."""
+        return torch.tensor(self._free, dtype=torch.int32, device=self.device)
 
     def reset(self) -> None:
         """Every page free again, in order ``0 .. num_pages - 1``."""
-        self._free = torch.arange(self.num_pages, dtype=torch.int32, device=self.device)
-        self._is_free = torch.ones(self.num_pages, dtype=torch.bool, device=self.device)
+        # Never written in place: allocate slices it, free concatenates a new array, so the
+        # views handed out by `allocate` (zero-copy on the CPU) can never change under a caller.
+        self._free = np.arange(self.num_pages, dtype=np.int32)
+        self._is_free = np.ones(self.num_pages, dtype=np.bool_)
 
     def allocate(self, num_pages: int) -> torch.Tensor:
         """Take ``num_pages`` pages off the free list; ``RuntimeError`` if fewer are free."""
@@ -51,29 +58,29 @@ class PageAllocator:
             raise RuntimeError(f"cannot allocate {num_pages} pages: only {self._free.shape[0]} are free")
         pages, self._free = self._free[:num_pages], self._free[num_pages:]
         self._is_free[pages] = False
-        return pages
+        out = torch.from_numpy(pages)
+        return out if self.device.type == "cpu" else out.to(self.device)
 
     def free(self, pages: torch.Tensor) -> None:
-        """Return ``pages`` (1-D integer) to the end of the free list."""
+        """Return ``pages`` (1-D integer tensor) to the end of the free list."""
         if not isinstance(pages, torch.Tensor) or pages.dim() != 1 or pages.is_floating_point():
             raise TypeError(f"pages must be a 1-D integer tensor, got {pages!r}")
         if pages.shape[0] == 0:
             return
-        if pages.dtype != torch.int32 or pages.device != self.device:
-            pages = pages.to(device=self.device, dtype=torch.int32)
-        lo, hi = (int(x) for x in torch.aminmax(pages))
+        arr = pages.cpu().numpy().astype(np.int32, copy=True)
+        lo, hi = int(arr.min()), int(arr.max())
         if lo < 0 or hi >= self.num_pages:
             bad = lo if lo < 0 else hi
             raise ValueError(f"page {bad} is outside [0, {self.num_pages})")
-        already = self._is_free[pages]
-        if bool(already.any()):
-            raise RuntimeError(f"double free: pages {pages[already].tolist()} are already free")
-        if pages.shape[0] > 1:
-            ordered = pages.sort().values
-            if bool((ordered[1:] == ordered[:-1]).any()):
-                raise ValueError(f"pages listed more than once: {pages.tolist()}")
-        self._is_free[pages] = True
-        self._free = torch.cat([self._free, pages])
+        already = self._is_free[arr]
+        if already.any():
+            raise RuntimeError(f"double free: pages {arr[already].tolist()} are already free")
+        if arr.shape[0] > 1:
+            ordered = np.sort(arr)
+            if (ordered[1:] == ordered[:-1]).any():
+                raise ValueError(f"pages listed more than once: {arr.tolist()}")
+        self._is_free[arr] = True
+        self._free = np.concatenate([self._free, arr])
 
     # ------------------------------------------------------- pages <-> slots
     def pages_to_slots(self, pages: torch.Tensor, num_tokens: int | None = None) -> torch.Tensor:
