@@ -537,14 +537,10 @@ def draw_tree(tree: Union[RadixCacheManager, TreeSnapshot, "TreeRecorder"], deco
     caption = title if title is not None else snap.caption
     if caption:
         g.attr(label=caption, labelloc="t", labeljust="l", fontcolor=EDGE)
-    if direction == "TB":
-        _add_tree(g, snap, "", decode=decode, evict_size=evict_size, max_chars=max_chars,
-                  font_size=font_size, show_evicted=show_evicted)
-    else:  # inside a borderless cluster, so that child order follows the same rule as sequences
-        with g.subgraph(name="cluster_tree") as c:
-            c.attr(style="invis", label="")
-            _add_tree(c, snap, "", decode=decode, evict_size=evict_size, max_chars=max_chars,
-                      font_size=font_size, show_evicted=show_evicted, reverse=True)
+    # No cluster around a single tree: inside one, dot's crossing minimisation loses the child
+    # order on big left-to-right trees and tangles the edges of the third rank and beyond.
+    _add_tree(g, snap, "", decode=decode, evict_size=evict_size, max_chars=max_chars,
+              font_size=font_size, show_evicted=show_evicted)
     if legend:
         _add_legend(g, font_size, direction)
     return g
