@@ -7,9 +7,21 @@ has no live kernels, so both thebe scripts are dropped from every page here.
 
 MathJax, require.js and the ipywidgets manager are vendored instead (see _config.yml and
 book/_static/vendor/README.md); tests/test_site.py checks every built page in Chromium.
+
+The widget manager's bundle injects one of its stylesheets before it reads
+``__jupyter_widgets_assets_path__`` (set by widgets-config.js), so that sheet's icon fonts point
+at ``@jupyter-widgets/<hash>.woff2`` relative to the page. Whether the browser fetches them
+before the correct sheet wins is a race (seen failing once in CI's site test). After the build,
+the vendored fonts are therefore also copied to ``@jupyter-widgets/`` beside every folder of
+pages, so both addresses resolve.
 """
 
 from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+_WIDGET_FONTS = Path(__file__).resolve().parents[1] / "_static" / "vendor" / "jupyter-widgets"
 
 
 def _is_thebe(script) -> bool:
@@ -24,6 +36,20 @@ def _drop_thebe(app, pagename, templatename, context, doctree):
         context["script_files"] = [s for s in scripts if not _is_thebe(s)]
 
 
+def _copy_widget_fonts(app, exception) -> None:
+    if exception is not None or app.builder.format != "html":
+        return
+    out = Path(app.outdir)
+    for folder in {page.parent for page in out.rglob("*.html")}:
+        if "_static" in folder.parts:
+            continue
+        target = folder / "@jupyter-widgets"
+        target.mkdir(exist_ok=True)
+        for font in _WIDGET_FONTS.glob("*.woff2"):
+            shutil.copy2(font, target / font.name)
+
+
 def setup(app):
     app.connect("html-page-context", _drop_thebe, priority=900)
+    app.connect("build-finished", _copy_widget_fonts)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
