@@ -18,9 +18,10 @@ __all__ = ["PageAllocator"]
 class PageAllocator:
     """Free list of ``num_pages`` pages, handed out in FIFO order as int32 tensors on ``device``.
 
-    The bookkeeping lives on the host in NumPy, as in vLLM's block pool: it is a few small array
-    operations per call, where the same work as torch ops costs a dispatch each (and, on a GPU,
-    a kernel launch and a sync for every check). Only the pages handed out travel to ``device``.
+    The bookkeeping lives on the host in NumPy, as in vLLM's block pool: a ring buffer for the
+    free list and a mask of free pages, a few small array operations per call, where the same
+    work as torch ops costs a dispatch each (and, on a GPU, a kernel launch and a sync for every
+    check). Only the pages handed out travel to ``device``.
 
     Promises: a page is either free or handed out, never both; ``free`` refuses a page that is
     out of range, already free, or listed twice, and changes nothing when it refuses.
@@ -38,25 +39,36 @@ class PageAllocator:
 
     @property
     def num_free_pages(self) -> int:
-        return self._free.shape[0]
+        return self._count
 
     def free_pages(self) -> torch.Tensor:
         """The free pages, in the order they will be handed out (1-D int32 on ``device``, a copy)."""
-        return torch.tensor(self._free, dtype=torch.int32, device=self.device)
+        return torch.from_numpy(self._take(self._head, self._count)).to(self.device)
 
     def reset(self) -> None:
         """Every page free again, in order ``0 .. num_pages - 1``."""
-        # Never written in place: allocate slices it, free concatenates a new array, so the
-        # views handed out by `allocate` (zero-copy on the CPU) can never change under a caller.
-        self._free = np.arange(self.num_pages, dtype=np.int32)
+        # The free list is a ring of capacity num_pages (it never holds more): allocate reads at
+        # the head, free writes after the tail, so both cost O(pages moved), not O(pool).
+        self._ring = np.arange(self.num_pages, dtype=np.int32)
+        self._head = 0
+        self._count = self.num_pages
         self._is_free = np.ones(self.num_pages, dtype=np.bool_)
+
+    def _take(self, start: int, n: int) -> np.ndarray:
+        """A copy of ``n`` ring entries from ``start``, wrapping around."""
+        end = start + n
+        if end <= self.num_pages:
+            return self._ring[start:end].copy()
+        return np.concatenate([self._ring[start:], self._ring[: end - self.num_pages]])
 
     def allocate(self, num_pages: int) -> torch.Tensor:
         """Take ``num_pages`` pages off the free list; ``RuntimeError`` if fewer are free."""
         check_size(num_pages, "num_pages")
-        if num_pages > self._free.shape[0]:
-            raise RuntimeError(f"cannot allocate {num_pages} pages: only {self._free.shape[0]} are free")
-        pages, self._free = self._free[:num_pages], self._free[num_pages:]
+        if num_pages > self._count:
+            raise RuntimeError(f"cannot allocate {num_pages} pages: only {self._count} are free")
+        pages = self._take(self._head, num_pages)
+        self._head = (self._head + num_pages) % self.num_pages
+        self._count -= num_pages
         self._is_free[pages] = False
         out = torch.from_numpy(pages)
         return out if self.device.type == "cpu" else out.to(self.device)
@@ -80,7 +92,12 @@ class PageAllocator:
             if (ordered[1:] == ordered[:-1]).any():
                 raise ValueError(f"pages listed more than once: {arr.tolist()}")
         self._is_free[arr] = True
-        self._free = np.concatenate([self._free, arr])
+        # Pages not free are handed out, so the ring has room for them: no overflow possible.
+        tail = (self._head + self._count) % self.num_pages
+        first = min(arr.shape[0], self.num_pages - tail)
+        self._ring[tail:tail + first] = arr[:first]
+        self._ring[: arr.shape[0] - first] = arr[first:]
+        self._count += arr.shape[0]
 
     # ------------------------------------------------------- pages <-> slots
     def pages_to_slots(self, pages: torch.Tensor, num_tokens: int | None = None) -> torch.Tensor:
