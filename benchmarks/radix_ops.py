@@ -29,7 +29,7 @@ from source_radix import SourceRadixCacheManager  # noqa: E402
 
 from kvcache import PageAllocator, RadixCacheManager, RequestFlow  # noqa: E402
 from kvcache.base import BaseCacheManager  # noqa: E402
-from kvcache.workloads import mixed, replay  # noqa: E402
+from kvcache.workloads import TimedManager, mixed, replay  # noqa: E402
 
 MANAGERS: Dict[str, Callable[[], BaseCacheManager]] = {
     "source design": SourceRadixCacheManager,
@@ -43,30 +43,6 @@ def machine() -> Dict[str, str]:
             "date": time.strftime("%Y-%m-%d")}
 
 
-class Timed:
-    """Passes every call through to a manager and adds up the time spent in its operations."""
-
-    OPS = ("match_prefix", "insert_prefix", "lock_handle", "evict")
-
-    def __init__(self, manager: BaseCacheManager) -> None:
-        self.manager = manager
-        self.seconds = 0.0
-
-    def __getattr__(self, name: str):
-        attr = getattr(self.manager, name)
-        if name not in self.OPS:
-            return attr
-
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return attr(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - t0
-
-        return timed
-
-
 def throughput(num_requests: int, num_pages: int, repeats: int) -> Dict[str, Dict[str, float]]:
     """Best of ``repeats`` runs: the whole flow's time, and the time inside manager calls."""
     jobs = mixed(num_requests, seed=0)
@@ -75,12 +51,12 @@ def throughput(num_requests: int, num_pages: int, repeats: int) -> Dict[str, Dic
     for name, make in MANAGERS.items():
         flow_s, manager_s = [], []
         for _ in range(repeats):
-            timed = Timed(make())
+            timed = TimedManager(make())
             flow = RequestFlow(timed, PageAllocator(num_pages))  # type: ignore[arg-type]
             t0 = time.perf_counter()
             replay(flow, jobs)
             flow_s.append(time.perf_counter() - t0)
-            manager_s.append(timed.seconds)
+            manager_s.append(timed.total_seconds)
         out[name] = {"flow_seconds": min(flow_s), "manager_seconds": min(manager_s),
                      "requests_per_s": num_requests / min(flow_s),
                      "manager_requests_per_s": num_requests / min(manager_s),

@@ -8,6 +8,7 @@ batch of one would, and records what the cache did after every request.
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, NamedTuple, Optional
 
@@ -17,7 +18,7 @@ from .request_flow import RequestFlow
 
 __all__ = [
     "Job", "Sample", "shared_system_prompts", "few_shot", "multi_turn_chat", "branching",
-    "mixed", "replay", "WORKLOADS",
+    "mixed", "replay", "WORKLOADS", "TimedManager",
 ]
 
 
@@ -135,6 +136,40 @@ WORKLOADS: Dict[str, Callable[..., List[Job]]] = {
     "branching": branching,
     "mixed": mixed,
 }
+
+
+class TimedManager:
+    """Forwards everything to ``manager``, adding up the time and calls of its four operations.
+
+    Pass it wherever a manager goes (e.g. ``RequestFlow(TimedManager(m), allocator)``): it
+    changes nothing the manager does. ``seconds[op]`` and ``calls[op]`` per operation in ``OPS``.
+    """
+
+    OPS = ("match_prefix", "lock_handle", "insert_prefix", "evict")
+
+    def __init__(self, manager: object) -> None:
+        self.manager = manager
+        self.seconds: Dict[str, float] = dict.fromkeys(self.OPS, 0.0)
+        self.calls: Dict[str, int] = dict.fromkeys(self.OPS, 0)
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(self.seconds.values())
+
+    def __getattr__(self, name: str):  # only reached for names TimedManager itself lacks
+        attr = getattr(self.manager, name)
+        if name not in self.OPS:
+            return attr
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - t0
+                self.calls[name] += 1
+
+        return timed
 
 
 def replay(flow: RequestFlow, jobs: List[Job], *, decode: bool = True, token_by_token: bool = False,
