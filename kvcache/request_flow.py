@@ -163,9 +163,6 @@ class RequestFlow:
         self._log(rid, 3, "allocate", lambda: f"pages {pages.tolist()}")
         return pages
 
-    def _own_pages(self, slots: torch.Tensor) -> torch.Tensor:
-        return self.allocator.slots_to_pages(slots)
-
     def _get(self, req: Request) -> Request:
         if not isinstance(req, Request):
             raise TypeError(f"expected a Request, got {type(req).__name__}")
@@ -274,7 +271,7 @@ class RequestFlow:
         n = len(req) // self.page_size * self.page_size
         already = self.manager.insert_prefix(req.input_ids[:n], req.indices[:n])
         self._log(req.rid, 4, "insert_prefix", lambda: f"{n} tokens, {already} already cached")
-        to_free = self._own_pages(torch.cat([req.indices[req.tree_len:already], req.indices[n:]]))
+        to_free = self.allocator.slots_to_pages(torch.cat([req.indices[req.tree_len:already], req.indices[n:]]))
         self.allocator.free(to_free)
         self._log(req.rid, 5, "free", lambda: f"pages {to_free.tolist()}")
         self.manager.lock_handle(req.handle, unlock=True)
@@ -286,7 +283,7 @@ class RequestFlow:
     def abort(self, req: Request) -> None:
         """Drop a request without caching it: free its own pages and unlock its prefix."""
         self._get(req)
-        self.allocator.free(self._own_pages(req.indices[req.tree_len:]))
+        self.allocator.free(self.allocator.slots_to_pages(req.indices[req.tree_len:]))
         self.manager.lock_handle(req.handle, unlock=True)
         req.finished = True
         del self.running[req.rid]
@@ -314,7 +311,7 @@ class RequestFlow:
                 raise RuntimeError(f"request {req.rid}: {len(req.input_ids)} tokens but {len(req.indices)} indices")
             if handle_indices is not None and not torch.equal(handle_indices(req.handle), req.indices[:req.tree_len]):
                 raise RuntimeError(f"request {req.rid}: its prefix indices are not the tree's")
-            parts.append(self._own_pages(req.indices[req.tree_len:]))
+            parts.append(self.allocator.slots_to_pages(req.indices[req.tree_len:]))
         pages = torch.cat(parts).long()
         if len(pages) and (int(pages.min()) < 0 or int(pages.max()) >= self.allocator.num_pages):
             raise RuntimeError(f"page outside [0, {self.allocator.num_pages}) in use")
