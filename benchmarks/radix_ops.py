@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from source_radix import SourceRadixCacheManager  # noqa: E402
 
 from kvcache import PageAllocator, RadixCacheManager, RequestFlow  # noqa: E402
-from kvcache.base import BaseCacheManager  # noqa: E402
-from kvcache.workloads import TimedManager, mixed, replay  # noqa: E402
+from kvcache import BaseCacheManager  # noqa: E402
+from kvcache.serving.workloads import TimedManager, mixed, replay  # noqa: E402
 
 MANAGERS: Dict[str, Callable[[], BaseCacheManager]] = {
     "source design": SourceRadixCacheManager,

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from kvcache.base import BaseCacheHandle, BaseCacheManager, SizeInfo
+from kvcache import BaseCacheHandle, BaseCacheManager, SizeInfo
 
 
 class SourceNode:
@@ -186,3 +186,13 @@ class SourceRadixCacheManager(BaseCacheManager):
 
     def check_integrity(self) -> None:
         pass
+
+    def cached_indices(self) -> torch.Tensor:
+        """Every slot in the tree (the source has no such call; the flow's page check needs it)."""
+        stack, parts = [self.root_node], [self.empty_tensor]
+        while stack:
+            node = stack.pop()
+            if not node.is_root():
+                parts.append(node.value)
+            stack.extend(node.children.values())
+        return torch.cat(parts)

@@ -55,9 +55,9 @@ if ARGS is not None and ARGS.interpreter:
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kvcache.base import KVCacheLayout  # noqa: E402
+from kvcache import KVCacheLayout  # noqa: E402
 from kvcache.kernels import store_cache, store_cache_backend, store_cache_torch, store_cache_triton  # noqa: E402
-from kvcache.mha_pool import MHAKVCache  # noqa: E402
+from kvcache.storage.mha_pool import MHAKVCache  # noqa: E402
 
 
 def time_fn(fn: Callable[[], None], device: torch.device, min_run_time: float) -> float:

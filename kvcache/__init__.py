@@ -1,32 +1,105 @@
 """kvcache: KV-cache storage and prefix-cache management for LLM serving.
 
-Storage: `MHAKVCache` (one K+V buffer, LayerFirst or PageFirst, split by KV heads under TP).
-Management: `NaiveCacheManager`, `RadixCacheManager` (radix tree, LRU/FIFO eviction).
-Pages and requests: `PageAllocator`, `RequestFlow`.
+The package is layered as the book teaches it, each layer importing only the ones above it in
+this list:
+
+- `kvcache.kernels`: Triton kernels that store K/V and read it in attention (tensors in, tensors out);
+- `kvcache.storage`: the K/V pool (`MHAKVCache`), its layouts and tensor-parallel info;
+- `kvcache.managers`: prefix-cache managers (`NaiveCacheManager`, `RadixCacheManager`,
+  `BlockHashCacheManager`) behind one contract, `BaseCacheManager`;
+- `kvcache.serving`: pages and requests (`PageAllocator`, `RequestFlow`), a tiny model and its
+  `Engine`, workloads;
+- `kvcache.viz`: drawings, the recorder, the explorer widget and the static step player;
+- `kvcache.examples`: runnable demos (tensor-parallel attention over processes).
+
+Every public name is importable as ``from kvcache import X``. The names of `kvcache.viz` and the
+TP demo are loaded on first use, so ``import kvcache`` loads neither graphviz, ipywidgets,
+matplotlib, IPython nor multiprocessing code.
 """
 
-from .allocator import PageAllocator
-from .attention import gather_kv, paged_attention, paged_decode_attention, paged_decode_backend
-from .block_manager import BlockHashCacheHandle, BlockHashCacheManager, CachedBlock
-from .base import BaseCacheHandle, BaseCacheManager, BaseKVCache, KVCacheLayout, SizeInfo
-from .distributed import (
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from .kernels.attention import gather_kv, paged_attention, paged_decode_attention, paged_decode_backend
+from .kernels.store import store_cache, store_cache_backend, store_cache_torch, store_cache_triton
+from .managers import (
+    EVICTION_POLICIES,
+    BaseCacheHandle,
+    BaseCacheManager,
+    BlockHashCacheHandle,
+    BlockHashCacheManager,
+    CachedBlock,
+    NaiveCacheHandle,
+    NaiveCacheManager,
+    RadixCacheHandle,
+    RadixCacheManager,
+    RadixTreeNode,
+    SizeInfo,
+    register_eviction_policy,
+)
+from .serving import (
+    ByteTokenizer,
+    Engine,
+    FlowEvent,
+    FlowStats,
+    PageAllocator,
+    Request,
+    RequestFlow,
+    TinyLlama,
+    TinyLlamaConfig,
+)
+from .storage import (
+    BaseKVCache,
     DistributedInfo,
+    KVCacheLayout,
+    MHAKVCache,
     divide_even,
     get_tp_info,
     reset_tp_info,
     set_tp_info,
     try_get_tp_info,
 )
-from .kernels import store_cache, store_cache_backend, store_cache_torch, store_cache_triton
-from .eviction import EVICTION_POLICIES, register_eviction_policy
-from .engine import Engine
-from .explorer import Explorer, StepPlayer, step_player
-from .mha_pool import MHAKVCache
-from .model import TinyLlama, TinyLlamaConfig
-from .naive_manager import NaiveCacheHandle, NaiveCacheManager
-from .radix_manager import RadixCacheHandle, RadixCacheManager, RadixTreeNode
-from .request_flow import FlowEvent, FlowStats, Request, RequestFlow
-from .tp import TPConfig, TPResult, run_single_process, run_tp_attention
+
+if TYPE_CHECKING:
+    from .examples.tp_attention import TPConfig, TPResult, run_single_process, run_tp_attention
+    from .viz import (
+        Explorer,
+        StepPlayer,
+        TreeRecorder,
+        draw_sequence,
+        draw_tree,
+        predict_evict,
+        snapshot,
+        step_player,
+        tree_text,
+    )
+
+#: Names loaded on first access, and the module that holds each.
+_LAZY = {
+    **{name: "kvcache.viz" for name in (
+        "Explorer", "StepPlayer", "step_player", "TreeRecorder", "draw_tree", "draw_sequence",
+        "tree_text", "snapshot", "predict_evict",
+    )},
+    **{name: "kvcache.examples.tp_attention" for name in (
+        "TPConfig", "TPResult", "run_tp_attention", "run_single_process",
+    )},
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvcache' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "BaseKVCache", "KVCacheLayout", "BaseCacheHandle", "SizeInfo", "BaseCacheManager",
@@ -38,6 +111,8 @@ __all__ = [
     "store_cache", "store_cache_backend", "store_cache_torch", "store_cache_triton",
     "paged_attention", "paged_decode_attention", "paged_decode_backend", "gather_kv",
     "TPConfig", "TPResult", "run_tp_attention", "run_single_process",
-    "TinyLlama", "TinyLlamaConfig", "Engine", "Explorer", "StepPlayer", "step_player",
+    "TinyLlama", "TinyLlamaConfig", "Engine", "ByteTokenizer",
+    "Explorer", "StepPlayer", "step_player", "TreeRecorder", "draw_tree", "draw_sequence",
+    "tree_text", "snapshot", "predict_evict",
     "DistributedInfo", "set_tp_info", "get_tp_info", "try_get_tp_info", "reset_tp_info", "divide_even",
 ]

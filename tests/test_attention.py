@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
-from kvcache.attention import gather_kv, paged_attention, paged_decode_attention, paged_decode_backend
-from kvcache.base import KVCacheLayout
+from kvcache.kernels.attention import gather_kv, paged_attention, paged_decode_attention, paged_decode_backend
+from kvcache import KVCacheLayout
 from kvcache.kernels import TRITON_INTERPRET
-from kvcache.mha_pool import MHAKVCache
+from kvcache.storage.mha_pool import MHAKVCache
 
 needs_interpreter = pytest.mark.skipif(not TRITON_INTERPRET, reason="needs TRITON_INTERPRET=1 before import")
 LAYER = 1

@@ -11,7 +11,7 @@ import radix_ops  # noqa: E402
 from source_radix import SourceRadixCacheManager  # noqa: E402
 
 from kvcache import PageAllocator, RadixCacheManager, RequestFlow  # noqa: E402
-from kvcache.workloads import mixed, replay  # noqa: E402
+from kvcache.serving.workloads import mixed, replay  # noqa: E402
 
 
 def test_source_design_makes_the_same_cache_decisions():

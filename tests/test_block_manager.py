@@ -14,11 +14,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvcache.allocator import PageAllocator
-from kvcache.base import BaseCacheManager, SizeInfo
-from kvcache.block_manager import BlockHashCacheHandle, BlockHashCacheManager, CachedBlock
-from kvcache.radix_manager import RadixCacheManager
-from kvcache.request_flow import RequestFlow
+from kvcache.serving.allocator import PageAllocator
+from kvcache import BaseCacheManager, SizeInfo
+from kvcache.managers.block_hash import BlockHashCacheHandle, BlockHashCacheManager, CachedBlock
+from kvcache.managers.radix import RadixCacheManager
+from kvcache.serving.request_flow import RequestFlow
 
 Prefix = Tuple[int, ...]
 
@@ -215,7 +215,7 @@ def test_hash_collisions_never_return_wrong_slots(hash_fn):
 def test_default_hash_is_stable_across_processes():
     """Hashes of int tuples ignore PYTHONHASHSEED (pytest runs under a random one), so a block's
     hash is the same in every process on a 64-bit CPython: here, a value computed once."""
-    from kvcache.block_manager import ROOT_HASH_SEED, default_block_hash as h
+    from kvcache.managers.block_hash import ROOT_HASH_SEED, default_block_hash as h
     assert h(h(ROOT_HASH_SEED, (1, 2, 3)), (4, 5, 6)) == 14104448956996097241
     assert 0 <= h(ROOT_HASH_SEED, (-5,)) < 2 ** 64
 
@@ -247,7 +247,7 @@ def test_lock_misuse_changes_nothing():
     m.lock_handle(h)
     m.lock_handle(h, unlock=True)
     unchanged(m, RuntimeError, "not locked", m.lock_handle, h, unlock=True)  # unlocked twice
-    from kvcache.radix_manager import RadixCacheHandle
+    from kvcache.managers.radix import RadixCacheHandle
     unchanged(m, TypeError, "BlockHashCacheHandle", m.lock_handle, RadixCacheHandle(0, None))
     unchanged(m, TypeError, "BlockHashCacheHandle", m.lock_handle, "handle")
     unchanged(m, RuntimeError, "cached_len=6 but names 2 blocks", m.lock_handle,

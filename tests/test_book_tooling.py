@@ -63,8 +63,8 @@ def sanitize(text):
 
 
 @pytest.mark.parametrize("varying, masked", [
-    ("<kvcache.radix_manager.RadixTreeNode object at 0x7f3a2c1b9e50>",
-     "<kvcache.radix_manager.RadixTreeNode object at 0xADDRESS>"),
+    ("<kvcache.managers.radix.RadixTreeNode object at 0x7f3a2c1b9e50>",
+     "<kvcache.managers.radix.RadixTreeNode object at 0xADDRESS>"),
     ("store_cache: 123.4 µs per call", "store_cache: TIME per call"),
     ("evict took 1.23 ms, match 850 ns, total 0.52 s", "evict took TIME, match TIME, total TIME"),
     ('<?xml version="1.0"?>\n<svg width="62pt"><g id="node1"><text>a</text></g></svg>\n', "<svg/>"),

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvcache.distributed import (
+from kvcache.storage.distributed import (
     DistributedInfo,
     divide_even,
     get_tp_info,

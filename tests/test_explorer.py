@@ -1,4 +1,4 @@
-"""kvcache.explorer without a browser: the explorer's actions and buttons, and the step player's HTML.
+"""kvcache.viz.explorer without a browser: the explorer's actions and buttons, and the step player's HTML.
 
 The explorer is driven through its methods and through its ipywidgets buttons (``Button.click``
 fires the same handlers a browser click does); the state is checked on the manager, the
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from kvcache import RadixCacheManager
-from kvcache.explorer import DEFAULT_PRESETS, Explorer, StepPlayer, render_svg, step_player
-from kvcache.tokenizer import ByteTokenizer
+from kvcache.viz.explorer import DEFAULT_PRESETS, Explorer, StepPlayer, render_svg, step_player
+from kvcache.serving.tokenizer import ByteTokenizer
 from kvcache.viz import TreeRecorder, draw_tree
 
 SYS_A = "You are terse. What is a KV cache?"

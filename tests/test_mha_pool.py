@@ -6,9 +6,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from kvcache.base import BaseKVCache, KVCacheLayout
-from kvcache.distributed import reset_tp_info, set_tp_info
-from kvcache.mha_pool import MHAKVCache
+from kvcache import BaseKVCache, KVCacheLayout
+from kvcache.storage.distributed import reset_tp_info, set_tp_info
+from kvcache.storage.mha_pool import MHAKVCache
 
 LF, PF = KVCacheLayout.LayerFirst, KVCacheLayout.PageFirst
 

@@ -18,8 +18,8 @@ import torch
 
 import kvcache.kernels.store as store_module
 from kvcache import KVCacheLayout, NaiveCacheManager, PageAllocator, RadixCacheManager
-from kvcache.engine import Engine
-from kvcache.model import TinyLlama, TinyLlamaConfig
+from kvcache.serving.engine import Engine
+from kvcache.serving.model import TinyLlama, TinyLlamaConfig
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 SYSTEM = "You are a terse assistant. "

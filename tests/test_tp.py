@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcache.distributed import reset_tp_info, set_tp_info, try_get_tp_info
-from kvcache.tp import TPConfig, make_batch, run_single_process, run_tp_attention
+from kvcache.storage.distributed import reset_tp_info, set_tp_info, try_get_tp_info
+from kvcache.examples.tp_attention import TPConfig, make_batch, run_single_process, run_tp_attention
 
 
 @pytest.fixture(autouse=True)
@@ -88,7 +88,7 @@ def test_bad_config_raises_before_any_process_starts(monkeypatch, world_size, cf
 
 
 def test_cli_reports(capsys):
-    from kvcache.tp import main
+    from kvcache.examples.tp_attention import main
 
     with pytest.raises(SystemExit):
         main(["--world-size", "3", "--num-kv-heads", "4"])

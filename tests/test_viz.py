@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kvcache import PageAllocator, RadixCacheManager, RequestFlow
-from kvcache.tokenizer import ByteTokenizer
+from kvcache.serving.tokenizer import ByteTokenizer
 from kvcache.viz import (
     PALETTE, TreeRecorder, TreeSnapshot, diff_snapshots, draw_sequence, draw_tree, format_indices,
     format_tokens, predict_evict, snapshot, tree_text,

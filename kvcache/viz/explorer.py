@@ -29,11 +29,11 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .allocator import PageAllocator
-from .radix_manager import RadixCacheHandle, RadixCacheManager
-from .request_flow import RequestFlow
-from .tokenizer import ByteTokenizer
-from .viz import TreeRecorder, TreeSnapshot, draw_tree, format_indices, predict_evict, tree_text
+from ..serving.allocator import PageAllocator
+from ..managers.radix import RadixCacheHandle, RadixCacheManager
+from ..serving.request_flow import RequestFlow
+from ..serving.tokenizer import ByteTokenizer
+from .drawing import TreeRecorder, TreeSnapshot, draw_tree, format_indices, predict_evict, tree_text
 
 __all__ = ["Explorer", "StepPlayer", "step_player", "render_svg", "DEFAULT_PRESETS"]
 

@@ -47,7 +47,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from ._validate import check_indices, check_positive_int, check_size, check_token_ids
+from .._validate import check_indices, check_positive_int, check_size, check_token_ids
 from .base import BaseCacheHandle, BaseCacheManager, SizeInfo
 
 __all__ = ["CachedBlock", "BlockHashCacheHandle", "BlockHashCacheManager"]

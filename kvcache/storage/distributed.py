@@ -2,7 +2,7 @@
 
 A serving engine that splits a model over ``size`` devices runs one process per device; each
 process calls :func:`set_tp_info` once with its ``rank`` and the TP ``size``, and storage code
-such as :class:`kvcache.mha_pool.MHAKVCache` asks :func:`try_get_tp_info` how many KV heads are
+such as :class:`kvcache.storage.mha_pool.MHAKVCache` asks :func:`try_get_tp_info` how many KV heads are
 its own (``divide_even(num_kv_heads, size)``). The info is process-global on purpose: it is a
 fact about the process, not about any one object.
 """
@@ -66,7 +66,7 @@ def set_tp_info(rank: int, size: int) -> DistributedInfo:
 def get_tp_info() -> DistributedInfo:
     """The TP info set by :func:`set_tp_info`; ``RuntimeError`` when none is set."""
     if _TP_INFO is None:
-        raise RuntimeError("TP info is not set: call kvcache.distributed.set_tp_info(rank, size) first")
+        raise RuntimeError("TP info is not set: call kvcache.storage.distributed.set_tp_info(rank, size) first")
     return _TP_INFO
 
 

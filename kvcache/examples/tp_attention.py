@@ -16,7 +16,7 @@ computes the same output in this process with the whole model on one pool, for c
 
 Command line::
 
-    python -m kvcache.tp --world-size 2 --num-kv-heads 4 --num-q-heads 8
+    python -m kvcache.examples.tp_attention --world-size 2 --num-kv-heads 4 --num-q-heads 8
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from .base import KVCacheLayout
-from .distributed import divide_even, reset_tp_info, set_tp_info, try_get_tp_info
+from ..storage.base import KVCacheLayout
+from ..storage.distributed import divide_even, reset_tp_info, set_tp_info, try_get_tp_info
 
 __all__ = ["TPConfig", "TPResult", "run_tp_attention", "run_single_process", "make_batch"]
 
@@ -108,8 +108,8 @@ def make_batch(cfg: TPConfig) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
 
 def _attend(cfg: TPConfig, rank: int, size: int, device: torch.device) -> Tuple[torch.Tensor, int]:
     """One rank's work: its pool shard, its heads' K/V stored, its query heads attended."""
-    from .attention import paged_attention
-    from .mha_pool import MHAKVCache
+    from ..kernels.attention import paged_attention
+    from ..storage.mha_pool import MHAKVCache
 
     previous = try_get_tp_info()  # restored afterwards: run_single_process runs in the caller's process
     set_tp_info(rank, size)
@@ -199,7 +199,7 @@ def run_single_process(cfg: Optional[TPConfig] = None, device: str = "cpu") -> T
 
 def main(argv: Optional[List[str]] = None) -> None:
     d = TPConfig()
-    p = argparse.ArgumentParser(prog="python -m kvcache.tp", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kvcache.examples.tp_attention", description=__doc__.split("\n\n")[0])
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--num-kv-heads", type=int, default=d.num_kv_heads)
     p.add_argument("--num-q-heads", type=int, default=d.num_q_heads)

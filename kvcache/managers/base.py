@@ -1,67 +1,19 @@
-"""Abstract bases of the two layers: storage (`BaseKVCache`) under management (`BaseCacheManager`).
+"""Abstract base of the management layer: `BaseCacheManager`, its handles and `SizeInfo`.
 
-The storage layer owns the tensors that hold keys and values; the management layer decides which
-token prefixes stay in those tensors, which may be evicted, and which are in use. Indices that
-travel between the two are *token slots*: slot ``s`` lives at ``[s // page_size, s % page_size]``
-of a per-layer cache view.
+A manager decides which token prefixes stay in the storage layer's pool, which may be evicted,
+and which are in use. Indices that travel between the two layers are *token slots*: slot ``s``
+lives at ``[s // page_size, s % page_size]`` of a per-layer cache view.
 """
 
 from __future__ import annotations
 
-import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import NamedTuple, Tuple
+from typing import Any, NamedTuple, Tuple
 
 import torch
 
-__all__ = [
-    "BaseKVCache",
-    "KVCacheLayout",
-    "BaseCacheHandle",
-    "SizeInfo",
-    "BaseCacheManager",
-]
-
-
-class KVCacheLayout(enum.Enum):
-    """Order in which the pool's buffer is stored in memory.
-
-    ``LayerFirst``: ``(2, num_layers, num_pages, page_size, heads, head_dim)``, one layer's pages
-    contiguous. ``PageFirst``: ``(2, num_pages, num_layers, page_size, heads, head_dim)``, all
-    layers of one page contiguous; the pool still *views* it layer-first.
-    """
-
-    LayerFirst = enum.auto()
-    PageFirst = enum.auto()
-
-
-class BaseKVCache(ABC):
-    """Storage of K and V for every layer of a model."""
-
-    @abstractmethod
-    def k_cache(self, index: int) -> torch.Tensor:
-        """Keys of layer ``index``, shape ``(num_pages, page_size, local_kv_heads, head_dim)``."""
-
-    @abstractmethod
-    def v_cache(self, index: int) -> torch.Tensor:
-        """Values of layer ``index``, shape ``(num_pages, page_size, local_kv_heads, head_dim)``."""
-
-    @abstractmethod
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer_id: int) -> None:
-        """Write ``k[i]``, ``v[i]`` (each ``(n, local_kv_heads, head_dim)``) to slot ``out_loc[i]``."""
-
-    @property
-    @abstractmethod
-    def device(self) -> torch.device: ...
-
-    @property
-    @abstractmethod
-    def dtype(self) -> torch.dtype: ...
-
-    @property
-    @abstractmethod
-    def num_layers(self) -> int: ...
+__all__ = ["BaseCacheHandle", "SizeInfo", "BaseCacheManager"]
 
 
 @dataclass(frozen=True)
@@ -93,7 +45,13 @@ class BaseCacheManager(ABC):
     ``insert_prefix`` returns the length that was already cached (the caller keeps ownership of
     the indices that were not inserted); ``evict(0)`` returns an empty tensor; a call that raises
     leaves the manager unchanged.
+
+    Attributes every manager sets: ``device`` (where its index tensors live) and ``page_size``
+    (tokens per page; matches and inserts are whole pages).
     """
+
+    device: torch.device = torch.device("cpu")
+    page_size: int = 1
 
     @abstractmethod
     def match_prefix(self, input_ids: torch.Tensor) -> Tuple[BaseCacheHandle, torch.Tensor]:
@@ -124,10 +82,26 @@ class BaseCacheManager(ABC):
     def check_integrity(self) -> None:
         """Raise ``RuntimeError`` if the manager's bookkeeping is inconsistent."""
 
+    @abstractmethod
     def cached_indices(self) -> torch.Tensor:
-        """Every slot the cache holds (1-D int32, any order); used to account for pages.
+        """Every slot the cache holds (1-D int32 on ``device``, any order).
 
-        Not abstract so that managers written against the original interface keep working;
-        `RequestFlow.check_integrity` needs it.
+        `RequestFlow.check_integrity` uses it to prove that free + cached + held pages are all
+        the pages, none twice.
         """
-        raise NotImplementedError(f"{type(self).__name__} does not report its cached indices")
+
+    def handle_indices(self, handle: BaseCacheHandle) -> torch.Tensor:
+        """The slots of the prefix ``handle`` names (1-D int32, ``handle.cached_len`` entries).
+
+        Equal to the indices `match_prefix` returned with ``handle``, as long as the handle is
+        valid. Raises ``NotImplementedError`` for a manager that cannot say.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot give a handle's indices")
+
+    def eviction_priority(self, node: Any) -> Tuple[int, ...]:
+        """The sort key under which ``node`` would be evicted: smaller goes first.
+
+        Public so that drawings can preview an eviction without reading a manager's private
+        state. Raises ``NotImplementedError`` for a manager without per-node priorities.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no per-node eviction priority")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ._validate import check_positive_int, check_size
+from .._validate import check_positive_int, check_size
 
 __all__ = ["PageAllocator"]
 

@@ -1,4 +1,4 @@
-"""`Engine`: serve a :class:`~kvcache.model.TinyLlama` from a paged KV pool with prefix reuse.
+"""`Engine`: serve a :class:`~kvcache.serving.model.TinyLlama` from a paged KV pool with prefix reuse.
 
 The request flow decides which tokens are new; the model runs only those::
 
@@ -18,10 +18,10 @@ from typing import List, Sequence, Tuple, Union
 
 import torch
 
-from ._validate import check_size
+from .._validate import check_size
 from .allocator import PageAllocator
-from .base import BaseCacheManager
-from .mha_pool import MHAKVCache
+from ..managers.base import BaseCacheManager
+from ..storage.mha_pool import MHAKVCache
 from .model import TinyLlama
 from .request_flow import FlowStats, Request, RequestFlow
 

@@ -20,7 +20,7 @@ from typing import Dict, Hashable, Iterator, List, Optional, Tuple
 import numpy as np
 import torch
 
-from ._validate import check_indices, check_positive_int, check_size, check_token_ids
+from .._validate import check_indices, check_positive_int, check_size, check_token_ids
 from .base import BaseCacheHandle, BaseCacheManager, SizeInfo
 from .eviction import EVICTION_POLICIES, EvictionPolicy
 
@@ -108,7 +108,7 @@ class RadixCacheManager(BaseCacheManager):
     Args:
         device: where the KV-slot indices live (values returned by ``match_prefix``/``evict``).
         page_size: tokens per page; matching and insertion only ever cover whole pages.
-        eviction_policy: a name registered in `kvcache.eviction.EVICTION_POLICIES`
+        eviction_policy: a name registered in `kvcache.managers.eviction.EVICTION_POLICIES`
             (``"lru"`` or ``"fifo"`` built in).
     """
 
@@ -347,6 +347,10 @@ class RadixCacheManager(BaseCacheManager):
         if length != handle.cached_len:
             raise RuntimeError(f"handle says cached_len={handle.cached_len} but its path holds {length} tokens")
         return path
+
+    def eviction_priority(self, node: RadixTreeNode) -> Tuple[int, ...]:
+        """``node``'s key under this manager's policy: the evictable leaf with the smallest goes first."""
+        return tuple(self._policy.priority(node))
 
     def handle_indices(self, handle: BaseCacheHandle) -> torch.Tensor:
         """The slots of the prefix behind ``handle`` (read-only: no split, no timestamp change)."""

@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._validate import check_positive_int, check_token_ids
-from .attention import paged_attention, paged_decode_attention
-from .base import KVCacheLayout
-from .mha_pool import MHAKVCache
+from .._validate import check_positive_int, check_token_ids
+from ..kernels.attention import paged_attention, paged_decode_attention
+from ..storage.base import KVCacheLayout
+from ..storage.mha_pool import MHAKVCache
 
 __all__ = ["TinyLlamaConfig", "TinyLlama"]
 

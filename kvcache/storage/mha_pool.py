@@ -16,10 +16,10 @@ from typing import Union
 
 import torch
 
-from ._validate import check_positive_int
+from .._validate import check_positive_int
 from .base import BaseKVCache, KVCacheLayout
 from .distributed import DistributedInfo, divide_even, try_get_tp_info
-from .kernels import store_cache
+from ..kernels.store import store_cache
 
 __all__ = ["MHAKVCache"]
 
@@ -30,7 +30,7 @@ class MHAKVCache(BaseKVCache):
     Args:
         num_kv_heads: KV heads of the whole model; this process keeps
             ``local_kv_heads = divide_even(num_kv_heads, tp.size)`` of them, where ``tp`` is the
-            info set with :func:`kvcache.distributed.set_tp_info` (rank 0 of size 1 if none).
+            info set with :func:`kvcache.storage.distributed.set_tp_info` (rank 0 of size 1 if none).
         num_layers, head_dim, num_pages, page_size: positive ints; the pool has
             ``num_slots = num_pages * page_size`` token slots, slot ``s`` at
             ``[s // page_size, s % page_size]`` of each layer view.

@@ -24,9 +24,9 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from ._validate import check_token_ids
+from .._validate import check_token_ids
 from .allocator import PageAllocator
-from .base import BaseCacheHandle, BaseCacheManager
+from ..managers.base import BaseCacheHandle, BaseCacheManager
 
 __all__ = ["Request", "FlowStats", "FlowEvent", "RequestFlow"]
 

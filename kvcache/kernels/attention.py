@@ -1,4 +1,4 @@
-"""Attention that reads K/V from an :class:`~kvcache.mha_pool.MHAKVCache` through token slots.
+"""Attention that reads K/V from an :class:`~kvcache.storage.mha_pool.MHAKVCache` through token slots.
 
 Batch format (both functions)
     A batch of ``B`` requests. Request ``r`` has ``T_r = len(slots[r])`` tokens whose K/V are
@@ -21,8 +21,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .kernels.store import _HAVE_TRITON, store_cache_backend
-from .mha_pool import MHAKVCache
+from .store import _HAVE_TRITON, store_cache_backend
+from ..storage.mha_pool import MHAKVCache
 
 if _HAVE_TRITON:
     import triton

@@ -7,7 +7,7 @@ from typing import Tuple
 
 import torch
 
-from ._validate import check_indices, check_size, check_token_ids
+from .._validate import check_indices, check_size, check_token_ids
 from .base import BaseCacheHandle, BaseCacheManager, SizeInfo
 
 __all__ = ["NaiveCacheHandle", "NaiveCacheManager"]
@@ -63,4 +63,8 @@ class NaiveCacheManager(BaseCacheManager):
 
     def cached_indices(self) -> torch.Tensor:
         """Slots held by the cache: none."""
+        return self.empty_tensor
+
+    def handle_indices(self, handle: BaseCacheHandle) -> torch.Tensor:
+        """The slots of a naive handle: none."""
         return self.empty_tensor

@@ -7,18 +7,23 @@ priority of a node may only change when the manager is told (it re-pushes the no
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Dict, Protocol, Tuple, Type
+from typing import Callable, Dict, Protocol, Tuple, Type
 
-if TYPE_CHECKING:
-    from .radix_manager import RadixTreeNode
+__all__ = ["EvictableNode", "EvictionPolicy", "LRUPolicy", "FIFOPolicy", "EVICTION_POLICIES", "register_eviction_policy"]
 
-__all__ = ["EvictionPolicy", "LRUPolicy", "FIFOPolicy", "EVICTION_POLICIES", "register_eviction_policy"]
+
+class EvictableNode(Protocol):
+    """What a policy may read of a tree node (`RadixTreeNode` has these fields)."""
+
+    timestamp: int
+    insert_time: int
+    uuid: int
 
 
 class EvictionPolicy(Protocol):
     name: str
 
-    def priority(self, node: "RadixTreeNode") -> Tuple[int, int]:
+    def priority(self, node: EvictableNode) -> Tuple[int, int]:
         """Smaller goes first. Must be a pure function of the node's fields."""
         ...
 
@@ -45,7 +50,7 @@ class LRUPolicy:
 
     name = "lru"
 
-    def priority(self, node: "RadixTreeNode") -> Tuple[int, int]:
+    def priority(self, node: EvictableNode) -> Tuple[int, int]:
         return (node.timestamp, node.uuid)
 
 
@@ -55,5 +60,5 @@ class FIFOPolicy:
 
     name = "fifo"
 
-    def priority(self, node: "RadixTreeNode") -> Tuple[int, int]:
+    def priority(self, node: EvictableNode) -> Tuple[int, int]:
         return (node.insert_time, node.uuid)

@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tup
 import graphviz
 import torch
 
-from .radix_manager import RadixCacheHandle, RadixCacheManager
+from ..managers.radix import RadixCacheHandle, RadixCacheManager
 
 __all__ = [
     "NodeSnapshot", "TreeSnapshot", "TreeRecorder", "snapshot", "diff_snapshots", "predict_evict",

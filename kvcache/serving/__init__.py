@@ -1,0 +1,17 @@
+"""The serving layer: requests on top of a pool and a manager.
+
+`PageAllocator` (the free list of pages), `RequestFlow` (the seven steps of a request for any
+manager, with `check_integrity` over pages), `TinyLlama` and `Engine` (a model whose K/V live
+only in the pool), the `ByteTokenizer`, and seeded `workloads`.
+"""
+
+from .allocator import PageAllocator
+from .engine import Engine
+from .model import TinyLlama, TinyLlamaConfig
+from .request_flow import FlowEvent, FlowStats, Request, RequestFlow
+from .tokenizer import ByteTokenizer
+
+__all__ = [
+    "PageAllocator", "RequestFlow", "Request", "FlowStats", "FlowEvent",
+    "TinyLlama", "TinyLlamaConfig", "Engine", "ByteTokenizer",
+]

@@ -1,0 +1,210 @@
+"""The package's layers, written down once as data, and checked on its real import graph.
+
+Every import in ``kvcache/`` (module level, inside functions and under ``TYPE_CHECKING`` alike)
+is read from the source with `ast`, so a layer rule cannot be broken by an import hidden in a
+function, and a cycle through type-only imports counts as a cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "kvcache"
+
+#: What each layer may import of the package (itself included). ``kvcache`` (the package's
+#: ``__init__``) re-exports everything and may import any layer.
+ALLOWED = {
+    "kvcache._validate": set(),
+    "kvcache.kernels": {"kvcache._validate"},
+    "kvcache.storage": {"kvcache._validate", "kvcache.kernels"},
+    "kvcache.managers": {"kvcache._validate"},
+    "kvcache.serving": {"kvcache._validate", "kvcache.kernels", "kvcache.storage", "kvcache.managers"},
+    "kvcache.viz": {"kvcache._validate", "kvcache.kernels", "kvcache.storage", "kvcache.managers",
+                    "kvcache.serving"},
+    "kvcache.examples": {"kvcache._validate", "kvcache.kernels", "kvcache.storage",
+                         "kvcache.managers", "kvcache.serving"},
+}
+
+#: Outside packages a layer must never import (prefix match on the dotted name).
+FORBIDDEN_OUTSIDE = {
+    "kvcache._validate": ("graphviz", "ipywidgets", "matplotlib", "IPython", "torch.distributed",
+                          "torch.multiprocessing", "book"),
+    "kvcache.kernels": ("graphviz", "ipywidgets", "matplotlib", "IPython", "torch.distributed",
+                        "torch.multiprocessing", "book"),
+    "kvcache.storage": ("graphviz", "ipywidgets", "matplotlib", "IPython", "torch.distributed",
+                        "torch.multiprocessing", "book"),
+    "kvcache.managers": ("graphviz", "ipywidgets", "matplotlib", "IPython", "torch.distributed",
+                         "torch.multiprocessing", "book"),
+    "kvcache.serving": ("graphviz", "ipywidgets", "IPython", "torch.multiprocessing", "book"),
+    "kvcache.viz": ("book",),
+    "kvcache.examples": ("graphviz", "ipywidgets", "IPython", "book"),
+}
+
+#: Heavy packages that ``import kvcache`` must not load.
+HEAVY = ("graphviz", "ipywidgets", "matplotlib", "IPython", "kvcache.examples")
+
+MAX_LINES = 400
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 else module
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, absolute and dotted (``from . import x`` resolved)."""
+    module = _module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            found.add(target)
+            # ``from .sub import name`` may import the submodule ``sub.name``.
+            for alias in node.names:
+                candidate = f"{target}.{alias.name}"
+                if _path_of(candidate) is not None:
+                    found.add(candidate)
+    return found
+
+
+def _path_of(module: str) -> Path | None:
+    if not module.startswith("kvcache"):
+        return None
+    rel = Path(*module.split("."))
+    for p in (PACKAGE.parent / rel.with_suffix(".py"), PACKAGE.parent / rel / "__init__.py"):
+        if p.exists():
+            return p
+    return None
+
+
+def _graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        graph[_module_name(path)] = _imports(path)
+    return graph
+
+
+def test_layers_import_only_what_is_below_them():
+    broken = []
+    for module, imports in _graph().items():
+        layer = _layer(module)
+        if module == "kvcache":
+            continue
+        allowed = ALLOWED[layer] | {layer}
+        for target in imports:
+            if target.startswith("kvcache"):
+                if target == "kvcache" or _layer(target) not in allowed:
+                    broken.append(f"{module} imports {target}")
+            elif target.startswith(FORBIDDEN_OUTSIDE[layer]):
+                broken.append(f"{module} imports {target}")
+    assert not broken, "layer rules broken:\n" + "\n".join(sorted(broken))
+
+
+def test_no_import_cycle():
+    graph = {m: {t for t in ts if t in _graph_modules()} for m, ts in _graph().items()}
+    # A package's __init__ importing its own submodules is how packages work, not a cycle.
+    for m in graph:
+        graph[m] = {t for t in graph[m] if not (m and t.startswith(m + "."))}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for t in sorted(graph[m]):
+            if state.get(t) == 1:
+                cycle = stack[stack.index(t):] + [t]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if t not in state:
+                visit(t)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def _graph_modules() -> set[str]:
+    return {_module_name(p) for p in PACKAGE.rglob("*.py")}
+
+
+def test_no_module_is_too_long():
+    long = {str(p.relative_to(PACKAGE.parent)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def _owned_private_names(tree: ast.AST) -> set[str]:
+    """Private attributes a module defines itself: ``self._x = ...``, ``def _x``, slots, fields."""
+    owned: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and node.attr.startswith("_"):
+            owned.add(node.attr)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("_"):
+            owned.add(node.name)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            owned.add(node.target.id)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("_"):
+            owned.add(node.value)  # __slots__ entries
+    return owned
+
+
+def test_no_reach_into_private_attributes_of_other_modules():
+    """``obj._x`` only for a ``_x`` the same module defines; ``getattr(obj, "_x")`` never."""
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        owned = _owned_private_names(tree)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                    and not node.attr.startswith("__") and node.attr not in owned):
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} .{node.attr}")
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ("getattr", "hasattr") and len(node.args) >= 2
+                    and isinstance(node.args[1], ast.Constant)
+                    and str(node.args[1].value).startswith("_")):
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} getattr {node.args[1].value}")
+    assert not found, "private attributes of other modules:\n" + "\n".join(found)
+
+
+def test_import_kvcache_loads_nothing_heavy():
+    code = (
+        "import sys, kvcache\n"
+        f"heavy = [m for m in sys.modules if m.startswith({HEAVY!r})]\n"
+        "print(','.join(sorted(heavy)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=PACKAGE.parent)
+    assert out.stdout.strip() == "", f"import kvcache loaded: {out.stdout.strip()}"
+
+
+def test_lazy_names_resolve():
+    code = (
+        "import kvcache\n"
+        "for name in kvcache.__all__:\n"
+        "    getattr(kvcache, name)\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent)
+    assert out.stdout.strip() == "ok", out.stderr
