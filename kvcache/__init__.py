@@ -31,6 +31,7 @@ from .managers import (
     BlockHashCacheHandle,
     BlockHashCacheManager,
     CachedBlock,
+    InsertResult,
     NaiveCacheHandle,
     NaiveCacheManager,
     RadixCacheHandle,
@@ -102,7 +103,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "BaseKVCache", "KVCacheLayout", "BaseCacheHandle", "SizeInfo", "BaseCacheManager",
+    "BaseKVCache", "KVCacheLayout", "BaseCacheHandle", "SizeInfo", "BaseCacheManager", "InsertResult",
     "MHAKVCache", "NaiveCacheHandle", "NaiveCacheManager",
     "RadixTreeNode", "RadixCacheHandle", "RadixCacheManager",
     "BlockHashCacheManager", "BlockHashCacheHandle", "CachedBlock",

@@ -6,14 +6,14 @@
 neither the storage, the kernels nor anything that serves or draws.
 """
 
-from .base import BaseCacheHandle, BaseCacheManager, SizeInfo
+from .base import BaseCacheHandle, BaseCacheManager, InsertResult, SizeInfo
 from .block_hash import BlockHashCacheHandle, BlockHashCacheManager, CachedBlock
 from .eviction import EVICTION_POLICIES, register_eviction_policy
 from .naive import NaiveCacheHandle, NaiveCacheManager
 from .radix import RadixCacheHandle, RadixCacheManager, RadixTreeNode
 
 __all__ = [
-    "BaseCacheHandle", "BaseCacheManager", "SizeInfo",
+    "BaseCacheHandle", "BaseCacheManager", "InsertResult", "SizeInfo",
     "NaiveCacheHandle", "NaiveCacheManager",
     "RadixTreeNode", "RadixCacheHandle", "RadixCacheManager",
     "BlockHashCacheManager", "BlockHashCacheHandle", "CachedBlock",

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple, Tuple
 
 import torch
 
-__all__ = ["BaseCacheHandle", "SizeInfo", "BaseCacheManager"]
+__all__ = ["BaseCacheHandle", "SizeInfo", "InsertResult", "BaseCacheManager"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,19 @@ class SizeInfo(NamedTuple):
     @property
     def total_size(self) -> int:
         return self.evictable_size + self.protected_size
+
+
+class InsertResult(NamedTuple):
+    """What `BaseCacheManager.insert_and_match` returns.
+
+    ``cached_len``: the length that was already cached (what `insert_prefix` returns);
+    ``handle``: an unlocked handle on the longest cached prefix of the inserted ids after the
+    insert (its ``cached_len`` is the page-aligned length of ``input_ids`` for a caching
+    manager, 0 for one that caches nothing).
+    """
+
+    cached_len: int
+    handle: BaseCacheHandle
 
 
 class BaseCacheManager(ABC):
@@ -81,6 +94,17 @@ class BaseCacheManager(ABC):
     @abstractmethod
     def check_integrity(self) -> None:
         """Raise ``RuntimeError`` if the manager's bookkeeping is inconsistent."""
+
+    def insert_and_match(self, input_ids: torch.Tensor, indices: torch.Tensor) -> InsertResult:
+        """`insert_prefix`, then the handle of what is now cached, in one call.
+
+        The default runs the two public calls; a manager may override it to walk its index once
+        (the request flow calls it on every `cache` and `finish`). Same validation and errors as
+        `insert_prefix`; the returned handle is not locked.
+        """
+        cached_len = self.insert_prefix(input_ids, indices)
+        handle, _ = self.match_prefix(input_ids)
+        return InsertResult(cached_len, handle)
 
     @abstractmethod
     def cached_indices(self) -> torch.Tensor:
