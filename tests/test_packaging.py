@@ -192,3 +192,26 @@ def test_wheel_installs_into_a_fresh_venv(dist, tmp_path):
         f"installed files differ from kvcache/: extra "
         f"{sorted(installed - source)}, missing {sorted(source - installed)}"
     )
+
+
+def test_pre_commit_runs_the_pinned_ruff():
+    """.pre-commit-config.yaml installs ruff itself; it must be the version `make lint` runs."""
+    import yaml
+    from packaging.requirements import Requirement
+
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    pins = {
+        Requirement(r).name: str(Requirement(r).specifier)
+        for extra in pyproject["project"]["optional-dependencies"].values()
+        for r in extra
+    }
+    config = yaml.safe_load((REPO / ".pre-commit-config.yaml").read_text())
+    hooks = [h for repo in config["repos"] for h in repo["hooks"]]
+    used = {
+        Requirement(d).name: str(Requirement(d).specifier)
+        for h in hooks
+        for d in h.get("additional_dependencies", [])
+    }
+    assert used, "no hook pins a tool"
+    for name, spec in used.items():
+        assert pins.get(name) == spec, f"pre-commit pins {name}{spec}, pyproject {pins.get(name)}"
