@@ -438,6 +438,29 @@ def test_chapter_figures_render(browser, kind):
         pytest.skip(f"no chapter in the toc shows a {kind} figure yet")
 
 
+#: The API reference part (book/api/): the page of each layer and the module it documents.
+API_PAGES = {
+    "kernels": "kvcache.kernels",
+    "storage": "kvcache.storage",
+    "managers": "kvcache.managers",
+    "serving": "kvcache.serving",
+    "viz": "kvcache.viz",
+    "examples": "kvcache.examples.tp_attention",
+}
+
+
+@needs_site
+@pytest.mark.parametrize("page, module", sorted(API_PAGES.items()))
+def test_api_page_documents_every_public_name(page, module):
+    """Each layer's page has an entry (the anchor autodoc writes) for every name of __all__."""
+    import importlib
+
+    html = (HTML / "book" / "api" / f"{page}.html").read_text()
+    names = importlib.import_module(module).__all__
+    missing = [n for n in names if f'id="{module}.{n}"' not in html]
+    assert not missing, f"book/api/{page}.html documents none of {missing} (from {module}.__all__)"
+
+
 # --------------------------------------------------------------------------- by hand
 
 
