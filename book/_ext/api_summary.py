@@ -9,6 +9,11 @@
     defined in a submodule (it only documents data assigned in the module it reads); this
     directive documents it under the layer's name with the ``#:`` comment from the module that
     defines it.
+
+It also lets a docstring's short reference find its target across layers: `RadixCacheManager`
+written in ``kvcache.viz`` (or ``kvcache.managers.eviction.EVICTION_POLICIES``, a submodule
+path) links to the one entry the pages hold under that name, ``kvcache.managers.X``. Sphinx
+alone looks only in the current module and at the top level, and leaves such names unlinked.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from sphinx.application import Sphinx
 from sphinx.ext.autosummary import Autosummary
 from sphinx.pycode import ModuleAnalyzer, PycodeError
 from sphinx.util.docutils import SphinxDirective
+from sphinx.util.nodes import make_refnode
 
 
 def _public_names(module_name: str) -> tuple[ModuleType, list[str]]:
@@ -121,8 +127,32 @@ class LayerData(SphinxDirective):
         return container.children
 
 
+def _resolve_across_layers(app: Sphinx, env: Any, node: Any, contnode: Any) -> Any:
+    """``missing-reference``: link a short or submodule-qualified ``py`` name to the single
+    documented ``kvcache`` object it names; leave it alone when none or several match."""
+    if node.get("refdomain") != "py":
+        return None
+    target = node["reftarget"].lstrip("~.")
+    objects = env.get_domain("py").objects
+    if target.startswith("kvcache."):
+        # kvcache.managers.eviction.X (where it is defined) -> kvcache.managers.X (documented)
+        target = target.rpartition(".")[2]
+    if "." in target:  # Class.method
+        found = [name for name in objects if name.endswith("." + target)]
+    else:  # a module-level name only: kvcache.<layer>.<Name>
+        found = [name for name in objects if name.endswith("." + target) and name.count(".") == 2]
+    found = [name for name in found if name.startswith("kvcache.")]
+    if len(found) != 1:
+        return None
+    entry = objects[found[0]]
+    return make_refnode(
+        app.builder, node["refdoc"], entry.docname, entry.node_id, contnode, found[0]
+    )
+
+
 def setup(app: Sphinx) -> dict[str, Any]:
     app.setup_extension("sphinx.ext.autosummary")
     app.add_directive("layer-summary", LayerSummary)
     app.add_directive("layer-data", LayerData)
+    app.connect("missing-reference", _resolve_across_layers)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
