@@ -91,18 +91,29 @@ def _label(n: NodeSnapshot, policy: str, decode: DecodeLike, max_chars: int,
     if rank is not None:
         meta += f" · evict #{rank}"
     rows = [
-        f'<TR><TD><FONT POINT-SIZE="{font_size:g}">{html.escape(text)}</FONT></TD></TR>',
-        f'<TR><TD><FONT POINT-SIZE="{small:g}" COLOR="{meta_color}">{html.escape(slots)}</FONT></TD></TR>',
-        f'<TR><TD><FONT POINT-SIZE="{small:g}" COLOR="{meta_color}">{html.escape(meta)}</FONT></TD></TR>',
+        f'<TR><TD><FONT POINT-SIZE="{font_size:g}">{_html_text(text)}</FONT></TD></TR>',
+        f'<TR><TD><FONT POINT-SIZE="{small:g}" COLOR="{meta_color}">{_html_text(slots)}</FONT></TD></TR>',
+        f'<TR><TD><FONT POINT-SIZE="{small:g}" COLOR="{meta_color}">{_html_text(meta)}</FONT></TD></TR>',
     ]
     return '<<TABLE BORDER="0" CELLBORDER="0" CELLSPACING="0" CELLPADDING="0">' + "".join(rows) + "</TABLE>>"
 
 
 def _dot_text(text: str) -> str:
-    """``text`` as a plain (never HTML) DOT string shown as written: backslashes doubled so
-    graphviz expands no escape (``\\N``, ``\\l``) and a final backslash cannot end the quoted
-    string early; control characters escaped; line breaks kept."""
-    return graphviz.nohtml("\n".join(one_line(line).replace("\\", "\\\\") for line in text.split("\n")))
+    """``text`` as a plain (never HTML) DOT string that graphviz shows as written.
+
+    Backslashes are doubled (graphviz expands ``\\N``, ``\\G``, ``\\l`` in labels and
+    tooltips, and a final backslash would end the quoted string early), ``&`` becomes ``&amp;``
+    (graphviz decodes entities in plain labels too), control characters are escaped
+    (`one_line`); line breaks are kept.
+    """
+    lines = (one_line(line).replace("\\", "\\\\").replace("&", "&amp;") for line in text.split("\n"))
+    return graphviz.nohtml("\n".join(lines))
+
+
+def _html_text(text: str) -> str:
+    """``text`` for a cell of an HTML-like label: entities escaped, and backslashes doubled
+    (graphviz expands ``\\N`` and friends inside HTML labels as well)."""
+    return html.escape(one_line(text)).replace("\\", "\\\\")
 
 
 def _tooltip(n: NodeSnapshot, decode: DecodeLike) -> str:
