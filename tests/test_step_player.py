@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest

@@ -538,3 +538,12 @@ def test_any_text_is_drawn_as_written(text):
     seq = ElementTree.fromstring(render_svg(draw_sequence([snap, snap], decode)))
     clusters = [g for g in seq.find(f"{SVG_NS}g").findall(f"{SVG_NS}g") if g.get("class") == "cluster"]
     assert len(clusters) == 3  # two panels and the legend
+
+
+def test_recorder_forwards_only_public_names():
+    manager, rec = source_13_4()
+    assert rec.size_info == manager.size_info and rec.page_size == manager.page_size
+    with pytest.raises(AttributeError):
+        rec._policy  # noqa: B018  (a manager's private state is not the recorder's to hand out)
+    assert [s.caption for s in rec] == [s.caption for s in rec.snapshots]  # iterates its snapshots
+    assert rec.to_snapshot() is rec.last and copy.deepcopy(rec).last.nodes == rec.last.nodes

@@ -35,7 +35,7 @@ class TreeRecorder:
     """Wraps a `RadixCacheManager`: forwards calls and keeps a captioned snapshot after each.
 
     ``match_prefix``, ``insert_prefix``, ``lock_handle`` and ``evict`` behave exactly as the
-    manager's (same results, same exceptions); every other attribute is the manager's. A failed
+    manager's (same results, same exceptions); every other public attribute is the manager's. A failed
     ``evict`` is recorded too (caption ``✗``) before the error propagates. ``on_event`` can be
     given to ``RequestFlow(on_event=...)`` to record the flow's steps instead; steps that leave
     the tree unchanged are skipped unless ``record_unchanged``.
@@ -57,8 +57,9 @@ class TreeRecorder:
             self.record("empty tree" if self.manager.num_nodes == 0 else "start")
 
     def __getattr__(self, name: str) -> Any:  # only called for names the recorder lacks
-        if name == "manager":
-            raise AttributeError(name)
+        # Forward the manager's public names only: its private state stays its own.
+        if name == "manager" or name.startswith("_"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(self.manager, name)
 
     def record(self, caption: str, *, evict_size: Optional[int] = None) -> TreeSnapshot:
