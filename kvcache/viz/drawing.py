@@ -10,8 +10,9 @@ trees also show ``in``, the insert time). Fill says the state: blue with a bold 
 protected (``ref_count > 0``), light grey = evictable, green = just inserted; an orange border =
 just split; red dashed = about to be evicted; grey dashed with grey text = a ghost of a node the
 last call evicted. Fills are pastel with dark text and the background is transparent, so the
-pictures read in light and dark themes. Token text reaches graphviz only html-escaped, inside
-HTML-like labels, or as a quoted tooltip.
+pictures read in light and dark themes. Every string a caller supplies (token text, titles,
+captions) reaches graphviz escaped for its place, so it is drawn as written: never read as DOT
+syntax, an HTML label, an entity or an escape such as ``\\N``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Dict, Iterable, List, Optional, Sequence
 import graphviz
 
 from .._validate import check_positive_int, check_size
-from .snapshot import NodeSnapshot, Tree, TreeSnapshot, as_snapshot, evict_order
+from .snapshot import NodeSnapshot, Tree, TreeSnapshot, as_snapshot, evict_order, snapshot_list
 from .text import DecodeLike, age_text, as_decoder, format_indices, one_line, shorten_middle, shorten_tokens
 
 __all__ = ["PALETTE", "draw_tree", "draw_sequence"]
@@ -124,6 +125,8 @@ def _tooltip(n: NodeSnapshot, decode: DecodeLike) -> str:
 
 
 def _auto_rankdir(num_nodes: int, rankdir: str) -> str:
+    if not isinstance(rankdir, str):
+        raise TypeError(f"rankdir must be a str, got {type(rankdir).__name__}")
     if rankdir == "auto":
         return "LR" if num_nodes > 15 else "TB"
     if rankdir not in ("TB", "LR"):
@@ -191,21 +194,6 @@ def _add_legend(g: graphviz.Digraph, font_size: float, rankdir: str, prefix: str
         chain = names if rankdir == "TB" else names[::-1]  # LR stacks a same-rank chain upwards
         for a, b in zip(chain, chain[1:]):
             c.edge(a, b, style="invis")
-
-
-def snapshot_list(snapshots: Iterable[TreeSnapshot], name: str = "snapshots") -> List[TreeSnapshot]:
-    """``snapshots`` (any iterable of `TreeSnapshot`, a `TreeRecorder` included) as a list.
-
-    Raises ``TypeError`` naming the argument ``name`` for anything else.
-    """
-    if isinstance(snapshots, (str, bytes, TreeSnapshot)) or not isinstance(snapshots, Iterable):
-        raise TypeError(f"{name} must be a TreeRecorder or an iterable of TreeSnapshot, "
-                        f"got {type(snapshots).__name__}")
-    snaps = list(snapshots)
-    for s in snaps:
-        if not isinstance(s, TreeSnapshot):
-            raise TypeError(f"{name} must hold TreeSnapshot objects, got {type(s).__name__}")
-    return snaps
 
 
 def _check_style(decode: DecodeLike, rankdir: str, max_chars: int, font_size: float) -> None:

@@ -30,9 +30,9 @@ from importlib import resources
 from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple, Union, runtime_checkable
 
 from .._validate import check_size
-from .drawing import draw_tree, snapshot_list
+from .drawing import draw_tree
 from .recorder import TreeRecorder
-from .snapshot import TreeSnapshot
+from .snapshot import TreeSnapshot, snapshot_list
 from .text import DecodeLike, as_decoder, tree_text
 
 __all__ = ["StepPlayer", "step_player", "render_svg", "PLAYER_ID_PATTERN"]

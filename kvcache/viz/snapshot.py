@@ -13,14 +13,14 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import Any, Dict, FrozenSet, List, Optional, Protocol, Tuple, Union, runtime_checkable
+from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Protocol, Tuple, Union, runtime_checkable
 
 from .._validate import check_size
 from ..managers.radix import RadixCacheManager
 
 __all__ = [
     "NodeSnapshot", "TreeSnapshot", "SnapshotSource", "snapshot", "diff_snapshots", "as_snapshot",
-    "predict_evict", "evict_order",
+    "snapshot_list", "predict_evict", "evict_order",
 ]
 
 
@@ -196,6 +196,21 @@ def as_snapshot(tree: Tree, name: str = "tree") -> TreeSnapshot:
         return tree.to_snapshot()
     raise TypeError(f"{name} must be a RadixCacheManager, TreeRecorder or TreeSnapshot, "
                     f"got {type(tree).__name__}")
+
+
+def snapshot_list(snapshots: Iterable[TreeSnapshot], name: str = "snapshots") -> List[TreeSnapshot]:
+    """``snapshots`` (any iterable of `TreeSnapshot`, a `TreeRecorder` included) as a list.
+
+    Raises ``TypeError`` naming the argument ``name`` for anything else.
+    """
+    if isinstance(snapshots, (str, bytes, TreeSnapshot)) or not isinstance(snapshots, Iterable):
+        raise TypeError(f"{name} must be a TreeRecorder or an iterable of TreeSnapshot, "
+                        f"got {type(snapshots).__name__}")
+    snaps = list(snapshots)
+    for s in snaps:
+        if not isinstance(s, TreeSnapshot):
+            raise TypeError(f"{name} must hold TreeSnapshot objects, got {type(s).__name__}")
+    return snaps
 
 
 def predict_evict(tree: Tree, size: int) -> List[int]:
