@@ -549,3 +549,14 @@ def test_recorder_forwards_only_public_names():
         rec._policy  # noqa: B018  (a manager's private state is not the recorder's to hand out)
     assert [s.caption for s in rec] == [s.caption for s in rec.snapshots]  # iterates its snapshots
     assert rec.to_snapshot() is rec.last and copy.deepcopy(rec).last.nodes == rec.last.nodes
+
+
+def test_formatting_takes_any_integer_sequence():
+    import numpy as np
+
+    for slots_ in ([4, 5, 6, 9], (4, 5, 6, 9), torch.tensor([4, 5, 6, 9]), np.array([4, 5, 6, 9]),
+                   [np.int64(4), 5, 6, np.int32(9)]):
+        assert format_indices(slots_) == "4–6, 9"
+        assert format_tokens(slots_) == "4, 5, 6, 9"
+    with pytest.raises(TypeError, match="indices"):
+        format_indices(np.array([1.5]))

@@ -10,8 +10,10 @@ shared with the graphviz drawings and the recorder of this package.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 
 from .._validate import check_positive_int, check_size
@@ -96,18 +98,22 @@ def shorten_tokens(tokens: Sequence[int], decode: DecodeLike, max_chars: int,
 
 
 def _int_list(values: Any, name: str) -> List[int]:
-    """``values`` (a sequence or 1-D tensor of integers) as a list of Python ints."""
+    """``values`` (a sequence, 1-D tensor or 1-D array of integers) as a list of Python ints."""
     if isinstance(values, torch.Tensor):
         if values.dim() != 1 or values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
             raise TypeError(f"{name} must be a 1-D integer tensor, got {values.dtype} of shape "
                             f"{tuple(values.shape)}")
         return values.tolist()
+    if isinstance(values, np.ndarray):
+        if values.ndim != 1 or values.dtype.kind not in "iu":
+            raise TypeError(f"{name} must be a 1-D integer array, got {values.dtype} of shape {values.shape}")
+        return values.tolist()
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, int):
+    for v in values:  # numpy integers are Integral too
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
             raise TypeError(f"{name} must hold ints, got {type(v).__name__} {v!r}")
-    return list(values)
+    return [int(v) for v in values]
 
 
 def format_tokens(tokens: Sequence[int], decode: DecodeLike = None, *, max_chars: int = 24) -> str:
