@@ -69,14 +69,15 @@ def random_batch(n, num_slots, heads, dim, dtype, index_dtype, seed):
 def test_backend_choice():
     assert store_cache_backend("cpu") == ("triton-interpreter" if TRITON_INTERPRET else "torch")
     assert TRITON_INTERPRET == (os.environ.get("TRITON_INTERPRET") == "1")
-    assert store_cache_backend("cuda") == "triton"
+    # With TRITON_INTERPRET=1 Triton interprets every launch, CUDA tensors' included.
+    assert store_cache_backend("cuda") == ("triton-interpreter" if TRITON_INTERPRET else "triton")
     assert store_cache_backend(torch.device("meta")) == "torch"
 
 
 def test_dispatch_calls_the_chosen_backend(monkeypatch):
     called = []
-    monkeypatch.setattr(store_mod, "_store_triton", lambda *a: called.append("triton"))
-    monkeypatch.setattr(store_mod, "_store_torch", lambda *a: called.append("torch"))
+    monkeypatch.setattr(store_mod, "_store_triton", lambda *a, **kw: called.append("triton"))
+    monkeypatch.setattr(store_mod, "_store_torch", lambda *a, **kw: called.append("torch"))
     kc, vc = make_caches("flat", 4, 1, 1, 2)
     store_cache(kc, vc, torch.tensor([1], dtype=torch.int32), torch.ones(1, 1, 2), torch.ones(1, 1, 2))
     assert called == ["triton" if TRITON_INTERPRET else "torch"]
@@ -171,6 +172,11 @@ def _misuse_cases():
         (ValueError, dict(k_cache=torch.zeros(8, 2))),
         (ValueError, dict(k=torch.ones(2, 2, 4, device="meta"))),
         (ValueError, dict(indices=torch.zeros(2, dtype=torch.int32, device="meta"))),
+        # a cache that overlaps itself: every slot of a page is the same memory
+        (ValueError, dict(k_cache=torch.zeros(4, 1, 2, 4).expand(4, 2, 2, 4))),
+        (ValueError, dict(v_cache=torch.zeros(1, 2, 2, 4).expand(4, 2, 2, 4))),
+        # an int64 index that an int32 cast would bring into range
+        (IndexError, dict(indices=torch.tensor([0, 2**32 + 1], dtype=torch.int64))),
     ]
 
 
@@ -182,6 +188,19 @@ def test_misuse_raises_before_writing(fn):
         with pytest.raises(exc):
             fn(args["k_cache"], args["v_cache"], args["indices"], args["k"], args["v"])
         assert not base["k_cache"].any() and not base["v_cache"].any(), override
+
+
+@pytest.mark.parametrize("fn", BACKENDS)
+@pytest.mark.parametrize("kind,page_size", [("flat", 1), ("page_first", 4)])
+def test_unchecked_out_of_range_rows_are_dropped(fn, kind, page_size):
+    """check_bounds=False (no host sync): the device-side guard writes the good rows only."""
+    kc, vc = make_caches(kind, 16 // page_size, page_size, 2, 4)
+    idx = torch.tensor([3, -1, 16, 2**40, 5], dtype=torch.int64)
+    k = torch.arange(5 * 8, dtype=torch.float32).view(5, 2, 4) + 1
+    fn(kc, vc, idx, k, -k, check_bounds=False)
+    good = torch.tensor([3, 5])
+    assert torch.equal(kc, reference(torch.zeros_like(kc), good, k[[0, 4]]))
+    assert torch.equal(vc, reference(torch.zeros_like(vc), good, -k[[0, 4]]))
 
 
 @pytest.mark.skipif(TRITON_INTERPRET, reason="only meaningful without the interpreter")
