@@ -61,6 +61,10 @@ class Batch:
             slots.append(s), ks.append(k), vs.append(v)
         self.pool.store_kv(torch.cat(ks), torch.cat(vs), torch.cat(slots), LAYER)
 
+    def layer(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The (k_cache, v_cache) views of the layer the batch lives in: what attention takes."""
+        return self.pool.k_cache(LAYER), self.pool.v_cache(LAYER)
+
     def queries(self, q_lens: List[int]) -> torch.Tensor:
         return torch.randn(sum(q_lens), self.q_heads, self.pool.head_dim, generator=self.g).to(self.dtype)
 
@@ -83,7 +87,7 @@ def test_reference_equals_dense_prefill_and_decode(layout, page_size, group):
     q_lens = [1, 5, 7, 1]  # decode, full prefill, prefill over a cached prefix of 12, decode
     b = Batch(layout, page_size, kv_heads=2, group=group, head_dim=16, seq_lens=seq_lens, seed=group + page_size)
     q = b.queries(q_lens)
-    out = paged_attention(q, b.pool, LAYER, b.slots, q_lens)
+    out = paged_attention(q, *b.layer(), b.slots, q_lens)
     assert out.shape == q.shape and out.dtype == q.dtype
     torch.testing.assert_close(out, b.dense(q, q_lens), rtol=1e-5, atol=1e-5)
 
@@ -94,10 +98,10 @@ def test_prefill_after_cached_prefix_matches_full_prefill(layout):
     b = Batch(layout, 4, kv_heads=2, group=3, head_dim=8, seq_lens=[6, 9], seed=7)
     b.extend([5, 3])  # new tokens appended after the cached prefixes (new slots, scattered)
     q_full = b.queries([11, 12])
-    full = paged_attention(q_full, b.pool, LAYER, b.slots, [11, 12])
+    full = paged_attention(q_full, *b.layer(), b.slots, [11, 12])
     # query only the new tokens: rows must equal the last rows of the full prefill
     q_new = torch.cat([q_full[6:11], q_full[11 + 9 :]])
-    part = paged_attention(q_new, b.pool, LAYER, b.slots, [5, 3])
+    part = paged_attention(q_new, *b.layer(), b.slots, [5, 3])
     torch.testing.assert_close(part, torch.cat([full[6:11], full[11 + 9 :]]), rtol=0, atol=1e-6)
     torch.testing.assert_close(full, b.dense(q_full, [11, 12]), rtol=1e-5, atol=1e-5)
 
@@ -105,21 +109,21 @@ def test_prefill_after_cached_prefix_matches_full_prefill(layout):
 def test_decode_is_default_and_scale_is_respected():
     b = Batch(KVCacheLayout.PageFirst, 2, kv_heads=1, group=2, head_dim=8, seq_lens=[3, 4], seed=1)
     q = b.queries([1, 1])
-    torch.testing.assert_close(paged_attention(q, b.pool, LAYER, b.slots), b.dense(q, [1, 1]))
-    torch.testing.assert_close(paged_attention(q, b.pool, LAYER, b.slots, scale=0.3), b.dense(q, [1, 1], scale=0.3))
-    assert not torch.allclose(paged_attention(q, b.pool, LAYER, b.slots, scale=0.3), b.dense(q, [1, 1]))
+    torch.testing.assert_close(paged_attention(q, *b.layer(), b.slots), b.dense(q, [1, 1]))
+    torch.testing.assert_close(paged_attention(q, *b.layer(), b.slots, scale=0.3), b.dense(q, [1, 1], scale=0.3))
+    assert not torch.allclose(paged_attention(q, *b.layer(), b.slots, scale=0.3), b.dense(q, [1, 1]))
 
 
 def test_gather_kv_returns_dense_tokens():
     b = Batch(KVCacheLayout.PageFirst, 16, kv_heads=2, group=1, head_dim=4, seq_lens=[20], seed=2)
-    k, v = gather_kv(b.pool, LAYER, b.slots[0])
+    k, v = gather_kv(*b.layer(), b.slots[0])
     assert torch.equal(k, b.k[0]) and torch.equal(v, b.v[0])
 
 
 def test_half_precision_reference():
     b = Batch(KVCacheLayout.LayerFirst, 4, kv_heads=2, group=2, head_dim=16, seq_lens=[9, 3], seed=3, dtype=torch.bfloat16)
     q = b.queries([4, 3])
-    out = paged_attention(q, b.pool, LAYER, b.slots, [4, 3])
+    out = paged_attention(q, *b.layer(), b.slots, [4, 3])
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), b.dense(q, [4, 3]), rtol=2e-2, atol=2e-2)
 
@@ -128,33 +132,40 @@ def test_misuse():
     b = Batch(KVCacheLayout.LayerFirst, 2, kv_heads=2, group=2, head_dim=8, seq_lens=[3, 4], seed=4)
     q = b.queries([1, 1])
     with pytest.raises(ValueError, match=r"q_lens\[0\]=4.*T=3"):
-        paged_attention(b.queries([4, 1]), b.pool, LAYER, b.slots, [4, 1])
+        paged_attention(b.queries([4, 1]), *b.layer(), b.slots, [4, 1])
     with pytest.raises(ValueError, match=r"q_lens\[1\]=0"):
-        paged_attention(q, b.pool, LAYER, b.slots, [2, 0])
+        paged_attention(q, *b.layer(), b.slots, [2, 0])
     with pytest.raises(ValueError, match="len\\(q_lens\\)=1"):
-        paged_attention(q, b.pool, LAYER, b.slots, [1])
+        paged_attention(q, *b.layer(), b.slots, [1])
     with pytest.raises(ValueError, match="num_q_heads=3"):
-        paged_attention(torch.randn(2, 3, 8), b.pool, LAYER, b.slots)
+        paged_attention(torch.randn(2, 3, 8), *b.layer(), b.slots)
     with pytest.raises(ValueError, match="sum\\(q_lens\\)=2"):
-        paged_attention(q[:1], b.pool, LAYER, b.slots)
+        paged_attention(q[:1], *b.layer(), b.slots)
     with pytest.raises(IndexError, match="num_slots"):
-        paged_attention(q, b.pool, LAYER, [b.slots[0], torch.tensor([0, b.pool.num_slots])])
+        paged_attention(q, *b.layer(), [b.slots[0], torch.tensor([0, b.pool.num_slots])])
     with pytest.raises(ValueError, match="non-empty"):
-        paged_attention(q, b.pool, LAYER, [b.slots[0], torch.empty(0, dtype=torch.int32)])
+        paged_attention(q, *b.layer(), [b.slots[0], torch.empty(0, dtype=torch.int32)])
     with pytest.raises(TypeError):
-        paged_attention(q, b.pool, LAYER, torch.cat(b.slots))
-    with pytest.raises(IndexError, match="num_layers"):
-        paged_attention(q, b.pool, 2, b.slots)
+        paged_attention(q, *b.layer(), torch.cat(b.slots))
+    kc, vc = b.layer()
+    with pytest.raises(ValueError, match="v_cache shape"):
+        paged_attention(q, kc, vc[:, :1], b.slots)
+    with pytest.raises(ValueError, match="dtype"):
+        paged_attention(q, kc, vc.double(), b.slots)
+    with pytest.raises(TypeError, match="k_cache"):
+        paged_attention(q, b.pool, vc, b.slots)  # a pool is not a layer: pass its views
+    with pytest.raises(ValueError, match="k_cache must have shape"):
+        paged_attention(q, kc[0, 0], vc[0, 0], b.slots)
     for fn in (paged_decode_attention,):
         with pytest.raises(IndexError, match="num_slots"):
-            fn(q, b.pool, LAYER, [b.slots[0], torch.tensor([-1])])
+            fn(q, *b.layer(), [b.slots[0], torch.tensor([-1])])
         with pytest.raises(ValueError, match="block_n"):
-            fn(q, b.pool, LAYER, b.slots, block_n=3)
+            fn(q, *b.layer(), b.slots, block_n=3)
 
 
 def test_decode_backend_choice():
     assert paged_decode_backend("cpu") == ("triton-interpreter" if TRITON_INTERPRET else "torch")
-    assert paged_decode_backend("cuda") == "triton"
+    assert paged_decode_backend("cuda") == ("triton-interpreter" if TRITON_INTERPRET else "triton")
 
 
 @needs_interpreter
@@ -165,8 +176,8 @@ def test_triton_decode_matches_reference(layout, page_size, group):
     # block_n=8 < longest request: several online-softmax steps, a ragged last block
     b = Batch(layout, page_size, kv_heads=2, group=group, head_dim=24, seq_lens=[1, 8, 21], seed=group * page_size)
     q = b.queries([1, 1, 1])
-    out = paged_decode_attention(q, b.pool, LAYER, b.slots, block_n=8)
-    ref = paged_attention(q, b.pool, LAYER, b.slots, [1, 1, 1])
+    out = paged_decode_attention(q, *b.layer(), b.slots, block_n=8)
+    ref = paged_attention(q, *b.layer(), b.slots, [1, 1, 1])
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out, b.dense(q, [1, 1, 1]), rtol=1e-5, atol=1e-5)
 
@@ -175,9 +186,9 @@ def test_triton_decode_matches_reference(layout, page_size, group):
 def test_triton_decode_half_precision_and_scale():
     b = Batch(KVCacheLayout.PageFirst, 4, kv_heads=2, group=2, head_dim=16, seq_lens=[5, 11], seed=9, dtype=torch.float16)
     q = b.queries([1, 1])
-    out = paged_decode_attention(q, b.pool, LAYER, b.slots, scale=0.5)
+    out = paged_decode_attention(q, *b.layer(), b.slots, scale=0.5)
     assert out.dtype == torch.float16
-    torch.testing.assert_close(out, paged_attention(q, b.pool, LAYER, b.slots, scale=0.5), rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(out, paged_attention(q, *b.layer(), b.slots, scale=0.5), rtol=2e-3, atol=2e-3)
 
 
 @settings(max_examples=8, derandomize=True, deadline=None)
@@ -193,7 +204,7 @@ def test_reference_matches_dense_random_batches(layout, page_size, group, reqs, 
     q_lens = [1 + c % t for t, c in reqs]  # any q_len in [1, T]
     b = Batch(layout, page_size, kv_heads=2, group=group, head_dim=8, seq_lens=seq_lens, seed=seed)
     q = b.queries(q_lens)
-    torch.testing.assert_close(paged_attention(q, b.pool, LAYER, b.slots, q_lens), b.dense(q, q_lens),
+    torch.testing.assert_close(paged_attention(q, *b.layer(), b.slots, q_lens), b.dense(q, q_lens),
                                rtol=1e-5, atol=1e-5)
 
 
@@ -209,5 +220,6 @@ def test_cuda_triton_decode_matches_reference(layout):
     pool.store_kv(k, torch.randn_like(k), slots, LAYER)
     per_req = list(slots.split(seq_lens))
     q = torch.randn(len(seq_lens), 32, 128, device="cuda", dtype=torch.bfloat16)
-    out = paged_decode_attention(q, pool, LAYER, per_req)
-    torch.testing.assert_close(out, paged_attention(q, pool, LAYER, per_req), rtol=2e-2, atol=2e-2)
+    kc, vc = pool.k_cache(LAYER), pool.v_cache(LAYER)
+    out = paged_decode_attention(q, kc, vc, per_req)
+    torch.testing.assert_close(out, paged_attention(q, kc, vc, per_req), rtol=2e-2, atol=2e-2)

@@ -128,8 +128,8 @@ def _attend(cfg: TPConfig, rank: int, size: int, device: torch.device) -> Tuple[
     flat = torch.cat(slots).to(device)
     pool.store_kv(k[:, rank * hk : (rank + 1) * hk].to(device),
                   v[:, rank * hk : (rank + 1) * hk].to(device), flat, cfg.layer_id)
-    out = paged_attention(q[:, rank * hq : (rank + 1) * hq].to(device), pool, cfg.layer_id,
-                          [s.to(device) for s in slots], list(cfg.q_lens))
+    out = paged_attention(q[:, rank * hq : (rank + 1) * hq].to(device), pool.k_cache(cfg.layer_id),
+                          pool.v_cache(cfg.layer_id), [s.to(device) for s in slots], list(cfg.q_lens))
     return out, pool.nbytes
 
 
