@@ -31,9 +31,17 @@ from typing import List, Optional, Tuple
 import torch
 
 from ..storage.base import KVCacheLayout
-from ..storage.distributed import divide_even, reset_tp_info, set_tp_info, try_get_tp_info
+from ..storage.distributed import reset_tp_info, set_tp_info, try_get_tp_info
 
-__all__ = ["TPConfig", "TPResult", "run_tp_attention", "run_single_process", "make_batch"]
+__all__ = ["TPConfig", "TPResult", "attend_shard", "run_tp_attention", "run_single_process", "make_batch"]
+
+
+def _int_field(value: object, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -54,29 +62,51 @@ class TPConfig:
     dtype: str = "float32"
 
     def validate(self, world_size: int) -> None:
-        """Everything that would fail inside a rank, checked here before any process starts."""
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-        for what, a, b in (
-            ("num_kv_heads", self.num_kv_heads, world_size),
-            ("num_q_heads", self.num_q_heads, world_size),
-            ("num_q_heads (GQA groups over num_kv_heads)", self.num_q_heads, self.num_kv_heads),
-        ):
-            try:
-                divide_even(a, b)
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"{what}={a} cannot be split evenly by {b}: {e}") from None
+        """Everything a rank would reject, checked here before any process starts.
+
+        Raises ``TypeError`` for a field of the wrong type (bools are not ints) and ``ValueError``
+        for a value out of range, naming the field, the value and the limit: every count >= 1,
+        ``layer_id`` in ``[0, num_layers)``, ``kv_layout`` a :class:`KVCacheLayout` name, ``dtype``
+        the name of a floating-point torch dtype, ``seed`` what ``torch.Generator.manual_seed``
+        takes, ``seq_lens``/``q_lens`` equally long non-empty sequences of ints with
+        ``1 <= q_len <= seq_len``, and the heads split evenly over ``world_size`` ranks.
+        """
+        _int_field(world_size, "world_size", 1)
+        for name in ("num_kv_heads", "num_q_heads", "head_dim", "num_layers", "page_size"):
+            _int_field(getattr(self, name), name, 1)
+        _int_field(self.layer_id, "layer_id", 0)
+        if self.layer_id >= self.num_layers:
+            raise ValueError(f"layer_id {self.layer_id} is outside [0, num_layers={self.num_layers})")
+        _int_field(self.seed, "seed", -(2**63))
+        if self.seed >= 2**64:
+            raise ValueError(f"seed must be < 2**64 (torch.Generator.manual_seed), got {self.seed}")
+        if not isinstance(self.kv_layout, str):
+            raise TypeError(f"kv_layout must be a str, got {type(self.kv_layout).__name__}")
         if self.kv_layout not in KVCacheLayout.__members__:
             raise ValueError(f"kv_layout must be one of {list(KVCacheLayout.__members__)}, got {self.kv_layout!r}")
-        if not isinstance(getattr(torch, self.dtype, None), torch.dtype):
-            raise ValueError(f"dtype must name a torch dtype, got {self.dtype!r}")
+        if not isinstance(self.dtype, str):
+            raise TypeError(f"dtype must be the name of a torch dtype (a str), got {type(self.dtype).__name__}")
+        dtype = getattr(torch, self.dtype, None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"dtype must name a floating-point torch dtype (e.g. 'float32'), got {self.dtype!r}")
+        for name in ("seq_lens", "q_lens"):
+            lens = getattr(self, name)
+            if not isinstance(lens, (tuple, list)):
+                raise TypeError(f"{name} must be a tuple of ints, got {type(lens).__name__}")
+            for i, x in enumerate(lens):
+                _int_field(x, f"{name}[{i}]", 1)
         if len(self.seq_lens) != len(self.q_lens) or not self.seq_lens:
             raise ValueError(f"seq_lens {self.seq_lens} and q_lens {self.q_lens} must be non-empty and equally long")
         for t, ql in zip(self.seq_lens, self.q_lens):
             if not 1 <= ql <= t:
                 raise ValueError(f"each q_len must be in [1, seq_len]; got q_len={ql}, seq_len={t}")
-        if not 0 <= self.layer_id < self.num_layers:
-            raise ValueError(f"layer_id {self.layer_id} is outside [0, num_layers={self.num_layers})")
+        for what, a, b in (
+            ("num_kv_heads", self.num_kv_heads, world_size),
+            ("num_q_heads", self.num_q_heads, world_size),
+            ("num_q_heads (GQA groups over num_kv_heads)", self.num_q_heads, self.num_kv_heads),
+        ):
+            if a % b:
+                raise ValueError(f"{what}={a} cannot be split evenly by {b} (remainder {a % b})")
 
     @property
     def num_pages(self) -> int:
@@ -106,8 +136,10 @@ def make_batch(cfg: TPConfig) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
     return k, v, q, list(perm.split(list(cfg.seq_lens)))
 
 
-def _attend(cfg: TPConfig, rank: int, size: int, device: torch.device) -> Tuple[torch.Tensor, int]:
-    """One rank's work: its pool shard, its heads' K/V stored, its query heads attended."""
+def attend_shard(cfg: TPConfig, rank: int, size: int, device: torch.device) -> Tuple[torch.Tensor, int]:
+    """One rank's work, in this process: its pool shard, its heads' K/V stored, its query heads
+    attended. Returns ``(output (sum(q_lens), num_q_heads // size, head_dim), pool nbytes)``.
+    Call ``cfg.validate(size)`` first (the runners do)."""
     from ..kernels.attention import paged_attention
     from ..storage.mha_pool import MHAKVCache
 
@@ -146,7 +178,7 @@ def _worker(rank: int, world_size: int, port: int, cfg: TPConfig, use_cuda: bool
         device = torch.device("cpu")
     dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size)
     try:
-        out, nbytes = _attend(cfg, rank, world_size, device)
+        out, nbytes = attend_shard(cfg, rank, world_size, device)
         parts = [torch.empty_like(out) for _ in range(world_size)]
         dist.all_gather(parts, out.contiguous())
         sizes: List[Optional[int]] = [None] * world_size
@@ -170,7 +202,8 @@ def run_tp_attention(world_size: int, cfg: Optional[TPConfig] = None, *, device:
 
     ``device``: ``"cpu"`` (gloo), ``"cuda"`` (NCCL, one GPU per rank) or ``"auto"`` (CUDA when
     there are at least ``world_size`` GPUs). A configuration that cannot be split (e.g. KV heads
-    not divisible by ``world_size``) raises ``ValueError`` before any process starts.
+    not divisible by ``world_size``, a non-float dtype, ``page_size=0``) raises ``ValueError``
+    (``TypeError`` for a field of the wrong type) before any process starts: see :meth:`TPConfig.validate`.
     """
     import torch.multiprocessing as mp
 
@@ -193,7 +226,7 @@ def run_single_process(cfg: Optional[TPConfig] = None, device: str = "cpu") -> T
     """The same batch with the whole model on one pool in this process (TP size 1)."""
     cfg = cfg or TPConfig()
     cfg.validate(1)
-    out, nbytes = _attend(cfg, 0, 1, torch.device(device))
+    out, nbytes = attend_shard(cfg, 0, 1, torch.device(device))
     return TPResult(out.cpu(), [nbytes], "single-process")
 
 
