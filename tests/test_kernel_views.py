@@ -241,3 +241,14 @@ def test_attention_slot_out_of_range_in_a_view(fn):
     table = torch.tensor([[0, 2**32 + 1], [1, 0]], dtype=torch.int64)
     with pytest.raises(IndexError, match=str(2**32 + 1)):
         fn(q, kc, vc, [table[:, 1]])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_views_on_cuda():
+    """``make gpu-record`` runs ``-m gpu``: the view properties above, the kernels compiled for the device."""
+    assert "cuda" in TRITON_DEVICES
+    test_store_triton_any_view()
+    test_store_torch_any_view()
+    test_paged_attention_and_gather_any_view()
+    test_paged_decode_triton_any_view()
