@@ -112,6 +112,17 @@ def test_store_kv_lands_at_page_and_offset(layout, page_size, index_dtype):
     assert c.buffer.count_nonzero() == 2 * k.count_nonzero()  # nothing else touched (layer 0 included)
 
 
+@pytest.mark.parametrize("layout", list(KVCacheLayout))
+def test_store_kv_unchecked_drops_out_of_range_slots(layout):
+    """check_bounds=False (no host sync): good slots land, a bad one writes nothing anywhere."""
+    c = make(layout, heads=2, layers=2, head_dim=4, pages=4, page_size=4)
+    k = torch.arange(3 * 8, dtype=torch.float32).view(3, 2, 4) + 1
+    c.store_kv(k, -k, torch.tensor([5, 16, 2], dtype=torch.int32), 1, check_bounds=False)
+    assert torch.equal(c.k_cache(1)[1, 1], k[0]) and torch.equal(c.k_cache(1)[0, 2], k[2])
+    assert torch.equal(c.v_cache(1)[1, 1], -k[0]) and torch.equal(c.v_cache(1)[0, 2], -k[2])
+    assert c.buffer.count_nonzero() == 2 * k[[0, 2]].count_nonzero()
+
+
 @pytest.mark.parametrize("size,rank", [(1, 0), (2, 1), (4, 3), (8, 0)])
 def test_tp_splits_kv_heads(size, rank):
     set_tp_info(rank, size)

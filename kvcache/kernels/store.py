@@ -27,7 +27,8 @@ Bounds check
     capture. ``check_bounds=False`` skips it (for indices validated when they were built, e.g. an
     allocator's own output) and relies on the *device-side guard*: the kernel writes nothing for a
     row whose index is outside ``[0, num_slots)``, so a bad index can never write outside the
-    cache; such rows are silently dropped (the torch backend drops them too).
+    cache; such rows are silently dropped (the torch backend drops them too, with a host sync: it is
+    not the path a CUDA graph captures).
 """
 
 from __future__ import annotations

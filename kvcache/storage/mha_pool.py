@@ -117,17 +117,21 @@ class MHAKVCache(BaseKVCache):
         """Values of layer ``index``: a view ``(num_pages, page_size, local_kv_heads, head_dim)``."""
         return self._kv[1, self._check_layer(index)]
 
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer_id: int) -> None:
+    def store_kv(
+        self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer_id: int, *, check_bounds: bool = True
+    ) -> None:
         """Write ``k[i]``, ``v[i]`` to slot ``out_loc[i]`` of layer ``layer_id``.
 
         ``k``, ``v``: ``(n, local_kv_heads, head_dim)`` in the pool's dtype, on its device;
         ``out_loc``: ``(n,)`` int32 (int64 is accepted too) slots ``page * page_size + offset``.
         Errors as :func:`kvcache.kernels.store_cache` (``ValueError`` for mismatches,
         ``IndexError`` for a slot outside ``[0, num_slots)``), plus ``IndexError`` for a bad
-        ``layer_id``; nothing is written when it raises.
+        ``layer_id``; nothing is written when it raises. ``check_bounds=False`` is passed on to
+        ``store_cache``: no host sync (a CUDA graph can capture the call) and out-of-range slots
+        are dropped by the kernel's device-side guard instead of raising.
         """
         layer_id = self._check_layer(layer_id)
-        store_cache(self._kv[0, layer_id], self._kv[1, layer_id], out_loc, k, v)
+        store_cache(self._kv[0, layer_id], self._kv[1, layer_id], out_loc, k, v, check_bounds=check_bounds)
 
     # -- facts ----------------------------------------------------------------------------------
 
