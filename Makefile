@@ -2,6 +2,8 @@
 #   make book     build the website into _build/html (warnings are errors)
 #   make test     build the book, then run every test and re-execute every chapter (nbval)
 #   make refresh  re-execute every chapter in place (after changing the package)
+#   make lab      open the chapters in JupyterLab (the venv's python3 kernel, live widgets)
+#   make lint     ruff (lint + format check) over the code and chapters, mypy --strict on kvcache/
 #   make setup    install system tools and the .venv (the targets above do it first)
 #   make clean    remove the build and caches (keeps .venv; `make distclean` removes it too)
 #   make gpu-record  on a CUDA machine: GPU tests, kernel benchmarks -> book/data/*_gpu.json
@@ -35,7 +37,7 @@ NBVAL_FLAGS := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_san
 .PHONY: help setup system-deps book test refresh clean distclean gpu-record
 
 help:
-	@sed -n '2,8p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '2,10p' Makefile | sed 's/^# \{0,1\}//'
 
 # --------------------------------------------------------------------------- set-up
 setup: system-deps $(STAMP)
@@ -71,6 +73,29 @@ refresh: setup
 	  echo "executing $$nb"; \
 	  $(RUN_ENV) $(VENV)/bin/jupyter execute --inplace --kernel_name=python3 "$$nb"; \
 	done
+
+# --------------------------------------------------------------------------- interactive
+# JupyterLab (book extra) on the repository, opened at book/, with RUN_ENV: the "python3"
+# kernel is the venv's and runs the chapters as `make refresh` does; ipywidgets' Lab extension
+# makes the explorer live. Extra server options: make lab LAB_ARGS="--no-browser --port=8890".
+# tests/test_jupyter.py starts the same server headless.
+LAB_ARGS ?=
+.PHONY: lab
+lab: setup
+	$(RUN_ENV) $(VENV)/bin/jupyter lab --ServerApp.root_dir="$(CURDIR)" \
+	  --LabApp.default_url=/lab/tree/book $(if $(filter 0,$(shell id -u)),--allow-root,) $(LAB_ARGS)
+
+# --------------------------------------------------------------------------- lint
+# Rules and their reasons: [tool.ruff] and [tool.mypy] in pyproject.toml. All three run; the
+# target fails if any failed. `ruff check --fix` and `ruff format` apply the fixable ones.
+LINT_PATHS := kvcache tests benchmarks scripts book
+.PHONY: lint
+lint: setup
+	@rc=0; \
+	$(VENV)/bin/ruff check $(LINT_PATHS) || rc=$$?; \
+	$(VENV)/bin/ruff format --check $(LINT_PATHS) || rc=$$?; \
+	$(VENV)/bin/mypy || rc=$$?; \
+	exit $$rc
 
 # --------------------------------------------------------------------------- tests
 # Package tests (and the website test on the book just built), then every chapter under
@@ -109,7 +134,7 @@ gpu-record:
 
 # --------------------------------------------------------------------------- cleaning
 clean:
-	rm -rf _build .pytest_cache .hypothesis build *.egg-info
+	rm -rf _build .pytest_cache .hypothesis build dist *.egg-info .ruff_cache .mypy_cache
 	find . -path ./$(VENV) -prune -o -type d \( -name __pycache__ -o -name .ipynb_checkpoints \) -print0 | xargs -0 -r rm -rf
 
 distclean: clean
