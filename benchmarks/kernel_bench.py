@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import platform
-from typing import Callable, Dict, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -22,10 +22,14 @@ def time_fn(fn: Callable[[], object], device: torch.device, min_run_time: float)
     from torch.utils import benchmark
 
     fn()  # warm-up (and the interpreter's first trace)
-    return benchmark.Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time).median
+    return (
+        benchmark.Timer(stmt="fn()", globals={"fn": fn})
+        .blocked_autorange(min_run_time=min_run_time)
+        .median
+    )
 
 
-def copy_bandwidth(device: torch.device) -> Optional[float]:
+def copy_bandwidth(device: torch.device) -> float | None:
     """Bytes/s of a 1 GiB device-to-device copy (read + write): the ceiling for a scatter or a
     gather. Measured on CUDA only (``None`` elsewhere)."""
     if device.type != "cuda":
@@ -33,26 +37,35 @@ def copy_bandwidth(device: torch.device) -> Optional[float]:
     src = torch.empty(256 * 2**20, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     t = time_fn(lambda: dst.copy_(src), device, 0)
-    del src, dst
     return 2 * 256 * 2**20 * 4 / t
 
 
-def device_label(device: torch.device) -> Dict[str, object]:
+def device_label(device: torch.device) -> dict[str, object]:
     """Where and when a result was measured: device name, versions, date (UTC), CPU threads."""
     try:
         import triton
 
-        triton_version: Optional[str] = triton.__version__
+        triton_version: str | None = triton.__version__
     except ImportError:
         triton_version = None
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         name = torch.cuda.get_device_name(device)
-        extra: Dict[str, object] = dict(cuda=torch.version.cuda, gpu_memory_bytes=props.total_memory,
-                                        gpu_capability=f"{props.major}.{props.minor}")
+        extra: dict[str, object] = dict(
+            cuda=torch.version.cuda,
+            gpu_memory_bytes=props.total_memory,
+            gpu_capability=f"{props.major}.{props.minor}",
+        )
     else:
         name = platform.processor() or platform.machine()
         extra = {}
-    return dict(device=str(device), device_name=name, torch=torch.__version__, triton=triton_version,
-                python=platform.python_version(), cpu_threads=torch.get_num_threads(),
-                date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), **extra)
+    return dict(
+        device=str(device),
+        device_name=name,
+        torch=torch.__version__,
+        triton=triton_version,
+        python=platform.python_version(),
+        cpu_threads=torch.get_num_threads(),
+        date=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        **extra,
+    )

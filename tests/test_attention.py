@@ -6,20 +6,25 @@ slot, page, stride or GQA-grouping mistake on the paged side shows up as a misma
 
 from __future__ import annotations
 
-import math
-from typing import List, Tuple
-
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvcache.kernels.attention import gather_kv, paged_attention, paged_decode_attention, paged_decode_backend
 from kvcache import KVCacheLayout
 from kvcache.kernels import TRITON_INTERPRET
+from kvcache.kernels.attention import (
+    gather_kv,
+    paged_attention,
+    paged_decode_attention,
+    paged_decode_backend,
+)
 from kvcache.storage.mha_pool import MHAKVCache
 
-needs_interpreter = pytest.mark.skipif(not TRITON_INTERPRET, reason="needs TRITON_INTERPRET=1 before import")
+needs_interpreter = pytest.mark.skipif(
+    not TRITON_INTERPRET, reason="needs TRITON_INTERPRET=1 before import"
+)
 LAYER = 1
 
 
@@ -28,8 +33,12 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale=Non
     ql, t = q.shape[0], k.shape[0]
     mask = torch.ones(ql, t, dtype=torch.bool).tril(diagonal=t - ql)
     out = F.scaled_dot_product_attention(
-        q.float().transpose(0, 1)[None], k.float().transpose(0, 1)[None], v.float().transpose(0, 1)[None],
-        attn_mask=mask, enable_gqa=True, scale=scale,
+        q.float().transpose(0, 1)[None],
+        k.float().transpose(0, 1)[None],
+        v.float().transpose(0, 1)[None],
+        attn_mask=mask,
+        enable_gqa=True,
+        scale=scale,
     )
     return out[0].transpose(0, 1)
 
@@ -37,19 +46,27 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale=Non
 class Batch:
     """Requests whose K/V are both in a pool (at scattered slots) and kept densely."""
 
-    def __init__(self, layout, page_size, kv_heads, group, head_dim, seq_lens, seed, dtype=torch.float32):
+    def __init__(
+        self, layout, page_size, kv_heads, group, head_dim, seq_lens, seed, dtype=torch.float32
+    ):
         self.g = torch.Generator().manual_seed(seed)
         num_pages = -(-sum(seq_lens) // page_size) + 2
-        self.pool = MHAKVCache(kv_heads, 2, head_dim, num_pages, dtype, layout, "cpu", page_size=page_size)
+        self.pool = MHAKVCache(
+            kv_heads, 2, head_dim, num_pages, dtype, layout, "cpu", page_size=page_size
+        )
         self.q_heads = kv_heads * group
         self.dtype = dtype
         self.free = torch.randperm(self.pool.num_slots, generator=self.g).to(torch.int32).tolist()
-        self.slots: List[torch.Tensor] = [torch.empty(0, dtype=torch.int32) for _ in seq_lens]
-        self.k: List[torch.Tensor] = [torch.empty(0, kv_heads, head_dim, dtype=dtype) for _ in seq_lens]
-        self.v: List[torch.Tensor] = [torch.empty(0, kv_heads, head_dim, dtype=dtype) for _ in seq_lens]
+        self.slots: list[torch.Tensor] = [torch.empty(0, dtype=torch.int32) for _ in seq_lens]
+        self.k: list[torch.Tensor] = [
+            torch.empty(0, kv_heads, head_dim, dtype=dtype) for _ in seq_lens
+        ]
+        self.v: list[torch.Tensor] = [
+            torch.empty(0, kv_heads, head_dim, dtype=dtype) for _ in seq_lens
+        ]
         self.extend(list(seq_lens))
 
-    def extend(self, new_lens: List[int]) -> None:
+    def extend(self, new_lens: list[int]) -> None:
         """Append new tokens to each request: fresh slots, K/V stored with one store_kv call."""
         slots, ks, vs = [], [], []
         for r, n in enumerate(new_lens):
@@ -61,14 +78,16 @@ class Batch:
             slots.append(s), ks.append(k), vs.append(v)
         self.pool.store_kv(torch.cat(ks), torch.cat(vs), torch.cat(slots), LAYER)
 
-    def layer(self) -> Tuple[torch.Tensor, torch.Tensor]:
+    def layer(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The (k_cache, v_cache) views of the layer the batch lives in: what attention takes."""
         return self.pool.k_cache(LAYER), self.pool.v_cache(LAYER)
 
-    def queries(self, q_lens: List[int]) -> torch.Tensor:
-        return torch.randn(sum(q_lens), self.q_heads, self.pool.head_dim, generator=self.g).to(self.dtype)
+    def queries(self, q_lens: list[int]) -> torch.Tensor:
+        return torch.randn(sum(q_lens), self.q_heads, self.pool.head_dim, generator=self.g).to(
+            self.dtype
+        )
 
-    def dense(self, q: torch.Tensor, q_lens: List[int], scale=None) -> torch.Tensor:
+    def dense(self, q: torch.Tensor, q_lens: list[int], scale=None) -> torch.Tensor:
         outs, start = [], 0
         for r, ql in enumerate(q_lens):
             outs.append(dense_attention(q[start : start + ql], self.k[r], self.v[r], scale))
@@ -85,7 +104,15 @@ LAYOUTS = list(KVCacheLayout)
 def test_reference_equals_dense_prefill_and_decode(layout, page_size, group):
     seq_lens = [1, 5, 19, 8]
     q_lens = [1, 5, 7, 1]  # decode, full prefill, prefill over a cached prefix of 12, decode
-    b = Batch(layout, page_size, kv_heads=2, group=group, head_dim=16, seq_lens=seq_lens, seed=group + page_size)
+    b = Batch(
+        layout,
+        page_size,
+        kv_heads=2,
+        group=group,
+        head_dim=16,
+        seq_lens=seq_lens,
+        seed=group + page_size,
+    )
     q = b.queries(q_lens)
     out = paged_attention(q, *b.layer(), b.slots, q_lens)
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -110,8 +137,12 @@ def test_decode_is_default_and_scale_is_respected():
     b = Batch(KVCacheLayout.PageFirst, 2, kv_heads=1, group=2, head_dim=8, seq_lens=[3, 4], seed=1)
     q = b.queries([1, 1])
     torch.testing.assert_close(paged_attention(q, *b.layer(), b.slots), b.dense(q, [1, 1]))
-    torch.testing.assert_close(paged_attention(q, *b.layer(), b.slots, scale=0.3), b.dense(q, [1, 1], scale=0.3))
-    assert not torch.allclose(paged_attention(q, *b.layer(), b.slots, scale=0.3), b.dense(q, [1, 1]))
+    torch.testing.assert_close(
+        paged_attention(q, *b.layer(), b.slots, scale=0.3), b.dense(q, [1, 1], scale=0.3)
+    )
+    assert not torch.allclose(
+        paged_attention(q, *b.layer(), b.slots, scale=0.3), b.dense(q, [1, 1])
+    )
 
 
 def test_gather_kv_returns_dense_tokens():
@@ -121,7 +152,16 @@ def test_gather_kv_returns_dense_tokens():
 
 
 def test_half_precision_reference():
-    b = Batch(KVCacheLayout.LayerFirst, 4, kv_heads=2, group=2, head_dim=16, seq_lens=[9, 3], seed=3, dtype=torch.bfloat16)
+    b = Batch(
+        KVCacheLayout.LayerFirst,
+        4,
+        kv_heads=2,
+        group=2,
+        head_dim=16,
+        seq_lens=[9, 3],
+        seed=3,
+        dtype=torch.bfloat16,
+    )
     q = b.queries([4, 3])
     out = paged_attention(q, *b.layer(), b.slots, [4, 3])
     assert out.dtype == torch.bfloat16
@@ -174,7 +214,15 @@ def test_decode_backend_choice():
 @pytest.mark.parametrize("group", [1, 3, 4])
 def test_triton_decode_matches_reference(layout, page_size, group):
     # block_n=8 < longest request: several online-softmax steps, a ragged last block
-    b = Batch(layout, page_size, kv_heads=2, group=group, head_dim=24, seq_lens=[1, 8, 21], seed=group * page_size)
+    b = Batch(
+        layout,
+        page_size,
+        kv_heads=2,
+        group=group,
+        head_dim=24,
+        seq_lens=[1, 8, 21],
+        seed=group * page_size,
+    )
     q = b.queries([1, 1, 1])
     out = paged_decode_attention(q, *b.layer(), b.slots, block_n=8)
     ref = paged_attention(q, *b.layer(), b.slots, [1, 1, 1])
@@ -184,11 +232,22 @@ def test_triton_decode_matches_reference(layout, page_size, group):
 
 @needs_interpreter
 def test_triton_decode_half_precision_and_scale():
-    b = Batch(KVCacheLayout.PageFirst, 4, kv_heads=2, group=2, head_dim=16, seq_lens=[5, 11], seed=9, dtype=torch.float16)
+    b = Batch(
+        KVCacheLayout.PageFirst,
+        4,
+        kv_heads=2,
+        group=2,
+        head_dim=16,
+        seq_lens=[5, 11],
+        seed=9,
+        dtype=torch.float16,
+    )
     q = b.queries([1, 1])
     out = paged_decode_attention(q, *b.layer(), b.slots, scale=0.5)
     assert out.dtype == torch.float16
-    torch.testing.assert_close(out, paged_attention(q, *b.layer(), b.slots, scale=0.5), rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(
+        out, paged_attention(q, *b.layer(), b.slots, scale=0.5), rtol=2e-3, atol=2e-3
+    )
 
 
 @settings(max_examples=8, derandomize=True, deadline=None)
@@ -204,8 +263,9 @@ def test_reference_matches_dense_random_batches(layout, page_size, group, reqs, 
     q_lens = [1 + c % t for t, c in reqs]  # any q_len in [1, T]
     b = Batch(layout, page_size, kv_heads=2, group=group, head_dim=8, seq_lens=seq_lens, seed=seed)
     q = b.queries(q_lens)
-    torch.testing.assert_close(paged_attention(q, *b.layer(), b.slots, q_lens), b.dense(q, q_lens),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        paged_attention(q, *b.layer(), b.slots, q_lens), b.dense(q, q_lens), rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.gpu

@@ -12,11 +12,12 @@ one is visible; the torch path runs everywhere.
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from collections.abc import Sequence
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvcache.kernels import (
     TRITON_INTERPRET,
@@ -30,7 +31,9 @@ from kvcache.kernels import (
 # CPU (the Triton kernels under the interpreter only), plus CUDA when a device is visible.
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 TRITON_DEVICES = [d for d in DEVICES if d == "cuda" or TRITON_INTERPRET]
-needs_triton = pytest.mark.skipif(not TRITON_DEVICES, reason="needs TRITON_INTERPRET=1 before import, or CUDA")
+needs_triton = pytest.mark.skipif(
+    not TRITON_DEVICES, reason="needs TRITON_INTERPRET=1 before import, or CUDA"
+)
 VIEWS = settings(max_examples=30, derandomize=True, deadline=None)
 
 
@@ -44,7 +47,9 @@ def as_view(draw, x: torch.Tensor, *, allow_expand: bool = True) -> torch.Tensor
     if x.dim() == 0:
         return x.clone()
     if allow_expand and draw(st.booleans()):
-        same = [d for d in range(x.dim()) if x.shape[d] > 1 and bool((x == x.narrow(d, 0, 1)).all())]
+        same = [
+            d for d in range(x.dim()) if x.shape[d] > 1 and bool((x == x.narrow(d, 0, 1)).all())
+        ]
         if same:
             d = draw(st.sampled_from(same))
             one = as_view(draw, x.narrow(d, 0, 1).contiguous(), allow_expand=False)
@@ -52,11 +57,13 @@ def as_view(draw, x: torch.Tensor, *, allow_expand: bool = True) -> torch.Tensor
     perm = draw(st.permutations(range(x.dim())))
     steps = [draw(st.integers(1, 3)) for _ in perm]
     offset = draw(st.integers(0, 5))
-    buf_shape = [x.shape[p] * s for p, s in zip(perm, steps)]
+    buf_shape = [x.shape[p] * s for p, s in zip(perm, steps, strict=True)]
     numel = 1
     for n in buf_shape:
         numel *= n
-    flat = torch.full((offset + numel,), -7, dtype=x.dtype, device=x.device)  # junk between elements
+    flat = torch.full(
+        (offset + numel,), -7, dtype=x.dtype, device=x.device
+    )  # junk between elements
     strided = flat[offset:].view(buf_shape)[tuple(slice(None, None, s) for s in steps)]
     inverse = [perm.index(d) for d in range(x.dim())]
     y = strided.permute(inverse)
@@ -98,7 +105,9 @@ def store_case(draw, device: str):
     shape = (num_pages, page_size, heads, dim) if paged else (num_slots, heads, dim)
     kc0 = torch.randn(shape, generator=g).to(device)
     vc0 = torch.randn(shape, generator=g).to(device)
-    idx = torch.tensor(draw(st.lists(st.integers(0, num_slots - 1), min_size=n, max_size=n)), dtype=torch.int64)
+    idx = torch.tensor(
+        draw(st.lists(st.integers(0, num_slots - 1), min_size=n, max_size=n)), dtype=torch.int64
+    )
     bad = draw(st.sampled_from([None, -1, num_slots, 2**32 + 1])) if n else None
     if bad is not None:  # one index out of range (2**32 + 1 would be 1 after an int32 cast)
         idx[draw(st.integers(0, n - 1))] = bad
@@ -109,12 +118,16 @@ def store_case(draw, device: str):
     views = dict(
         k_cache=as_view(draw, kc0, allow_expand=False),  # a cache must not overlap itself
         v_cache=as_view(draw, vc0, allow_expand=False),
-        indices=as_view(draw, idx), k=as_view(draw, k), v=as_view(draw, v),
+        indices=as_view(draw, idx),
+        k=as_view(draw, k),
+        v=as_view(draw, v),
     )
     return views, dict(k_cache=kc0, v_cache=vc0, indices=idx, k=k, v=v)
 
 
-def check_store(after: torch.Tensor, before: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> None:
+def check_store(
+    after: torch.Tensor, before: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor
+) -> None:
     """Each slot named by ``idx`` holds one of the rows stored to it; every other slot is unchanged."""
     got, old = flat_rows(after).cpu(), flat_rows(before).cpu()
     written: dict = {}
@@ -161,7 +174,9 @@ def test_store_torch_any_view(data, check_bounds):
     run_store(store_cache_torch, views, plain, check_bounds)
 
 
-@pytest.mark.parametrize("fn", [pytest.param(store_cache_triton, marks=needs_triton), store_cache_torch])
+@pytest.mark.parametrize(
+    "fn", [pytest.param(store_cache_triton, marks=needs_triton), store_cache_torch]
+)
 def test_store_column_of_a_table_and_expanded_indices(fn):
     """The cases the issue found: a column of a 2-D table, and one index expanded (stride 0)."""
     kc, vc = torch.zeros(2, 8, 4, 1, 4).unbind(0)  # paged, page_size 4
@@ -185,29 +200,48 @@ def attention_case(draw, device: str, decode: bool):
     paged = draw(st.booleans())
     page_size = draw(st.sampled_from([1, 2, 4])) if paged else 1
     num_pages = draw(st.integers(1, 6))
-    kv_heads, group, dim = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.sampled_from([2, 4, 8]))
+    kv_heads, group, dim = (
+        draw(st.integers(1, 2)),
+        draw(st.integers(1, 3)),
+        draw(st.sampled_from([2, 4, 8])),
+    )
     num_slots = num_pages * page_size
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
     shape = (num_pages, page_size, kv_heads, dim) if paged else (num_slots, kv_heads, dim)
     kc = maybe_same_rows(draw, torch.randn(shape, generator=g)).to(device)
     vc = torch.randn(shape, generator=g).to(device)
     batch = draw(st.integers(1, 3))
-    slots: List[torch.Tensor] = []
+    slots: list[torch.Tensor] = []
     for _ in range(batch):
         t = draw(st.integers(1, 7))
         s = torch.tensor(draw(st.lists(st.integers(0, num_slots - 1), min_size=t, max_size=t)))
-        slots.append(maybe_same_rows(draw, s.to(draw(st.sampled_from([torch.int32, torch.int64])))).to(device))
+        slots.append(
+            maybe_same_rows(draw, s.to(draw(st.sampled_from([torch.int32, torch.int64])))).to(
+                device
+            )
+        )
     q_lens = [1 if decode else draw(st.integers(1, len(s))) for s in slots]
-    q = maybe_same_rows(draw, torch.randn(sum(q_lens), kv_heads * group, dim, generator=g)).to(device)
-    views = dict(q=as_view(draw, q), k_cache=as_view(draw, kc), v_cache=as_view(draw, vc),
-                 slots=[as_view(draw, s) for s in slots])
+    q = maybe_same_rows(draw, torch.randn(sum(q_lens), kv_heads * group, dim, generator=g)).to(
+        device
+    )
+    views = dict(
+        q=as_view(draw, q),
+        k_cache=as_view(draw, kc),
+        v_cache=as_view(draw, vc),
+        slots=[as_view(draw, s) for s in slots],
+    )
     return views, dict(q=q, k_cache=kc, v_cache=vc, slots=slots), q_lens
 
 
 def reference(plain, q_lens: Sequence[int]) -> torch.Tensor:
     """The torch path on contiguous copies of every argument."""
-    return paged_attention(plain["q"].contiguous(), plain["k_cache"].contiguous(), plain["v_cache"].contiguous(),
-                           [s.contiguous() for s in plain["slots"]], list(q_lens))
+    return paged_attention(
+        plain["q"].contiguous(),
+        plain["k_cache"].contiguous(),
+        plain["v_cache"].contiguous(),
+        [s.contiguous() for s in plain["slots"]],
+        list(q_lens),
+    )
 
 
 @VIEWS
@@ -229,7 +263,9 @@ def test_paged_attention_and_gather_any_view(data):
 def test_paged_decode_triton_any_view(data, block_n):
     device = data.draw(st.sampled_from(TRITON_DEVICES))
     views, plain, q_lens = data.draw(attention_case(device, decode=True))
-    out = paged_decode_attention(views["q"], views["k_cache"], views["v_cache"], views["slots"], block_n=block_n)
+    out = paged_decode_attention(
+        views["q"], views["k_cache"], views["v_cache"], views["slots"], block_n=block_n
+    )
     torch.testing.assert_close(out, reference(plain, q_lens), rtol=1e-5, atol=1e-5)
 
 

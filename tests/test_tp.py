@@ -6,10 +6,17 @@ import dataclasses
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from kvcache.examples.tp_attention import (
+    TPConfig,
+    attend_shard,
+    make_batch,
+    run_single_process,
+    run_tp_attention,
+)
 from kvcache.storage.distributed import reset_tp_info, set_tp_info, try_get_tp_info
-from kvcache.examples.tp_attention import TPConfig, attend_shard, make_batch, run_single_process, run_tp_attention
 
 
 @pytest.fixture(autouse=True)
@@ -21,8 +28,16 @@ def _clean_tp():
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    cfg = TPConfig(num_kv_heads=4, num_q_heads=8, head_dim=16, page_size=4, kv_layout="PageFirst",
-                   seq_lens=(7, 12, 3), q_lens=(3, 1, 3), seed=11)
+    cfg = TPConfig(
+        num_kv_heads=4,
+        num_q_heads=8,
+        head_dim=16,
+        page_size=4,
+        kv_layout="PageFirst",
+        seq_lens=(7, 12, 3),
+        q_lens=(3, 1, 3),
+        seed=11,
+    )
     return cfg, run_tp_attention(2, cfg, device="cpu")
 
 
@@ -40,7 +55,15 @@ def test_each_rank_holds_half_the_bytes(two_ranks):
     single = run_single_process(cfg)
     assert len(tp.pool_nbytes) == 2
     assert tp.pool_nbytes[0] == tp.pool_nbytes[1] == single.pool_nbytes[0] // 2
-    expected = 2 * cfg.num_layers * cfg.num_pages * cfg.page_size * (cfg.num_kv_heads // 2) * cfg.head_dim * 4
+    expected = (
+        2
+        * cfg.num_layers
+        * cfg.num_pages
+        * cfg.page_size
+        * (cfg.num_kv_heads // 2)
+        * cfg.head_dim
+        * 4
+    )
     assert tp.pool_nbytes[0] == expected
 
 
@@ -53,11 +76,16 @@ def test_single_process_matches_dense_attention():
     out = run_single_process(cfg).output
     ks, vs = k.split(list(cfg.seq_lens)), v.split(list(cfg.seq_lens))
     rows, start = [], 0
-    for kr, vr, ql in zip(ks, vs, cfg.q_lens):
+    for kr, vr, ql in zip(ks, vs, cfg.q_lens, strict=True):
         t = kr.shape[0]
         mask = torch.ones(ql, t, dtype=torch.bool).tril(t - ql)
-        o = F.scaled_dot_product_attention(q[start : start + ql].transpose(0, 1)[None], kr.transpose(0, 1)[None],
-                                           vr.transpose(0, 1)[None], attn_mask=mask, enable_gqa=True)
+        o = F.scaled_dot_product_attention(
+            q[start : start + ql].transpose(0, 1)[None],
+            kr.transpose(0, 1)[None],
+            vr.transpose(0, 1)[None],
+            attn_mask=mask,
+            enable_gqa=True,
+        )
         rows.append(o[0].transpose(0, 1))
         start += ql
     torch.testing.assert_close(out, torch.cat(rows), rtol=1e-5, atol=1e-5)
@@ -137,8 +165,20 @@ FIELDS = dict(
     seq_lens=([(7, 12, 3), (4, 9, 5)], [(0, 2, 1), (), (2.0, 2, 2), (-1, 3, 3), 7, (1, 1)]),
     q_lens=([(3, 1, 3), (1, 1, 1)], [(0, 1, 1), (13, 1, 1), (1.0, 1, 1), (1,)]),
     seed=([0, 7, -3, 2**63], [2**64, -(2**63) - 1, 1.5, "0", None]),
-    dtype=(["float32", "float64", "bfloat16", "float16"],
-           ["int32", "int64", "bool", "uint8", "complex64", "float", "Tensor", "no_such", torch.float32]),
+    dtype=(
+        ["float32", "float64", "bfloat16", "float16"],
+        [
+            "int32",
+            "int64",
+            "bool",
+            "uint8",
+            "complex64",
+            "float",
+            "Tensor",
+            "no_such",
+            torch.float32,
+        ],
+    ),
 )
 
 
@@ -160,7 +200,9 @@ def test_validate_accepts_only_what_every_rank_can_run(cfg, world_size):
         cfg.validate(world_size)
     except (TypeError, ValueError):
         return
-    outs = [attend_shard(cfg, rank, world_size, torch.device("cpu"))[0] for rank in range(world_size)]
+    outs = [
+        attend_shard(cfg, rank, world_size, torch.device("cpu"))[0] for rank in range(world_size)
+    ]
     assert torch.cat(outs, dim=1).shape == (sum(cfg.q_lens), cfg.num_q_heads, cfg.head_dim)
     assert try_get_tp_info() is None  # attend_shard leaves the process's TP info as it found it
 

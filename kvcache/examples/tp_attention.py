@@ -26,14 +26,20 @@ import os
 import socket
 import tempfile
 from dataclasses import asdict, dataclass, field
-from typing import List, Optional, Tuple
 
 import torch
 
 from ..storage.base import KVCacheLayout
 from ..storage.distributed import reset_tp_info, set_tp_info, try_get_tp_info
 
-__all__ = ["TPConfig", "TPResult", "attend_shard", "run_tp_attention", "run_single_process", "make_batch"]
+__all__ = [
+    "TPConfig",
+    "TPResult",
+    "attend_shard",
+    "run_tp_attention",
+    "run_single_process",
+    "make_batch",
+]
 
 
 def _int_field(value: object, name: str, minimum: int) -> int:
@@ -56,8 +62,8 @@ class TPConfig:
     layer_id: int = 1
     page_size: int = 4
     kv_layout: str = "PageFirst"
-    seq_lens: Tuple[int, ...] = (7, 12, 3)
-    q_lens: Tuple[int, ...] = (3, 1, 3)
+    seq_lens: tuple[int, ...] = (7, 12, 3)
+    q_lens: tuple[int, ...] = (3, 1, 3)
     seed: int = 0
     dtype: str = "float32"
 
@@ -76,19 +82,27 @@ class TPConfig:
             _int_field(getattr(self, name), name, 1)
         _int_field(self.layer_id, "layer_id", 0)
         if self.layer_id >= self.num_layers:
-            raise ValueError(f"layer_id {self.layer_id} is outside [0, num_layers={self.num_layers})")
+            raise ValueError(
+                f"layer_id {self.layer_id} is outside [0, num_layers={self.num_layers})"
+            )
         _int_field(self.seed, "seed", -(2**63))
         if self.seed >= 2**64:
             raise ValueError(f"seed must be < 2**64 (torch.Generator.manual_seed), got {self.seed}")
         if not isinstance(self.kv_layout, str):
             raise TypeError(f"kv_layout must be a str, got {type(self.kv_layout).__name__}")
         if self.kv_layout not in KVCacheLayout.__members__:
-            raise ValueError(f"kv_layout must be one of {list(KVCacheLayout.__members__)}, got {self.kv_layout!r}")
+            raise ValueError(
+                f"kv_layout must be one of {list(KVCacheLayout.__members__)}, got {self.kv_layout!r}"
+            )
         if not isinstance(self.dtype, str):
-            raise TypeError(f"dtype must be the name of a torch dtype (a str), got {type(self.dtype).__name__}")
+            raise TypeError(
+                f"dtype must be the name of a torch dtype (a str), got {type(self.dtype).__name__}"
+            )
         dtype = getattr(torch, self.dtype, None)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ValueError(f"dtype must name a floating-point torch dtype (e.g. 'float32'), got {self.dtype!r}")
+            raise ValueError(
+                f"dtype must name a floating-point torch dtype (e.g. 'float32'), got {self.dtype!r}"
+            )
         for name in ("seq_lens", "q_lens"):
             lens = getattr(self, name)
             if not isinstance(lens, (tuple, list)):
@@ -96,8 +110,10 @@ class TPConfig:
             for i, x in enumerate(lens):
                 _int_field(x, f"{name}[{i}]", 1)
         if len(self.seq_lens) != len(self.q_lens) or not self.seq_lens:
-            raise ValueError(f"seq_lens {self.seq_lens} and q_lens {self.q_lens} must be non-empty and equally long")
-        for t, ql in zip(self.seq_lens, self.q_lens):
+            raise ValueError(
+                f"seq_lens {self.seq_lens} and q_lens {self.q_lens} must be non-empty and equally long"
+            )
+        for t, ql in zip(self.seq_lens, self.q_lens, strict=True):
             if not 1 <= ql <= t:
                 raise ValueError(f"each q_len must be in [1, seq_len]; got q_len={ql}, seq_len={t}")
         for what, a, b in (
@@ -119,11 +135,13 @@ class TPResult:
     """``output``: ``(sum(q_lens), num_q_heads, head_dim)`` on the CPU; ``pool_nbytes[r]``: rank r's pool bytes."""
 
     output: torch.Tensor
-    pool_nbytes: List[int] = field(default_factory=list)
+    pool_nbytes: list[int] = field(default_factory=list)
     backend: str = ""
 
 
-def make_batch(cfg: TPConfig) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, List[torch.Tensor]]:
+def make_batch(
+    cfg: TPConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Seeded full-model data, identical in every process: ``k``, ``v`` ``(sum(seq_lens), Hkv, D)``,
     ``q`` ``(sum(q_lens), Hq, D)`` and each request's slots (a random permutation of the pool)."""
     g = torch.Generator().manual_seed(cfg.seed)
@@ -133,22 +151,32 @@ def make_batch(cfg: TPConfig) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
     v = torch.randn(n, cfg.num_kv_heads, cfg.head_dim, generator=g).to(dtype)
     q = torch.randn(sum(cfg.q_lens), cfg.num_q_heads, cfg.head_dim, generator=g).to(dtype)
     perm = torch.randperm(cfg.num_pages * cfg.page_size, generator=g)[:n].to(torch.int32)
-    return k, v, q, list(perm.split(list(cfg.seq_lens)))
+    return k, v, q, list(torch.split(perm, list(cfg.seq_lens)))
 
 
-def attend_shard(cfg: TPConfig, rank: int, size: int, device: torch.device) -> Tuple[torch.Tensor, int]:
+def attend_shard(
+    cfg: TPConfig, rank: int, size: int, device: torch.device
+) -> tuple[torch.Tensor, int]:
     """One rank's work, in this process: its pool shard, its heads' K/V stored, its query heads
     attended. Returns ``(output (sum(q_lens), num_q_heads // size, head_dim), pool nbytes)``.
     Call ``cfg.validate(size)`` first (the runners do)."""
     from ..kernels.attention import paged_attention
     from ..storage.mha_pool import MHAKVCache
 
-    previous = try_get_tp_info()  # restored afterwards: run_single_process runs in the caller's process
+    previous = (
+        try_get_tp_info()
+    )  # restored afterwards: run_single_process runs in the caller's process
     set_tp_info(rank, size)
     try:
         pool = MHAKVCache(
-            cfg.num_kv_heads, cfg.num_layers, cfg.head_dim, cfg.num_pages, getattr(torch, cfg.dtype),
-            KVCacheLayout[cfg.kv_layout], device, page_size=cfg.page_size,
+            cfg.num_kv_heads,
+            cfg.num_layers,
+            cfg.head_dim,
+            cfg.num_pages,
+            getattr(torch, cfg.dtype),
+            KVCacheLayout[cfg.kv_layout],
+            device,
+            page_size=cfg.page_size,
         )
     finally:
         if previous is None:
@@ -158,14 +186,25 @@ def attend_shard(cfg: TPConfig, rank: int, size: int, device: torch.device) -> T
     k, v, q, slots = make_batch(cfg)
     hk, hq = pool.local_kv_heads, cfg.num_q_heads // size
     flat = torch.cat(slots).to(device)
-    pool.store_kv(k[:, rank * hk : (rank + 1) * hk].to(device),
-                  v[:, rank * hk : (rank + 1) * hk].to(device), flat, cfg.layer_id)
-    out = paged_attention(q[:, rank * hq : (rank + 1) * hq].to(device), pool.k_cache(cfg.layer_id),
-                          pool.v_cache(cfg.layer_id), [s.to(device) for s in slots], list(cfg.q_lens))
+    pool.store_kv(
+        k[:, rank * hk : (rank + 1) * hk].to(device),
+        v[:, rank * hk : (rank + 1) * hk].to(device),
+        flat,
+        cfg.layer_id,
+    )
+    out = paged_attention(
+        q[:, rank * hq : (rank + 1) * hq].to(device),
+        pool.k_cache(cfg.layer_id),
+        pool.v_cache(cfg.layer_id),
+        [s.to(device) for s in slots],
+        list(cfg.q_lens),
+    )
     return out, pool.nbytes
 
 
-def _worker(rank: int, world_size: int, port: int, cfg: TPConfig, use_cuda: bool, result_path: str) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, cfg: TPConfig, use_cuda: bool, result_path: str
+) -> None:
     import torch.distributed as dist
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -181,7 +220,7 @@ def _worker(rank: int, world_size: int, port: int, cfg: TPConfig, use_cuda: bool
         out, nbytes = attend_shard(cfg, rank, world_size, device)
         parts = [torch.empty_like(out) for _ in range(world_size)]
         dist.all_gather(parts, out.contiguous())
-        sizes: List[Optional[int]] = [None] * world_size
+        sizes: list[int | None] = [None] * world_size
         dist.all_gather_object(sizes, nbytes)
         if rank == 0:
             gathered = torch.cat(parts, dim=1).cpu()
@@ -194,10 +233,12 @@ def _worker(rank: int, world_size: int, port: int, cfg: TPConfig, use_cuda: bool
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
-def run_tp_attention(world_size: int, cfg: Optional[TPConfig] = None, *, device: str = "auto") -> TPResult:
+def run_tp_attention(
+    world_size: int, cfg: TPConfig | None = None, *, device: str = "auto"
+) -> TPResult:
     """Run TP attention on ``world_size`` local processes; return rank 0's gathered result.
 
     ``device``: ``"cpu"`` (gloo), ``"cuda"`` (NCCL, one GPU per rank) or ``"auto"`` (CUDA when
@@ -217,12 +258,17 @@ def run_tp_attention(world_size: int, cfg: Optional[TPConfig] = None, *, device:
         raise ValueError(f"world_size={world_size} needs that many GPUs, found {n_gpu}")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "result.pt")
-        mp.spawn(_worker, args=(world_size, _free_port(), cfg, use_cuda, path), nprocs=world_size, join=True)
+        mp.spawn(  # type: ignore[attr-defined,no-untyped-call]  # torch's stubs: untyped, not re-exported
+            _worker,
+            args=(world_size, _free_port(), cfg, use_cuda, path),
+            nprocs=world_size,
+            join=True,
+        )
         res = torch.load(path)
     return TPResult(res["output"], list(res["pool_nbytes"]), "nccl" if use_cuda else "gloo")
 
 
-def run_single_process(cfg: Optional[TPConfig] = None, device: str = "cpu") -> TPResult:
+def run_single_process(cfg: TPConfig | None = None, device: str = "cpu") -> TPResult:
     """The same batch with the whole model on one pool in this process (TP size 1)."""
     cfg = cfg or TPConfig()
     cfg.validate(1)
@@ -230,9 +276,11 @@ def run_single_process(cfg: Optional[TPConfig] = None, device: str = "cpu") -> T
     return TPResult(out.cpu(), [nbytes], "single-process")
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     d = TPConfig()
-    p = argparse.ArgumentParser(prog="python -m kvcache.examples.tp_attention", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m kvcache.examples.tp_attention", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--num-kv-heads", type=int, default=d.num_kv_heads)
     p.add_argument("--num-q-heads", type=int, default=d.num_q_heads)
@@ -244,9 +292,16 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     a = p.parse_args(argv)
-    cfg = TPConfig(num_kv_heads=a.num_kv_heads, num_q_heads=a.num_q_heads, head_dim=a.head_dim,
-                   page_size=a.page_size, kv_layout=a.kv_layout, seq_lens=tuple(a.seq_lens),
-                   q_lens=tuple(a.q_lens), seed=a.seed)
+    cfg = TPConfig(
+        num_kv_heads=a.num_kv_heads,
+        num_q_heads=a.num_q_heads,
+        head_dim=a.head_dim,
+        page_size=a.page_size,
+        kv_layout=a.kv_layout,
+        seq_lens=tuple(a.seq_lens),
+        q_lens=tuple(a.q_lens),
+        seed=a.seed,
+    )
     try:
         cfg.validate(a.world_size)
     except ValueError as e:

@@ -26,7 +26,8 @@ Batch format (both functions)
 from __future__ import annotations
 
 import math
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -61,16 +62,22 @@ def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> _Geometry:
     """Both tensors, 3-D or 4-D, the same shape, floating dtype and device."""
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor (one layer's cache), got {type(t).__name__}")
+            raise TypeError(
+                f"{name} must be a torch.Tensor (one layer's cache), got {type(t).__name__}"
+            )
     if k_cache.dim() not in (3, 4):
         raise ValueError(
             "k_cache must have shape (num_pages, page_size, kv_heads, head_dim) or "
             f"(num_slots, kv_heads, head_dim), got {tuple(k_cache.shape)}"
         )
     if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")
+        raise ValueError(
+            f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}"
+        )
     if not k_cache.dtype.is_floating_point or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"k_cache and v_cache must share one floating dtype, got {k_cache.dtype} and {v_cache.dtype}")
+        raise ValueError(
+            f"k_cache and v_cache must share one floating dtype, got {k_cache.dtype} and {v_cache.dtype}"
+        )
     if v_cache.device != k_cache.device:
         raise ValueError(f"v_cache is on {v_cache.device}, k_cache on {k_cache.device}")
     page_size = k_cache.shape[1] if k_cache.dim() == 4 else 1
@@ -78,7 +85,7 @@ def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> _Geometry:
     return _Geometry(num_slots, page_size, k_cache.shape[-2], k_cache.shape[-1], k_cache.device)
 
 
-def _check_slots(geo: _Geometry, slots: Sequence[torch.Tensor]) -> List[int]:
+def _check_slots(geo: _Geometry, slots: object) -> list[int]:
     """Each entry a non-empty 1-D int32/int64 tensor on the cache's device, values in range."""
     if isinstance(slots, torch.Tensor) or not isinstance(slots, (list, tuple)):
         raise TypeError(f"slots must be a list of 1-D tensors, got {type(slots).__name__}")
@@ -110,7 +117,9 @@ def _check_q(q: object, geo: _Geometry, total_q: int) -> int:
             f"got {tuple(q.shape)}"
         )
     if q.shape[1] == 0 or q.shape[1] % geo.kv_heads != 0:
-        raise ValueError(f"num_q_heads={q.shape[1]} must be a positive multiple of kv_heads={geo.kv_heads}")
+        raise ValueError(
+            f"num_q_heads={q.shape[1]} must be a positive multiple of kv_heads={geo.kv_heads}"
+        )
     if not q.dtype.is_floating_point:
         raise ValueError(f"q must be floating point, got {q.dtype}")
     if q.device != geo.device:
@@ -118,7 +127,7 @@ def _check_q(q: object, geo: _Geometry, total_q: int) -> int:
     return q.shape[1] // geo.kv_heads
 
 
-def _default_scale(scale: Optional[float], head_dim: int) -> float:
+def _default_scale(scale: float | None, head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
@@ -136,7 +145,9 @@ def _rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return cache[s // page_size, s % page_size]
 
 
-def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def gather_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of the tokens at ``slots`` (``(T,)``): each ``(T, kv_heads, head_dim)``.
 
     ``k_cache``, ``v_cache``: one layer, paged or flat (see the module docstring).
@@ -151,8 +162,8 @@ def paged_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slots: Sequence[torch.Tensor],
-    q_lens: Optional[Sequence[int]] = None,
-    scale: Optional[float] = None,
+    q_lens: Sequence[int] | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Causal (GQA) attention for a batch of requests whose K/V sit in one layer's cache. Torch reference.
 
@@ -171,15 +182,17 @@ def paged_attention(
     q_lens = list(q_lens)
     if len(q_lens) != len(seq_lens):
         raise ValueError(f"len(q_lens)={len(q_lens)} != len(slots)={len(seq_lens)}")
-    for r, (ql, t) in enumerate(zip(q_lens, seq_lens)):
+    for r, (ql, t) in enumerate(zip(q_lens, seq_lens, strict=True)):
         if isinstance(ql, bool) or not isinstance(ql, int) or not 1 <= ql <= t:
-            raise ValueError(f"q_lens[{r}]={ql!r} must be an int in [1, T={t}] (T = len(slots[{r}]))")
+            raise ValueError(
+                f"q_lens[{r}]={ql!r} must be an int in [1, T={t}] (T = len(slots[{r}]))"
+            )
     group = _check_q(q, geo, sum(q_lens))
     sm_scale = _default_scale(scale, geo.head_dim)
 
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     start = 0
-    for s, ql, t in zip(slots, q_lens, seq_lens):
+    for s, ql, t in zip(slots, q_lens, seq_lens, strict=True):
         # (T, kv_heads, D) -> (q_heads, T, D): query head h reads KV head h // group.
         k = _rows(k_cache, s).float().repeat_interleave(group, dim=1).transpose(0, 1)
         v = _rows(v_cache, s).float().repeat_interleave(group, dim=1).transpose(0, 1)
@@ -199,15 +212,35 @@ def paged_attention(
 
 if _HAVE_TRITON:
 
-    @triton.jit
-    def _decode_kernel(
-        q_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, starts_ptr, out_ptr,
-        sm_scale, head_dim, page_size,
-        stride_q_b, stride_q_h, stride_q_d,
-        stride_kc_p, stride_kc_s, stride_kc_h, stride_kc_d,
-        stride_vc_p, stride_vc_s, stride_vc_h, stride_vc_d,
-        stride_o_b, stride_o_h, stride_o_d,
-        GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    @triton.jit  # type: ignore[untyped-decorator]  # triton ships no type information
+    def _decode_kernel(  # type: ignore[no-untyped-def]  # Triton types the parameters
+        q_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        slots_ptr,
+        starts_ptr,
+        out_ptr,
+        sm_scale,
+        head_dim,
+        page_size,
+        stride_q_b,
+        stride_q_h,
+        stride_q_d,
+        stride_kc_p,
+        stride_kc_s,
+        stride_kc_h,
+        stride_kc_d,
+        stride_vc_p,
+        stride_vc_s,
+        stride_vc_h,
+        stride_vc_d,
+        stride_o_b,
+        stride_o_h,
+        stride_o_d,
+        GROUP: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
     ):
         """Program (b, h): request b's one query token, the GROUP query heads sharing KV head h.
 
@@ -226,7 +259,12 @@ if _HAVE_TRITON:
         mask_d = offs_d < head_dim
         q_heads = pid_h * GROUP + offs_g
 
-        q_ptrs = q_ptr + pid_b * stride_q_b + q_heads[:, None] * stride_q_h + offs_d[None, :] * stride_q_d
+        q_ptrs = (
+            q_ptr
+            + pid_b * stride_q_b
+            + q_heads[:, None] * stride_q_h
+            + offs_d[None, :] * stride_q_d
+        )
         q = tl.load(q_ptrs, mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
 
         m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
@@ -239,8 +277,11 @@ if _HAVE_TRITON:
             page = slot // page_size
             in_page = slot % page_size
             kv_mask = mask_n[:, None] & mask_d[None, :]
-            k_ptrs = (k_cache_ptr + (page * stride_kc_p + in_page * stride_kc_s + pid_h * stride_kc_h)[:, None]
-                      + offs_d[None, :] * stride_kc_d)
+            k_ptrs = (
+                k_cache_ptr
+                + (page * stride_kc_p + in_page * stride_kc_s + pid_h * stride_kc_h)[:, None]
+                + offs_d[None, :] * stride_kc_d
+            )
             k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(tl.float32)  # (BLOCK_N, BLOCK_D)
             # (G, 1, D) * (1, N, D) summed over D: tl.dot needs every dim >= 16, G is often 1..8.
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * sm_scale  # (BLOCK_G, BLOCK_N)
@@ -251,14 +292,22 @@ if _HAVE_TRITON:
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
 
-            v_ptrs = (v_cache_ptr + (page * stride_vc_p + in_page * stride_vc_s + pid_h * stride_vc_h)[:, None]
-                      + offs_d[None, :] * stride_vc_d)
+            v_ptrs = (
+                v_cache_ptr
+                + (page * stride_vc_p + in_page * stride_vc_s + pid_h * stride_vc_h)[:, None]
+                + offs_d[None, :] * stride_vc_d
+            )
             v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(tl.float32)  # (BLOCK_N, BLOCK_D)
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
             m_i = m_new
 
         out = acc / l_i[:, None]
-        o_ptrs = out_ptr + pid_b * stride_o_b + q_heads[:, None] * stride_o_h + offs_d[None, :] * stride_o_d
+        o_ptrs = (
+            out_ptr
+            + pid_b * stride_o_b
+            + q_heads[:, None] * stride_o_h
+            + offs_d[None, :] * stride_o_d
+        )
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
 
 
@@ -275,7 +324,7 @@ def paged_decode_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slots: Sequence[torch.Tensor],
-    scale: Optional[float] = None,
+    scale: float | None = None,
     *,
     block_n: int = 32,
 ) -> torch.Tensor:
@@ -292,7 +341,12 @@ def paged_decode_attention(
     geo = _check_caches(k_cache, v_cache)
     seq_lens = _check_slots(geo, slots)
     group = _check_q(q, geo, len(seq_lens))
-    if isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 1 or block_n & (block_n - 1):
+    if (
+        isinstance(block_n, bool)
+        or not isinstance(block_n, int)
+        or block_n < 1
+        or block_n & (block_n - 1)
+    ):
         raise ValueError(f"block_n must be a power of two >= 1, got {block_n!r}")
     if paged_decode_backend(q.device) == "torch":
         return paged_attention(q, k_cache, v_cache, slots, [1] * len(seq_lens), scale)
@@ -309,10 +363,22 @@ def paged_decode_attention(
     vc = v_cache if v_cache.dim() == 4 else v_cache.unsqueeze(1)
     grid = (len(seq_lens), geo.kv_heads)
     _decode_kernel[grid](
-        q, kc, vc, flat_slots, starts, out,
-        _default_scale(scale, geo.head_dim), geo.head_dim, geo.page_size,
-        *q.stride(), *kc.stride(), *vc.stride(), *out.stride(),
-        GROUP=group, BLOCK_G=triton.next_power_of_2(group), BLOCK_N=block_n,
+        q,
+        kc,
+        vc,
+        flat_slots,
+        starts,
+        out,
+        _default_scale(scale, geo.head_dim),
+        geo.head_dim,
+        geo.page_size,
+        *q.stride(),
+        *kc.stride(),
+        *vc.stride(),
+        *out.stride(),
+        GROUP=group,
+        BLOCK_G=triton.next_power_of_2(group),
+        BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(geo.head_dim),
     )
     return out

@@ -34,7 +34,7 @@ Bounds check
 from __future__ import annotations
 
 import os
-from typing import Tuple
+from typing import Any
 
 import torch
 
@@ -86,7 +86,7 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
-def store_launch_shape(n: int, heads: int, head_dim: int) -> dict:
+def store_launch_shape(n: int, heads: int, head_dim: int) -> dict[str, Any]:
     """The launch :func:`store_cache` makes for ``n`` tokens of ``heads x head_dim``.
 
     Returns ``{"grid": (token blocks, head blocks), "BLOCK_N": ..., "BLOCK_H": ..., "BLOCK_D": ...}``:
@@ -112,14 +112,16 @@ def _check_tensor(x: object, name: str) -> torch.Tensor:
     return x
 
 
-def _paged_geometry(cache: torch.Tensor, name: str) -> Tuple[int, int, int, int, int, int, int, int]:
+def _paged_geometry(
+    cache: torch.Tensor, name: str
+) -> tuple[int, int, int, int, int, int, int, int]:
     """``(num_pages, page_size, heads, head_dim)`` and the four strides of a 3-D or 4-D cache."""
     if cache.dim() == 3:
         num_slots, heads, head_dim = cache.shape
         s_slot, s_head, s_dim = cache.stride()
         return num_slots, 1, heads, head_dim, s_slot, 0, s_head, s_dim
     if cache.dim() == 4:
-        return (*cache.shape, *cache.stride())  # type: ignore[return-value]
+        return (*cache.shape, *cache.stride())
     raise ValueError(
         f"{name} must have shape (num_slots, heads, head_dim) or "
         f"(num_pages, page_size, heads, head_dim), got {tuple(cache.shape)}"
@@ -129,7 +131,7 @@ def _paged_geometry(cache: torch.Tensor, name: str) -> Tuple[int, int, int, int,
 def check_no_self_overlap(t: torch.Tensor, name: str) -> None:
     """``ValueError`` when two elements of ``t`` share memory (a stride-0 dimension of size > 1):
     a write through such a view would land in one place for several slots."""
-    for d, (size, stride) in enumerate(zip(t.shape, t.stride())):
+    for d, (size, stride) in enumerate(zip(t.shape, t.stride(), strict=True)):
         if size > 1 and stride == 0:
             raise ValueError(
                 f"{name} overlaps itself: dimension {d} has size {size} and stride 0 (an expanded "
@@ -154,7 +156,9 @@ def _validate(
     if k_cache.dim() not in (3, 4):
         _paged_geometry(k_cache, "k_cache")
     if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")
+        raise ValueError(
+            f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}"
+        )
     if v_cache.dtype != k_cache.dtype:
         raise ValueError(f"v_cache dtype {v_cache.dtype} != k_cache dtype {k_cache.dtype}")
     device = k_cache.device
@@ -192,7 +196,11 @@ def _validate(
 
 
 def _store_torch(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, indices: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    indices: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     guard: bool = False,
 ) -> None:
     """``guard``: drop rows whose index is out of range (the kernel's device-side guard)."""
@@ -233,17 +241,38 @@ def store_cache_torch(
 
 if _HAVE_TRITON:
 
-    @triton.jit
-    def _store_cache_kernel(
-        k_cache_ptr, v_cache_ptr, indices_ptr, k_ptr, v_ptr,
-        n, num_slots, heads, head_dim, page_size, stride_i,
+    @triton.jit  # type: ignore[untyped-decorator]  # triton ships no type information
+    def _store_cache_kernel(  # type: ignore[no-untyped-def]  # Triton types the parameters
+        k_cache_ptr,
+        v_cache_ptr,
+        indices_ptr,
+        k_ptr,
+        v_ptr,
+        n,
+        num_slots,
+        heads,
+        head_dim,
+        page_size,
+        stride_i,
         # cache strides: page, in-page slot, head, dim (K and V may differ)
-        stride_kc_p, stride_kc_s, stride_kc_h, stride_kc_d,
-        stride_vc_p, stride_vc_s, stride_vc_h, stride_vc_d,
+        stride_kc_p,
+        stride_kc_s,
+        stride_kc_h,
+        stride_kc_d,
+        stride_vc_p,
+        stride_vc_s,
+        stride_vc_h,
+        stride_vc_d,
         # source strides: token, head, dim
-        stride_k_n, stride_k_h, stride_k_d,
-        stride_v_n, stride_v_h, stride_v_d,
-        BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+        stride_k_n,
+        stride_k_h,
+        stride_k_d,
+        stride_v_n,
+        stride_v_h,
+        stride_v_d,
+        BLOCK_N: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_D: tl.constexpr,
     ):
         """Program (i, j): tokens [i*BLOCK_N, (i+1)*BLOCK_N), heads [j*BLOCK_H, (j+1)*BLOCK_H), K and V."""
         pid_n = tl.program_id(0)
@@ -267,27 +296,54 @@ if _HAVE_TRITON:
         mask = ok[:, None, None] & (h3 < heads) & (d3 < head_dim)
 
         k_src = k_ptr + r3 * stride_k_n + h3 * stride_k_h + d3 * stride_k_d
-        k_dst = (k_cache_ptr + (page * stride_kc_p + offset * stride_kc_s)[:, None, None]
-                 + h3 * stride_kc_h + d3 * stride_kc_d)
+        k_dst = (
+            k_cache_ptr
+            + (page * stride_kc_p + offset * stride_kc_s)[:, None, None]
+            + h3 * stride_kc_h
+            + d3 * stride_kc_d
+        )
         tl.store(k_dst, tl.load(k_src, mask=mask), mask=mask)
 
         v_src = v_ptr + r3 * stride_v_n + h3 * stride_v_h + d3 * stride_v_d
-        v_dst = (v_cache_ptr + (page * stride_vc_p + offset * stride_vc_s)[:, None, None]
-                 + h3 * stride_vc_h + d3 * stride_vc_d)
+        v_dst = (
+            v_cache_ptr
+            + (page * stride_vc_p + offset * stride_vc_s)[:, None, None]
+            + h3 * stride_vc_h
+            + d3 * stride_vc_d
+        )
         tl.store(v_dst, tl.load(v_src, mask=mask), mask=mask)
 
 
-def _store_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, indices: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def _store_triton(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    indices: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
     num_pages, page_size, heads, head_dim, *kc_strides = _paged_geometry(k_cache, "k_cache")
     vc_strides = _paged_geometry(v_cache, "v_cache")[4:]
     n = indices.shape[0]
     shape = store_launch_shape(n, heads, head_dim)
     _store_cache_kernel[shape["grid"]](
-        k_cache, v_cache, indices, k, v,
-        n, num_pages * page_size, heads, head_dim, page_size, indices.stride(0),
-        *kc_strides, *vc_strides,
-        *k.stride(), *v.stride(),
-        BLOCK_N=shape["BLOCK_N"], BLOCK_H=shape["BLOCK_H"], BLOCK_D=shape["BLOCK_D"],
+        k_cache,
+        v_cache,
+        indices,
+        k,
+        v,
+        n,
+        num_pages * page_size,
+        heads,
+        head_dim,
+        page_size,
+        indices.stride(0),
+        *kc_strides,
+        *vc_strides,
+        *k.stride(),
+        *v.stride(),
+        BLOCK_N=shape["BLOCK_N"],
+        BLOCK_H=shape["BLOCK_H"],
+        BLOCK_D=shape["BLOCK_D"],
     )
 
 
