@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from .checks import check_no_self_overlap, paged_geometry, validate_store_args
+
 try:
     import triton
     import triton.language as tl
@@ -59,7 +61,6 @@ __all__ = [
 #: Whether ``TRITON_INTERPRET=1`` was set when this module was imported (triton reads it then too).
 TRITON_INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-_INDEX_DTYPES = (torch.int32, torch.int64)
 # Upper bound on the (heads x head_dim) elements one program copies per token and tensor.
 _MAX_TILE = 4096
 # Upper bound on the elements one program copies per tensor over its whole block of tokens:
@@ -102,95 +103,6 @@ def store_launch_shape(n: int, heads: int, head_dim: int) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Checks (shared by every entry point; nothing is written unless all pass)
-# ---------------------------------------------------------------------------------------------
-
-
-def _check_tensor(x: object, name: str) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    return x
-
-
-def _paged_geometry(
-    cache: torch.Tensor, name: str
-) -> tuple[int, int, int, int, int, int, int, int]:
-    """``(num_pages, page_size, heads, head_dim)`` and the four strides of a 3-D or 4-D cache."""
-    if cache.dim() == 3:
-        num_slots, heads, head_dim = cache.shape
-        s_slot, s_head, s_dim = cache.stride()
-        return num_slots, 1, heads, head_dim, s_slot, 0, s_head, s_dim
-    if cache.dim() == 4:
-        return (*cache.shape, *cache.stride())
-    raise ValueError(
-        f"{name} must have shape (num_slots, heads, head_dim) or "
-        f"(num_pages, page_size, heads, head_dim), got {tuple(cache.shape)}"
-    )
-
-
-def check_no_self_overlap(t: torch.Tensor, name: str) -> None:
-    """``ValueError`` when two elements of ``t`` share memory (a stride-0 dimension of size > 1):
-    a write through such a view would land in one place for several slots."""
-    for d, (size, stride) in enumerate(zip(t.shape, t.stride(), strict=True)):
-        if size > 1 and stride == 0:
-            raise ValueError(
-                f"{name} overlaps itself: dimension {d} has size {size} and stride 0 (an expanded "
-                "view); a cache written through it needs distinct memory per element"
-            )
-
-
-def _validate(
-    k_cache: object,
-    v_cache: object,
-    indices: object,
-    k: object,
-    v: object,
-    check_bounds: bool,
-) -> int:
-    """Check every argument; return ``num_slots``. Raises before anything is written."""
-    k_cache = _check_tensor(k_cache, "k_cache")
-    v_cache = _check_tensor(v_cache, "v_cache")
-    indices = _check_tensor(indices, "indices")
-    k = _check_tensor(k, "k")
-    v = _check_tensor(v, "v")
-    if k_cache.dim() not in (3, 4):
-        _paged_geometry(k_cache, "k_cache")
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(
-            f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}"
-        )
-    if v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"v_cache dtype {v_cache.dtype} != k_cache dtype {k_cache.dtype}")
-    device = k_cache.device
-    for name, t in (("v_cache", v_cache), ("k", k), ("v", v), ("indices", indices)):
-        if t.device != device:
-            raise ValueError(f"{name} is on device {t.device}, but k_cache is on {device}")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        check_no_self_overlap(t, name)
-    heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
-    num_slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
-    if indices.dim() != 1:
-        raise ValueError(f"indices must be 1-D, got shape {tuple(indices.shape)}")
-    if indices.dtype not in _INDEX_DTYPES:
-        raise ValueError(f"indices must have dtype torch.int32 or torch.int64, got {indices.dtype}")
-    n = indices.shape[0]
-    for name, t in (("k", k), ("v", v)):
-        if tuple(t.shape) != (n, heads, head_dim):
-            raise ValueError(
-                f"{name} must have shape (n, heads, head_dim) = {(n, heads, head_dim)} "
-                f"(n = len(indices)), got {tuple(t.shape)}"
-            )
-        if t.dtype != k_cache.dtype:
-            raise ValueError(f"{name} dtype {t.dtype} != cache dtype {k_cache.dtype}")
-    if check_bounds and n > 0:
-        lo, hi = (int(x) for x in torch.aminmax(indices))
-        if lo < 0 or hi >= num_slots:
-            bad = lo if lo < 0 else hi
-            raise IndexError(f"index {bad} is outside [0, num_slots={num_slots})")
-    return num_slots
-
-
-# ---------------------------------------------------------------------------------------------
 # Torch backend
 # ---------------------------------------------------------------------------------------------
 
@@ -230,7 +142,7 @@ def store_cache_torch(
     check_bounds: bool = True,
 ) -> None:
     """:func:`store_cache` forced onto the torch backend (any device)."""
-    _validate(k_cache, v_cache, indices, k, v, check_bounds)
+    validate_store_args(k_cache, v_cache, indices, k, v, check_bounds)
     if indices.numel():
         _store_torch(k_cache, v_cache, indices, k, v, guard=not check_bounds)
 
@@ -321,8 +233,8 @@ def _store_triton(
     k: torch.Tensor,
     v: torch.Tensor,
 ) -> None:
-    num_pages, page_size, heads, head_dim, *kc_strides = _paged_geometry(k_cache, "k_cache")
-    vc_strides = _paged_geometry(v_cache, "v_cache")[4:]
+    num_pages, page_size, heads, head_dim, *kc_strides = paged_geometry(k_cache, "k_cache")
+    vc_strides = paged_geometry(v_cache, "v_cache")[4:]
     n = indices.shape[0]
     shape = store_launch_shape(n, heads, head_dim)
     _store_cache_kernel[shape["grid"]](
@@ -361,7 +273,7 @@ def store_cache_triton(
     CUDA tensors, or CPU tensors when ``TRITON_INTERPRET=1`` was set before import; otherwise
     ``RuntimeError``.
     """
-    _validate(k_cache, v_cache, indices, k, v, check_bounds)
+    validate_store_args(k_cache, v_cache, indices, k, v, check_bounds)
     if store_cache_backend(k_cache.device) not in ("triton", "triton-interpreter"):
         raise RuntimeError(
             f"the Triton store kernel cannot run on {k_cache.device}: it needs CUDA, or the CPU "
@@ -394,7 +306,7 @@ def store_cache(
     is read through its strides; a cache that overlaps itself raises ``ValueError``. With
     duplicate indices, which token's row ends up in the slot is unspecified.
     """
-    _validate(k_cache, v_cache, indices, k, v, check_bounds)
+    validate_store_args(k_cache, v_cache, indices, k, v, check_bounds)
     if indices.numel() == 0:
         return
     if store_cache_backend(k_cache.device) == "torch":
