@@ -356,7 +356,7 @@ def paged_decode_attention(
 
     # One contiguous int64 copy of the logical slot values: what the bounds check read.
     flat_slots = torch.cat([s.to(torch.int64) for s in slots])
-    starts = torch.zeros(len(seq_lens) + 1, dtype=torch.int64)
+    starts = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)  # offsets into flat_slots
     starts[1:] = torch.tensor(seq_lens).cumsum(0)
     starts = starts.to(q.device)
     kc = k_cache if k_cache.dim() == 4 else k_cache.unsqueeze(1)  # flat: pages of one slot
