@@ -25,7 +25,12 @@ from typing import TYPE_CHECKING, Any
 #: The package's version, its one source: pyproject.toml reads it (``[tool.setuptools.dynamic]``).
 __version__ = "0.1.0"
 
-from .kernels.attention import gather_kv, paged_attention, paged_decode_attention, paged_decode_backend
+from .kernels.attention import (
+    gather_kv,
+    paged_attention,
+    paged_decode_attention,
+    paged_decode_backend,
+)
 from .kernels.store import store_cache, store_cache_backend, store_cache_torch, store_cache_triton
 from .managers import (
     EVICTION_POLICIES,
@@ -82,13 +87,29 @@ if TYPE_CHECKING:
 
 #: Names loaded on first access, and the module that holds each.
 _LAZY = {
-    **{name: "kvcache.viz" for name in (
-        "Explorer", "StepPlayer", "step_player", "TreeRecorder", "draw_tree", "draw_sequence",
-        "tree_text", "snapshot", "predict_evict",
-    )},
-    **{name: "kvcache.examples.tp_attention" for name in (
-        "TPConfig", "TPResult", "run_tp_attention", "run_single_process",
-    )},
+    **{
+        name: "kvcache.viz"
+        for name in (
+            "Explorer",
+            "StepPlayer",
+            "step_player",
+            "TreeRecorder",
+            "draw_tree",
+            "draw_sequence",
+            "tree_text",
+            "snapshot",
+            "predict_evict",
+        )
+    },
+    **{
+        name: "kvcache.examples.tp_attention"
+        for name in (
+            "TPConfig",
+            "TPResult",
+            "run_tp_attention",
+            "run_single_process",
+        )
+    },
 }
 
 
@@ -106,17 +127,57 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "BaseKVCache", "KVCacheLayout", "BaseCacheHandle", "SizeInfo", "BaseCacheManager", "InsertResult",
-    "MHAKVCache", "NaiveCacheHandle", "NaiveCacheManager",
-    "RadixTreeNode", "RadixCacheHandle", "RadixCacheManager",
-    "BlockHashCacheManager", "BlockHashCacheHandle", "CachedBlock",
-    "EVICTION_POLICIES", "register_eviction_policy",
-    "PageAllocator", "RequestFlow", "Request", "FlowStats", "FlowEvent",
-    "store_cache", "store_cache_backend", "store_cache_torch", "store_cache_triton",
-    "paged_attention", "paged_decode_attention", "paged_decode_backend", "gather_kv",
-    "TPConfig", "TPResult", "run_tp_attention", "run_single_process",
-    "TinyLlama", "TinyLlamaConfig", "Engine", "ByteTokenizer",
-    "Explorer", "StepPlayer", "step_player", "TreeRecorder", "draw_tree", "draw_sequence",
-    "tree_text", "snapshot", "predict_evict",
-    "DistributedInfo", "set_tp_info", "get_tp_info", "try_get_tp_info", "reset_tp_info", "divide_even",
+    "BaseKVCache",
+    "KVCacheLayout",
+    "BaseCacheHandle",
+    "SizeInfo",
+    "BaseCacheManager",
+    "InsertResult",
+    "MHAKVCache",
+    "NaiveCacheHandle",
+    "NaiveCacheManager",
+    "RadixTreeNode",
+    "RadixCacheHandle",
+    "RadixCacheManager",
+    "BlockHashCacheManager",
+    "BlockHashCacheHandle",
+    "CachedBlock",
+    "EVICTION_POLICIES",
+    "register_eviction_policy",
+    "PageAllocator",
+    "RequestFlow",
+    "Request",
+    "FlowStats",
+    "FlowEvent",
+    "store_cache",
+    "store_cache_backend",
+    "store_cache_torch",
+    "store_cache_triton",
+    "paged_attention",
+    "paged_decode_attention",
+    "paged_decode_backend",
+    "gather_kv",
+    "TPConfig",
+    "TPResult",
+    "run_tp_attention",
+    "run_single_process",
+    "TinyLlama",
+    "TinyLlamaConfig",
+    "Engine",
+    "ByteTokenizer",
+    "Explorer",
+    "StepPlayer",
+    "step_player",
+    "TreeRecorder",
+    "draw_tree",
+    "draw_sequence",
+    "tree_text",
+    "snapshot",
+    "predict_evict",
+    "DistributedInfo",
+    "set_tp_info",
+    "get_tp_info",
+    "try_get_tp_info",
+    "reset_tp_info",
+    "divide_even",
 ]

@@ -27,8 +27,12 @@ def load():
 
 
 def key(req: Requirement):
-    return (canonicalize_name(req.name), frozenset(req.extras), str(req.specifier),
-            str(req.marker) if req.marker else "")
+    return (
+        canonicalize_name(req.name),
+        frozenset(req.extras),
+        str(req.specifier),
+        str(req.marker) if req.marker else "",
+    )
 
 
 def pyproject_requirements(pyproject) -> dict:
@@ -41,8 +45,9 @@ def pyproject_requirements(pyproject) -> dict:
         req = Requirement(text)
         name = canonicalize_name(req.name)
         if name in by_name and key(by_name[name]) != key(req):
-            pytest.fail(f"pyproject.toml asks for {name} twice, differently: "
-                        f"{by_name[name]} and {req}")
+            pytest.fail(
+                f"pyproject.toml asks for {name} twice, differently: {by_name[name]} and {req}"
+            )
         by_name[name] = req
     return by_name
 
@@ -66,8 +71,11 @@ def test_every_requirement_matches():
     want, have = pyproject_requirements(pyproject), environment_pip(env)
     missing = sorted(set(want) - set(have))
     extra = sorted(set(have) - set(want))
-    differ = sorted(f"pyproject '{want[n]}' vs environment.yml '{have[n]}'"
-                    for n in set(want) & set(have) if key(want[n]) != key(have[n]))
+    differ = sorted(
+        f"pyproject '{want[n]}' vs environment.yml '{have[n]}'"
+        for n in set(want) & set(have)
+        if key(want[n]) != key(have[n])
+    )
     assert not missing, f"in pyproject.toml but not in environment.yml: {missing}"
     assert not extra, f"in environment.yml but not in pyproject.toml: {extra}"
     assert not differ, "specifiers differ: " + "; ".join(differ)
@@ -83,14 +91,17 @@ def test_conda_section_is_python_pip_and_system_tools():
     pyproject, env = load()
     conda = [d for d in env["dependencies"] if isinstance(d, str)]
     names = {re.split(r"[=<>! ]", d, maxsplit=1)[0] for d in conda}
-    assert names <= CONDA_ONLY, f"conda packages besides {sorted(CONDA_ONLY)}: {sorted(names - CONDA_ONLY)}"
+    assert names <= CONDA_ONLY, (
+        f"conda packages besides {sorted(CONDA_ONLY)}: {sorted(names - CONDA_ONLY)}"
+    )
     assert "pip" in names
     python = [d for d in conda if re.split(r"[=<>! ]", d, maxsplit=1)[0] == "python"]
     assert len(python) == 1, "environment.yml must pin python once"
     version = python[0].split("=", 1)[1].strip("=")
     assert version in SpecifierSet(pyproject["project"]["requires-python"]), (
         f"environment.yml python={version} outside requires-python "
-        f"{pyproject['project']['requires-python']}")
+        f"{pyproject['project']['requires-python']}"
+    )
 
 
 def test_torch_is_pinned_exactly():

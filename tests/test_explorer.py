@@ -15,16 +15,16 @@ import shutil
 from dataclasses import replace
 from html.parser import HTMLParser
 from importlib import resources
-from typing import Dict, List, Tuple
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvcache import RadixCacheManager
-from kvcache.viz.explorer import DEFAULT_PRESETS, Explorer, StepPlayer, render_svg, step_player
 from kvcache.serving.tokenizer import ByteTokenizer
 from kvcache.viz import TreeRecorder, TreeSnapshot, draw_tree, tree_text
+from kvcache.viz.explorer import DEFAULT_PRESETS, Explorer, StepPlayer, render_svg, step_player
 from kvcache.viz.player import PLAYER_ID_PATTERN, js_string
 from kvcache.viz.text import one_line
 
@@ -32,7 +32,9 @@ SYS_A = "You are terse. What is a KV cache?"
 SYS_B = "You are terse. What is a radix tree?"
 SHARED = len("You are terse. What is a ")
 
-needs_dot = pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz `dot` is not installed")
+needs_dot = pytest.mark.skipif(
+    shutil.which("dot") is None, reason="graphviz `dot` is not installed"
+)
 
 
 def static_file(name: str) -> str:
@@ -51,9 +53,14 @@ def test_insert_reuses_shared_prefix_and_keeps_partition():
     assert cached_tokens(ex) == len(SYS_A) + len(SYS_B) - SHARED
     assert ex.allocator.num_free_pages == 128 - cached_tokens(ex)
     ex.flow.check_integrity()
-    assert ex.log[-1].startswith('insert "You are terse. What is a ra') and f"reused {SHARED}" in ex.log[-1]
+    assert (
+        ex.log[-1].startswith('insert "You are terse. What is a ra')
+        and f"reused {SHARED}" in ex.log[-1]
+    )
     text = ex.text()
-    assert "[You are terse. What is a ] " in text and "[KV cache?]" in text and "[radix tree?]" in text
+    assert (
+        "[You are terse. What is a ] " in text and "[KV cache?]" in text and "[radix tree?]" in text
+    )
 
 
 def test_match_reports_cached_len_and_splits():
@@ -156,7 +163,11 @@ def test_history_records_one_snapshot_per_action():
     ex.evict(100)
     caps = [s.caption for s in ex.history.snapshots]
     assert caps[0] == "empty tree"
-    assert caps[1].startswith("insert ") and caps[2].startswith("match ") and caps[3].startswith("✗ evict(100)")
+    assert (
+        caps[1].startswith("insert ")
+        and caps[2].startswith("match ")
+        and caps[3].startswith("✗ evict(100)")
+    )
     assert ex.history.snapshots[3].evict_size == 100
 
 
@@ -191,7 +202,10 @@ def test_buttons_drive_the_same_actions(widget_explorer):
     w.buttons["insert"].click()
     assert ex.flow.stats.reused_tokens == SHARED
     w.buttons["match"].click()
-    assert ex.log[-1].startswith('match "You are terse. What is a ra') and f"cached_len={len(SYS_B)}" in ex.log[-1]
+    assert (
+        ex.log[-1].startswith('match "You are terse. What is a ra')
+        and f"cached_len={len(SYS_B)}" in ex.log[-1]
+    )
     w.text.value = SYS_A
     w.buttons["lock"].click()
     assert ex.manager.size_info.protected_size == len(SYS_A)
@@ -281,12 +295,24 @@ def test_player_has_one_frame_per_snapshot_in_order():
     assert isinstance(p, StepPlayer) and p.num_steps == n == 8
     assert p.captions[0] == f"1 / {n} · empty tree"
     assert p.captions[-1].startswith(f"{n} / {n} · evict(4) → [")
-    frames = re.findall(r'<div class="kvp-frame" data-step="(\d+)" data-caption="([^"]*)"( hidden)?>', p.html)
+    frames = re.findall(
+        r'<div class="kvp-frame" data-step="(\d+)" data-caption="([^"]*)"( hidden)?>', p.html
+    )
     assert [int(f[0]) for f in frames] == list(range(n))
-    assert [f[2] for f in frames] == [""] + [" hidden"] * (n - 1)  # only the first shows before JS runs
+    assert [f[2] for f in frames] == [""] + [" hidden"] * (
+        n - 1
+    )  # only the first shows before JS runs
     assert p.html.count("<svg") == n
     assert f'data-steps="{n}"' in p.html and f'max="{n - 1}"' in p.html
-    for cls in ("kvp-prev", "kvp-next", "kvp-play", "kvp-first", "kvp-last", "kvp-range", "kvp-caption"):
+    for cls in (
+        "kvp-prev",
+        "kvp-next",
+        "kvp-play",
+        "kvp-first",
+        "kvp-last",
+        "kvp-range",
+        "kvp-caption",
+    ):
         assert f'class="{cls}"' in p.html
     assert p._repr_html_() == p.html and repr(p) == f"StepPlayer({n} steps, id={p.player_id!r})"
 
@@ -296,8 +322,12 @@ def test_player_previews_the_next_evict():
     # the step before the successful evict(4) marks the leaf it will take; the failed evict(20) marks nothing
     before_ok = p.svgs[-2]
     assert "evict #1" in before_ok
-    assert "evict #1" not in p.svgs[3]  # before the refused evict(20): it would fail, nothing marked
-    q = step_player(recorded(), render=lambda g: "<svg>" + g.source + "</svg>", preview_evictions=False)
+    assert (
+        "evict #1" not in p.svgs[3]
+    )  # before the refused evict(20): it would fail, nothing marked
+    q = step_player(
+        recorded(), render=lambda g: "<svg>" + g.source + "</svg>", preview_evictions=False
+    )
     assert all("evict #" not in s for s in q.svgs)
 
 
@@ -327,7 +357,7 @@ def test_player_of_an_explorer_uses_its_history():
     ex.insert("abc")
     ex.insert("abd")
     p = step_player(ex, render=fake_svg, start=1)
-    assert p.num_steps == 2 and "insert \"abd\"" in p.captions[1]
+    assert p.num_steps == 2 and 'insert "abd"' in p.captions[1]
 
 
 @needs_dot
@@ -343,9 +373,15 @@ class PlayerDOM(HTMLParser):
 
     def __init__(self) -> None:
         super().__init__(convert_charrefs=True)
-        self.tags: List[Tuple[str, Dict[str, str]]] = []
-        self.open: List[Tuple[str, Dict[str, str]]] = []
-        self.data: Dict[str, List[str]] = {"script": [], "style": [], "caption": [], "title": [], "frame": []}
+        self.tags: list[tuple[str, dict[str, str]]] = []
+        self.open: list[tuple[str, dict[str, str]]] = []
+        self.data: dict[str, list[str]] = {
+            "script": [],
+            "style": [],
+            "caption": [],
+            "title": [],
+            "frame": [],
+        }
 
     def handle_starttag(self, tag, attrs):
         a = {k: v or "" for k, v in attrs}
@@ -381,35 +417,90 @@ def parse_player(html_text: str) -> PlayerDOM:
     return dom
 
 
-def captioned(captions: List[str]) -> List[TreeSnapshot]:
+def captioned(captions: list[str]) -> list[TreeSnapshot]:
     snaps = recorded().snapshots
     return [replace(snaps[i % len(snaps)], caption=c) for i, c in enumerate(captions)]
 
 
 ANY_ID = st.from_regex(PLAYER_ID_PATTERN, fullmatch=True).filter(lambda s: len(s) < 40)
 #: Any text, made mostly of what could close a context: quotes, tags, comments, entities, escapes.
-NASTY = st.lists(st.one_of(
-    st.sampled_from(['"', "'", "<", ">", "&", "</script>", "</div>", "<!--", "-->", "<svg>", "&amp;",
-                     "&#x27;", "\\", "\n", "\x00", "\r", "\u2028", "`", "${", " ", "=", "/"]),
-    st.text(max_size=4)), max_size=8).map("".join)
+NASTY = st.lists(
+    st.one_of(
+        st.sampled_from(
+            [
+                '"',
+                "'",
+                "<",
+                ">",
+                "&",
+                "</script>",
+                "</div>",
+                "<!--",
+                "-->",
+                "<svg>",
+                "&amp;",
+                "&#x27;",
+                "\\",
+                "\n",
+                "\x00",
+                "\r",
+                "\u2028",
+                "`",
+                "${",
+                " ",
+                "=",
+                "/",
+            ]
+        ),
+        st.text(max_size=4),
+    ),
+    max_size=8,
+).map("".join)
 
 
-@settings(derandomize=True, max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(captions=st.lists(NASTY, min_size=1, max_size=4), title=NASTY,
-       player_id=st.one_of(st.none(), ANY_ID), interval=st.integers(50, 10**6))
+@settings(
+    derandomize=True, max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+@given(
+    captions=st.lists(NASTY, min_size=1, max_size=4),
+    title=NASTY,
+    player_id=st.one_of(st.none(), ANY_ID),
+    interval=st.integers(50, 10**6),
+)
 def test_player_strings_never_leave_their_context(captions, title, player_id, interval):
     """Whatever the captions, title and id hold, the block parses into exactly the player's
     elements, with each string back as the text or attribute value it was given."""
     snaps = captioned(captions)
-    p = step_player(snaps, title=title, player_id=player_id, interval_ms=interval,
-                    render=lambda g: "<svg></svg>")
+    p = step_player(
+        snaps,
+        title=title,
+        player_id=player_id,
+        interval_ms=interval,
+        render=lambda g: "<svg></svg>",
+    )
     dom = parse_player(p.html)
-    assert {t for t, _ in dom.tags} <= {"div", "style", "b", "button", "input", "span", "script", "svg"}
+    assert {t for t, _ in dom.tags} <= {
+        "div",
+        "style",
+        "b",
+        "button",
+        "input",
+        "span",
+        "script",
+        "svg",
+    }
     assert dom.tags[0] == ("div", dom.tags[0][1]) and dom.tags[0][1]["id"] == p.player_id
-    assert PLAYER_ID_PATTERN.fullmatch(p.player_id) and (player_id is None or p.player_id == player_id)
-    assert [t for t, _ in dom.tags].count("script") == 1 and [t for t, _ in dom.tags].count("style") == 1
-    expected_js = (static_file("player.js").replace("__INTERVAL_MS__", str(interval))
-                   .replace("__PLAYER_ID__", json.dumps(p.player_id)))
+    assert PLAYER_ID_PATTERN.fullmatch(p.player_id) and (
+        player_id is None or p.player_id == player_id
+    )
+    assert [t for t, _ in dom.tags].count("script") == 1 and [t for t, _ in dom.tags].count(
+        "style"
+    ) == 1
+    expected_js = (
+        static_file("player.js")
+        .replace("__INTERVAL_MS__", str(interval))
+        .replace("__PLAYER_ID__", json.dumps(p.player_id))
+    )
     assert "".join(dom.data["script"]) == "\n" + expected_js
     assert "".join(dom.data["style"]) == "\n" + static_file("player.css")
     frames = [a for t, a in dom.tags if a.get("class") == "kvp-frame"]
@@ -418,17 +509,26 @@ def test_player_strings_never_leave_their_context(captions, title, player_id, in
     assert "".join(dom.data["caption"]) == captions[0]
     assert "".join(dom.data["title"]) == title
     assert [a["class"] for t, a in dom.tags if t == "button"] == [
-        "kvp-first", "kvp-prev", "kvp-play", "kvp-next", "kvp-last"]
+        "kvp-first",
+        "kvp-prev",
+        "kvp-play",
+        "kvp-next",
+        "kvp-last",
+    ]
 
 
 @needs_dot
-@settings(derandomize=True, max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    derandomize=True, max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(text=NASTY.filter(bool))
 def test_player_token_text_stays_text_in_the_svg(text):
     snaps = captioned(["a", "b"])
     p = step_player(snaps, lambda ids: text, max_chars=1000)
     dom = parse_player(p.html)
-    assert [t for t, _ in dom.tags].count("script") == 1 and [t for t, _ in dom.tags].count("svg") == 2
+    assert [t for t, _ in dom.tags].count("script") == 1 and [t for t, _ in dom.tags].count(
+        "svg"
+    ) == 2
     shown = "".join(dom.data["frame"]).replace("\xa0", " ")
     assert f"“{one_line(text)}”" in shown
 

@@ -23,23 +23,66 @@ ALLOWED = {
     "kvcache.kernels": {"kvcache._validate"},
     "kvcache.storage": {"kvcache._validate", "kvcache.kernels"},
     "kvcache.managers": {"kvcache._validate"},
-    "kvcache.serving": {"kvcache._validate", "kvcache.kernels", "kvcache.storage", "kvcache.managers"},
-    "kvcache.viz": {"kvcache._validate", "kvcache.kernels", "kvcache.storage", "kvcache.managers",
-                    "kvcache.serving"},
-    "kvcache.examples": {"kvcache._validate", "kvcache.kernels", "kvcache.storage",
-                         "kvcache.managers", "kvcache.serving"},
+    "kvcache.serving": {
+        "kvcache._validate",
+        "kvcache.kernels",
+        "kvcache.storage",
+        "kvcache.managers",
+    },
+    "kvcache.viz": {
+        "kvcache._validate",
+        "kvcache.kernels",
+        "kvcache.storage",
+        "kvcache.managers",
+        "kvcache.serving",
+    },
+    "kvcache.examples": {
+        "kvcache._validate",
+        "kvcache.kernels",
+        "kvcache.storage",
+        "kvcache.managers",
+        "kvcache.serving",
+    },
 }
 
 #: Outside packages a layer must never import (prefix match on the dotted name).
 FORBIDDEN_OUTSIDE = {
-    "kvcache._validate": ("graphviz", "ipywidgets", "matplotlib", "IPython", "torch.distributed",
-                          "torch.multiprocessing", "book"),
-    "kvcache.kernels": ("graphviz", "ipywidgets", "matplotlib", "IPython", "torch.distributed",
-                        "torch.multiprocessing", "book"),
-    "kvcache.storage": ("graphviz", "ipywidgets", "matplotlib", "IPython", "torch.distributed",
-                        "torch.multiprocessing", "book"),
-    "kvcache.managers": ("graphviz", "ipywidgets", "matplotlib", "IPython", "torch.distributed",
-                         "torch.multiprocessing", "book"),
+    "kvcache._validate": (
+        "graphviz",
+        "ipywidgets",
+        "matplotlib",
+        "IPython",
+        "torch.distributed",
+        "torch.multiprocessing",
+        "book",
+    ),
+    "kvcache.kernels": (
+        "graphviz",
+        "ipywidgets",
+        "matplotlib",
+        "IPython",
+        "torch.distributed",
+        "torch.multiprocessing",
+        "book",
+    ),
+    "kvcache.storage": (
+        "graphviz",
+        "ipywidgets",
+        "matplotlib",
+        "IPython",
+        "torch.distributed",
+        "torch.multiprocessing",
+        "book",
+    ),
+    "kvcache.managers": (
+        "graphviz",
+        "ipywidgets",
+        "matplotlib",
+        "IPython",
+        "torch.distributed",
+        "torch.multiprocessing",
+        "book",
+    ),
     "kvcache.serving": ("graphviz", "ipywidgets", "IPython", "torch.multiprocessing", "book"),
     "kvcache.viz": ("book",),
     "kvcache.examples": ("graphviz", "ipywidgets", "IPython", "book"),
@@ -133,7 +176,7 @@ def test_no_import_cycle():
         stack.append(m)
         for t in sorted(graph[m]):
             if state.get(t) == 1:
-                cycle = stack[stack.index(t):] + [t]
+                cycle = stack[stack.index(t) :] + [t]
                 pytest.fail("import cycle: " + " -> ".join(cycle))
             if t not in state:
                 visit(t)
@@ -150,8 +193,11 @@ def _graph_modules() -> set[str]:
 
 
 def test_no_module_is_too_long():
-    long = {str(p.relative_to(PACKAGE.parent)): n for p in PACKAGE.rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    long = {
+        str(p.relative_to(PACKAGE.parent)): n
+        for p in PACKAGE.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
     assert not long, f"modules over {MAX_LINES} lines: {long}"
 
 
@@ -159,13 +205,23 @@ def _owned_private_names(tree: ast.AST) -> set[str]:
     """Private attributes a module defines itself: ``self._x = ...``, ``def _x``, slots, fields."""
     owned: set[str] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and node.attr.startswith("_"):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Store)
+            and node.attr.startswith("_")
+        ):
             owned.add(node.attr)
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("_"):
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith(
+            "_"
+        ):
             owned.add(node.name)
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             owned.add(node.target.id)
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("_"):
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and node.value.startswith("_")
+        ):
             owned.add(node.value)  # __slots__ entries
     return owned
 
@@ -177,14 +233,24 @@ def test_no_reach_into_private_attributes_of_other_modules():
         tree = ast.parse(path.read_text())
         owned = _owned_private_names(tree)
         for node in ast.walk(tree):
-            if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
-                    and not node.attr.startswith("__") and node.attr not in owned):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and node.attr not in owned
+            ):
                 found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} .{node.attr}")
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                    and node.func.id in ("getattr", "hasattr") and len(node.args) >= 2
-                    and isinstance(node.args[1], ast.Constant)
-                    and str(node.args[1].value).startswith("_")):
-                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} getattr {node.args[1].value}")
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr")
+                and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant)
+                and str(node.args[1].value).startswith("_")
+            ):
+                found.append(
+                    f"{path.relative_to(PACKAGE)}:{node.lineno} getattr {node.args[1].value}"
+                )
     assert not found, "private attributes of other modules:\n" + "\n".join(found)
 
 
@@ -194,17 +260,15 @@ def test_import_kvcache_loads_nothing_heavy():
         f"heavy = [m for m in sys.modules if m.startswith({HEAVY!r})]\n"
         "print(','.join(sorted(heavy)))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=PACKAGE.parent)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=PACKAGE.parent
+    )
     assert out.stdout.strip() == "", f"import kvcache loaded: {out.stdout.strip()}"
 
 
 def test_lazy_names_resolve():
-    code = (
-        "import kvcache\n"
-        "for name in kvcache.__all__:\n"
-        "    getattr(kvcache, name)\n"
-        "print('ok')\n"
+    code = "import kvcache\nfor name in kvcache.__all__:\n    getattr(kvcache, name)\nprint('ok')\n"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent)
     assert out.stdout.strip() == "ok", out.stderr

@@ -22,9 +22,16 @@ from urllib.parse import urlparse
 
 import pytest
 import torch
-
-from test_site import HTML, LOCAL_SCHEMES, PAGE_TIMEOUT_S, QUIET_S, browser  # noqa: F401  (fixture)
-from test_site import Chromium, find_chromium, needs_site
+from test_site import (  # noqa: F401  (fixture)
+    HTML,
+    LOCAL_SCHEMES,
+    PAGE_TIMEOUT_S,
+    QUIET_S,
+    Chromium,
+    browser,
+    find_chromium,
+    needs_site,
+)
 
 from kvcache import RadixCacheManager
 from kvcache.serving.tokenizer import ByteTokenizer
@@ -69,14 +76,19 @@ class Page:
     def __init__(self, b: Chromium, url: str) -> None:
         self.b = b
         self.target = b.call("Target.createTarget", {"url": "about:blank"})["targetId"]
-        self.session = b.call("Target.attachToTarget", {"targetId": self.target, "flatten": True})["sessionId"]
+        self.session = b.call("Target.attachToTarget", {"targetId": self.target, "flatten": True})[
+            "sessionId"
+        ]
         self.sessions = {self.session}
         self.requests: list[str] = []
         self.js_errors: list[str] = []
         for m in ("Network.enable", "Page.enable", "Runtime.enable"):
             b.call(m, session=self.session)
-        b.call("Target.setAutoAttach", {"autoAttach": True, "waitForDebuggerOnStart": True, "flatten": True},
-               session=self.session)
+        b.call(
+            "Target.setAutoAttach",
+            {"autoAttach": True, "waitForDebuggerOnStart": True, "flatten": True},
+            session=self.session,
+        )
         b.take_events()
         b.send("Page.navigate", {"url": url}, session=self.session)
         self.settle(require_load=True)
@@ -98,13 +110,19 @@ class Page:
                 active = True
             elif method == "Network.webSocketCreated":
                 self.requests.append(params["url"])
-            elif method in ("Network.loadingFinished", "Network.loadingFailed", "Page.loadEventFired"):
+            elif method in (
+                "Network.loadingFinished",
+                "Network.loadingFailed",
+                "Page.loadEventFired",
+            ):
                 active = True
                 if method == "Page.loadEventFired":
                     self.loaded = True
             elif method == "Runtime.exceptionThrown":
                 d = params["exceptionDetails"]
-                self.js_errors.append((d.get("exception") or {}).get("description") or d.get("text", "?"))
+                self.js_errors.append(
+                    (d.get("exception") or {}).get("description") or d.get("text", "?")
+                )
         return active
 
     def settle(self, require_load: bool = False) -> None:
@@ -120,8 +138,11 @@ class Page:
         raise AssertionError(f"page did not settle within {PAGE_TIMEOUT_S}s")
 
     def eval(self, expression: str):
-        res = self.b.call("Runtime.evaluate", {"expression": expression, "returnByValue": True,
-                                               "awaitPromise": True}, session=self.session)
+        res = self.b.call(
+            "Runtime.evaluate",
+            {"expression": expression, "returnByValue": True, "awaitPromise": True},
+            session=self.session,
+        )
         if "exceptionDetails" in res:
             raise AssertionError(f"evaluating {expression[:80]!r}: {res['exceptionDetails']}")
         self.pump()
@@ -141,8 +162,11 @@ class Page:
         }})()""")
         assert box[2] > 0 and box[3] > 0, f"{selector} is not visible"
         for kind in ("mousePressed", "mouseReleased"):
-            self.b.call("Input.dispatchMouseEvent", {"type": kind, "x": box[0], "y": box[1], "button": "left",
-                                                     "clickCount": 1}, session=self.session)
+            self.b.call(
+                "Input.dispatchMouseEvent",
+                {"type": kind, "x": box[0], "y": box[1], "button": "left", "clickCount": 1},
+                session=self.session,
+            )
         self.pump()
 
     def wait_for(self, predicate, timeout: float = 15.0) -> dict:
@@ -165,7 +189,9 @@ def check_shows(s: dict, step: int, captions: dict) -> None:
     """The player shows step ``step`` and nothing else, drawn, with that step's caption."""
     assert s["step"] == step, s
     assert s["shown"] == [step], f"exactly frame {step} should be shown, got {s['shown']}"
-    assert s["svg_w"] > 50 and s["svg_h"] > 20 and s["svg_nodes"] >= 1, f"frame {step} is not drawn: {s}"
+    assert s["svg_w"] > 50 and s["svg_h"] > 20 and s["svg_nodes"] >= 1, (
+        f"frame {step} is not drawn: {s}"
+    )
     assert s["caption"] == s["frame_caption"], s
     assert s["count"] == f"{step + 1} / {s['n']}"
     captions[step] = (s["caption"], s["svg_text"])
@@ -243,19 +269,26 @@ def test_hostile_strings_stay_text_in_the_browser(browser, tmp_path):  # noqa: F
     tok = ByteTokenizer()
     rec = TreeRecorder(RadixCacheManager(), decode=tok)
     for i, text in enumerate(HOSTILE):
-        rec.insert_prefix(tok.encode(text), torch.arange(100 * i, 100 * i + len(text.encode()), dtype=torch.int32))
+        rec.insert_prefix(
+            tok.encode(text), torch.arange(100 * i, 100 * i + len(text.encode()), dtype=torch.int32)
+        )
         rec.record(text)  # a caption that is the hostile string itself
     player = step_player(rec, title=HOSTILE[0], start=1, render=render_svg)
     page_file = tmp_path / "player.html"
-    page_file.write_text(f'<!DOCTYPE html><html><head><meta charset="utf-8"></head><body>{player.html}</body></html>',
-                         encoding="utf-8")
+    page_file.write_text(
+        f'<!DOCTYPE html><html><head><meta charset="utf-8"></head><body>{player.html}</body></html>',
+        encoding="utf-8",
+    )
     page = Page(browser, page_file.as_uri())
     try:
         s = page.state()
         assert s is not None and s["ready"], "the player's script did not run"
         assert s["n"] == player.num_steps
         assert page.eval("document.querySelectorAll('script').length") == 1
-        assert page.eval("document.querySelectorAll('img, body > b, .kvp b:not(.kvp-title b)').length") == 0
+        assert (
+            page.eval("document.querySelectorAll('img, body > b, .kvp b:not(.kvp-title b)').length")
+            == 0
+        )
         assert page.eval("document.querySelector('.kvp-title').textContent") == HOSTILE[0]
         seen = {}
         for step in range(player.num_steps):
@@ -267,7 +300,11 @@ def test_hostile_strings_stay_text_in_the_browser(browser, tmp_path):  # noqa: F
         shown = " ".join(text for text, _ in seen.values())
         assert all(h in shown for h in HOSTILE[1:])
         for x in (10, 200, 400):  # hover the frame and the bar: no handler of a caption may run
-            browser.call("Input.dispatchMouseEvent", {"type": "mouseMoved", "x": x, "y": 60}, session=page.session)
+            browser.call(
+                "Input.dispatchMouseEvent",
+                {"type": "mouseMoved", "x": x, "y": 60},
+                session=page.session,
+            )
         page.settle()
         assert page.eval("window.__pwned === undefined"), "a caption or title ran as script"
         assert not page.js_errors, f"JavaScript errors: {page.js_errors}"

@@ -13,8 +13,9 @@ static website through `step_player` (`kvcache.viz.player`, re-exported here).
 from __future__ import annotations
 
 import html
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any
 
 import torch
 
@@ -33,7 +34,7 @@ __all__ = ["Explorer", "DEFAULT_PRESETS", "StepPlayer", "step_player", "render_s
 
 #: Requests offered in the explorer's drop-down: a shared system prompt with different
 #: questions, a chat that continues, and one request that shares nothing.
-DEFAULT_PRESETS: Tuple[Tuple[str, str], ...] = (
+DEFAULT_PRESETS: tuple[tuple[str, str], ...] = (
     ("system + KV question", "You are terse. What is a KV cache?"),
     ("system + radix question", "You are terse. What is a radix tree?"),
     ("system + eviction question", "You are terse. Why evict leaves?"),
@@ -56,12 +57,16 @@ class HeldLock:
     handle: RadixCacheHandle
 
 
-def _check_presets(presets: Any) -> List[Tuple[str, str]]:
+def _check_presets(presets: Any) -> list[tuple[str, str]]:
     if isinstance(presets, (str, bytes)) or not isinstance(presets, Sequence):
-        raise TypeError(f"presets must be a sequence of (label, text) pairs, got {type(presets).__name__}")
+        raise TypeError(
+            f"presets must be a sequence of (label, text) pairs, got {type(presets).__name__}"
+        )
     out = []
     for p in presets:
-        if not (isinstance(p, (tuple, list)) and len(p) == 2 and all(isinstance(x, str) for x in p)):
+        if not (
+            isinstance(p, (tuple, list)) and len(p) == 2 and all(isinstance(x, str) for x in p)
+        ):
             raise TypeError(f"presets must hold (label, text) pairs of str, got {p!r}")
         out.append((p[0], p[1]))
     return out
@@ -88,20 +93,31 @@ class Explorer:
     checks the integrity of the tree and of the page partition.
     """
 
-    def __init__(self, manager: Optional[RadixCacheManager] = None, *, page_size: int = 1,
-                 num_pages: int = 64, tokenizer: Any = None,
-                 presets: Sequence[Tuple[str, str]] = DEFAULT_PRESETS,
-                 eviction_policy: str = "lru", max_log: int = 200) -> None:
+    def __init__(
+        self,
+        manager: RadixCacheManager | None = None,
+        *,
+        page_size: int = 1,
+        num_pages: int = 64,
+        tokenizer: Any = None,
+        presets: Sequence[tuple[str, str]] = DEFAULT_PRESETS,
+        eviction_policy: str = "lru",
+        max_log: int = 200,
+    ) -> None:
         if manager is None:
             manager = RadixCacheManager(page_size=page_size, eviction_policy=eviction_policy)
         if not isinstance(manager, RadixCacheManager):
             raise TypeError(f"manager must be a RadixCacheManager, got {type(manager).__name__}")
         if manager.size_info.total_size:
-            raise ValueError(f"manager must be empty, it holds {manager.size_info.total_size} tokens")
+            raise ValueError(
+                f"manager must be empty, it holds {manager.size_info.total_size} tokens"
+            )
         tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
         for method in ("encode", "decode"):
             if not callable(getattr(tokenizer, method, None)):
-                raise TypeError(f"tokenizer must have .encode and .decode methods, got {type(tokenizer).__name__}")
+                raise TypeError(
+                    f"tokenizer must have .encode and .decode methods, got {type(tokenizer).__name__}"
+                )
         presets = _check_presets(presets)
         check_positive_int(max_log, "max_log")
         self.manager = manager
@@ -111,8 +127,8 @@ class Explorer:
         self.flow = RequestFlow(manager, self.allocator)
         self.history = TreeRecorder(manager, decode=self.tokenizer)
         self.presets = presets
-        self.locks: List[HeldLock] = []
-        self.log: List[str] = []
+        self.locks: list[HeldLock] = []
+        self.log: list[str] = []
         self.max_log = max_log
         self.last_ok = True
         self._widget: Any = None
@@ -128,27 +144,29 @@ class Explorer:
         self.log.append(("" if ok else "✗ ") + line)
         del self.log[: max(0, len(self.log) - self.max_log)]
 
-    def _after(self, caption: str, *, ok: bool = True, evict_size: Optional[int] = None) -> None:
+    def _after(self, caption: str, *, ok: bool = True, evict_size: int | None = None) -> None:
         self._note(caption, ok)
         self.history.record(caption if ok else "✗ " + caption, evict_size=evict_size)
         self.flow.check_integrity()
         self.refresh()
 
-    def _text(self, text: Optional[str]) -> str:
+    def _text(self, text: str | None) -> str:
         if text is None:
             return self._widget.text.value if self._widget is not None else ""
         return text
 
     # ------------------------------------------------------------------------------ actions
-    def match(self, text: Optional[str] = None) -> int:
+    def match(self, text: str | None = None) -> int:
         """``match_prefix(text)``: returns the cached length (may split a node; refreshes LRU)."""
         text = self._text(text)
         handle, indices = self.manager.match_prefix(self._ids(text))
-        self._after(f"match {_quote(text)} → cached_len={handle.cached_len}"
-                    + (f", slots [{format_indices(indices.tolist())}]" if handle.cached_len else ""))
+        self._after(
+            f"match {_quote(text)} → cached_len={handle.cached_len}"
+            + (f", slots [{format_indices(indices.tolist())}]" if handle.cached_len else "")
+        )
         return handle.cached_len
 
-    def insert(self, text: Optional[str] = None) -> Optional[int]:
+    def insert(self, text: str | None = None) -> int | None:
         """Serve ``text`` as one request: begin (match, lock, allocate, evicting if short), pretend its
         K/V were computed, finish (insert, free duplicates, unlock).
 
@@ -176,7 +194,7 @@ class Explorer:
         self._after(msg)
         return req.reused_len
 
-    def lock(self, text: Optional[str] = None) -> int:
+    def lock(self, text: str | None = None) -> int:
         """Match ``text`` and lock its handle, as a running request would. Returns the locked length."""
         text = self._text(text)
         handle, _ = self.manager.match_prefix(self._ids(text))
@@ -188,7 +206,7 @@ class Explorer:
         self._after(f"lock {_quote(text)} → {handle.cached_len} tokens protected")
         return handle.cached_len
 
-    def unlock(self, text: Optional[str] = None) -> int:
+    def unlock(self, text: str | None = None) -> int:
         """Unlock the latest lock taken on ``text`` (or the latest of all when none was).
 
         Returns the unlocked length (0 when nothing is locked).
@@ -197,14 +215,18 @@ class Explorer:
         if not self.locks:
             self._after("unlock: no lock is held", ok=False)
             return 0
-        pick = next((i for i in range(len(self.locks) - 1, -1, -1) if self.locks[i].text == text),
-                    len(self.locks) - 1)
+        pick = next(
+            (i for i in range(len(self.locks) - 1, -1, -1) if self.locks[i].text == text),
+            len(self.locks) - 1,
+        )
         held = self.locks.pop(pick)
         self.manager.lock_handle(held.handle, unlock=True)
-        self._after(f"unlock {_quote(held.text)} → {held.handle.cached_len} tokens no longer protected")
+        self._after(
+            f"unlock {_quote(held.text)} → {held.handle.cached_len} tokens no longer protected"
+        )
         return held.handle.cached_len
 
-    def evict(self, size: Optional[int] = None) -> List[int]:
+    def evict(self, size: int | None = None) -> list[int]:
         """``evict(size)`` and give the freed pages back to the free list; returns the freed slots.
 
         Refused (``[]``, logged) when more than the evictable size is asked for.
@@ -215,12 +237,17 @@ class Explorer:
             slots = self.manager.evict(size)
         except (TypeError, ValueError, RuntimeError) as e:
             # Only a valid size too big for the cache is worth previewing in the history.
-            self._after(f"evict({size!r}) refused: {e}", ok=False,
-                        evict_size=size if isinstance(e, RuntimeError) else None)
+            self._after(
+                f"evict({size!r}) refused: {e}",
+                ok=False,
+                evict_size=size if isinstance(e, RuntimeError) else None,
+            )
             return []
         self.allocator.free(self.allocator.slots_to_pages(slots))
-        self._after(f"evict({size}) → freed {len(slots)} slots [{format_indices(slots.tolist())}]",
-                    evict_size=size)
+        self._after(
+            f"evict({size}) → freed {len(slots)} slots [{format_indices(slots.tolist())}]",
+            evict_size=size,
+        )
         return slots.tolist()
 
     def reset(self) -> None:
@@ -233,7 +260,7 @@ class Explorer:
         self._after("reset → empty tree, every page free")
 
     # -------------------------------------------------------------------------------- facts
-    def preview_evict(self, size: int) -> List[str]:
+    def preview_evict(self, size: int) -> list[str]:
         """Texts of the nodes ``evict(size)`` would take, in order (nothing is changed; ``[]`` if it would fail)."""
         try:
             order = predict_evict(self.history.last, size)
@@ -254,7 +281,9 @@ class Explorer:
             f"evictable {info.evictable_size}, protected {info.protected_size}",
             f"free list: {len(free)} pages [{shown}]",
             f"locks held: {len(self.locks)}"
-            + (" (" + ", ".join(_quote(h.text, 16) for h in self.locks) + ")" if self.locks else ""),
+            + (
+                " (" + ", ".join(_quote(h.text, 16) for h in self.locks) + ")" if self.locks else ""
+            ),
         ]
         return "\n".join(lines)
 
@@ -262,17 +291,22 @@ class Explorer:
         """The tree as deterministic text (`kvcache.viz.tree_text`)."""
         return tree_text(self.history.last, self.tokenizer)
 
-    def graph(self, evict_preview: Optional[int] = None) -> Any:
+    def graph(self, evict_preview: int | None = None) -> Any:
         """The last snapshot drawn with `draw_tree`; ``evict_preview`` marks what ``evict(n)`` would take."""
-        return draw_tree(self.history.last, self.tokenizer, evict_size=evict_preview or None,
-                         title=self.history.last.caption, max_chars=28)
+        return draw_tree(
+            self.history.last,
+            self.tokenizer,
+            evict_size=evict_preview or None,
+            title=self.history.last.caption,
+            max_chars=28,
+        )
 
     @property
     def dot(self) -> str:
         """DOT source of what the tree pane shows now."""
         return self.graph(self._preview_size()).source
 
-    def _preview_size(self) -> Optional[int]:
+    def _preview_size(self) -> int | None:
         w = self._widget
         if w is None or not w.preview.value:
             return None
@@ -297,11 +331,16 @@ class Explorer:
         except Exception as e:  # no `dot` on this machine: fall back to the text tree
             tree = f"<pre>{html.escape(self.text())}</pre><p>(graphviz failed: {html.escape(str(e))})</p>"
         w.tree.value = f'<div class="kvx-tree" style="overflow:auto;max-width:100%">{tree}</div>'
-        w.status.value = ('<pre style="margin:0;line-height:1.35;white-space:pre-wrap">'
-                          f"{html.escape(self.status())}</pre>")
+        w.status.value = (
+            '<pre style="margin:0;line-height:1.35;white-space:pre-wrap">'
+            f"{html.escape(self.status())}</pre>"
+        )
         lines = self.log[-12:]
-        w.log.value = ('<pre style="margin:0;line-height:1.35;white-space:pre-wrap">'
-                       + html.escape("\n".join(lines) if lines else "(no events yet)") + "</pre>")
+        w.log.value = (
+            '<pre style="margin:0;line-height:1.35;white-space:pre-wrap">'
+            + html.escape("\n".join(lines) if lines else "(no events yet)")
+            + "</pre>"
+        )
 
     def _ipython_display_(self) -> None:
         from IPython.display import display
@@ -310,8 +349,10 @@ class Explorer:
 
     def __repr__(self) -> str:
         info = self.manager.size_info
-        return (f"Explorer(page_size={self.page_size}, num_pages={self.allocator.num_pages}, "
-                f"cached={info.total_size}, locks={len(self.locks)}, events={len(self.log)})")
+        return (
+            f"Explorer(page_size={self.page_size}, num_pages={self.allocator.num_pages}, "
+            f"cached={info.total_size}, locks={len(self.locks)}, events={len(self.log)})"
+        )
 
 
 class _ExplorerWidget:
@@ -321,10 +362,17 @@ class _ExplorerWidget:
         import ipywidgets as W
 
         self.ex = ex
-        self.text = W.Text(value=ex.presets[0][1] if ex.presets else "", description="request",
-                           layout=W.Layout(width="100%"))
-        self.preset = W.Dropdown(options=[("pick a preset request…", "")] + list(ex.presets),
-                                 value="", description="preset", layout=W.Layout(width="100%"))
+        self.text = W.Text(
+            value=ex.presets[0][1] if ex.presets else "",
+            description="request",
+            layout=W.Layout(width="100%"),
+        )
+        self.preset = W.Dropdown(
+            options=[("pick a preset request…", "")] + list(ex.presets),
+            value="",
+            description="preset",
+            layout=W.Layout(width="100%"),
+        )
         self.preset.observe(self._on_preset, names="value")
         self.buttons = {}
         specs = [
@@ -339,18 +387,25 @@ class _ExplorerWidget:
             b = W.Button(description=label, button_style=style, layout=W.Layout(width="auto"))
             b.on_click(lambda _b, act=action: act())
             self.buttons[key] = b
-        self.evict_n = W.BoundedIntText(value=4, min=0, max=10**9, description="N",
-                                        layout=W.Layout(width="9em"))
+        self.evict_n = W.BoundedIntText(
+            value=4, min=0, max=10**9, description="N", layout=W.Layout(width="9em")
+        )
         self.preview = W.Checkbox(value=True, description="mark what evict N takes", indent=False)
         self.evict_n.observe(lambda _c: ex.refresh(), names="value")
         self.preview.observe(lambda _c: ex.refresh(), names="value")
         self.tree = W.HTML()
         self.status = W.HTML()
         self.log = W.HTML()
-        row = W.HBox([*self.buttons.values(), self.evict_n, self.preview],
-                     layout=W.Layout(flex_flow="row wrap", align_items="center"))
-        info = W.HBox([W.VBox([W.HTML("<b>state</b>"), self.status], layout=W.Layout(width="50%")),
-                       W.VBox([W.HTML("<b>event log</b>"), self.log], layout=W.Layout(width="50%"))])
+        row = W.HBox(
+            [*self.buttons.values(), self.evict_n, self.preview],
+            layout=W.Layout(flex_flow="row wrap", align_items="center"),
+        )
+        info = W.HBox(
+            [
+                W.VBox([W.HTML("<b>state</b>"), self.status], layout=W.Layout(width="50%")),
+                W.VBox([W.HTML("<b>event log</b>"), self.log], layout=W.Layout(width="50%")),
+            ]
+        )
         self.box = W.VBox([self.text, self.preset, row, info, self.tree])
 
     def _on_preset(self, change: Any) -> None:

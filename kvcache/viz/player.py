@@ -24,10 +24,15 @@ import hashlib
 import html
 import json
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from importlib import resources
-from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple, Union, runtime_checkable
+from typing import (
+    Any,
+    Protocol,
+    runtime_checkable,
+)
 
 from .._validate import check_size
 from .drawing import draw_tree
@@ -40,7 +45,13 @@ __all__ = ["StepPlayer", "step_player", "render_svg", "PLAYER_ID_PATTERN"]
 #: What a ``player_id`` must match: it becomes an HTML id and a string in the player's script.
 PLAYER_ID_PATTERN = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
 
-_JS_UNSAFE = {"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+_JS_UNSAFE = {
+    "<": "\\u003c",
+    ">": "\\u003e",
+    "&": "\\u0026",
+    "\u2028": "\\u2028",
+    "\u2029": "\\u2029",
+}
 
 
 def render_svg(graph: Any) -> str:
@@ -59,7 +70,7 @@ def render_svg(graph: Any) -> str:
     return svg[start:].strip()
 
 
-@lru_cache(maxsize=None)
+@cache
 def _static(name: str) -> str:
     """A file of the package's ``static`` folder, as text."""
     return resources.files(__package__).joinpath("static", name).read_text(encoding="utf-8")
@@ -79,8 +90,8 @@ class StepPlayer:
     """
 
     player_id: str
-    captions: Tuple[str, ...]
-    svgs: Tuple[str, ...]
+    captions: tuple[str, ...]
+    svgs: tuple[str, ...]
     html: str
 
     @property
@@ -101,7 +112,7 @@ class Recorded(Protocol):
     history: TreeRecorder
 
 
-def _snapshots_of(source: Any) -> Tuple[List[TreeSnapshot], DecodeLike]:
+def _snapshots_of(source: Any) -> tuple[list[TreeSnapshot], DecodeLike]:
     if not isinstance(source, TreeRecorder) and isinstance(source, Recorded):
         source = source.history
     if isinstance(source, TreeRecorder):
@@ -113,14 +124,24 @@ def _check_player_id(player_id: Any) -> str:
     if not isinstance(player_id, str):
         raise TypeError(f"player_id must be a str, got {type(player_id).__name__}")
     if not PLAYER_ID_PATTERN.fullmatch(player_id):
-        raise ValueError(f"player_id must match {PLAYER_ID_PATTERN.pattern} (an HTML id), got {player_id!r}")
+        raise ValueError(
+            f"player_id must match {PLAYER_ID_PATTERN.pattern} (an HTML id), got {player_id!r}"
+        )
     return player_id
 
 
-def step_player(source: Union[Recorded, TreeRecorder, Sequence[TreeSnapshot]], decode: DecodeLike = None, *,
-                title: str = "", player_id: Optional[str] = None, interval_ms: int = 1500,
-                preview_evictions: bool = True, start: int = 0,
-                render: Callable[[Any], str] = render_svg, **draw_kwargs: Any) -> StepPlayer:
+def step_player(
+    source: Recorded | TreeRecorder | Sequence[TreeSnapshot],
+    decode: DecodeLike = None,
+    *,
+    title: str = "",
+    player_id: str | None = None,
+    interval_ms: int = 1500,
+    preview_evictions: bool = True,
+    start: int = 0,
+    render: Callable[[Any], str] = render_svg,
+    **draw_kwargs: Any,
+) -> StepPlayer:
     """Build a previous / next / play player over the snapshots of ``source``.
 
     Each snapshot is drawn with `draw_tree` (with ``preview_evictions``, a step followed by an
@@ -170,12 +191,17 @@ def step_player(source: Union[Recorded, TreeRecorder, Sequence[TreeSnapshot]], d
             digest.update(tree_text(snap, decode).encode("utf-8", "surrogatepass"))
             digest.update(b"\0")
         player_id = "kvp-" + digest.hexdigest()[:12]
-    return StepPlayer(player_id, tuple(captions), tuple(svgs),
-                      _player_html(player_id, snaps, svgs, title, interval_ms))
+    return StepPlayer(
+        player_id,
+        tuple(captions),
+        tuple(svgs),
+        _player_html(player_id, snaps, svgs, title, interval_ms),
+    )
 
 
-def _player_html(player_id: str, snaps: List[TreeSnapshot], svgs: List[str], title: str,
-                 interval_ms: int) -> str:
+def _player_html(
+    player_id: str, snaps: list[TreeSnapshot], svgs: list[str], title: str, interval_ms: int
+) -> str:
     """The player's HTML block; every caller-supplied string is escaped for where it lands."""
     esc = html.escape  # quotes included: safe in text and in double-quoted attribute values
     n = len(snaps)
@@ -186,7 +212,9 @@ def _player_html(player_id: str, snaps: List[TreeSnapshot], svgs: List[str], tit
     )
     heading = f'<div class="kvp-title"><b>{esc(title)}</b></div>\n' if title else ""
     values = {"PLAYER_ID": js_string(player_id), "INTERVAL_MS": str(int(interval_ms))}
-    script = re.sub(r"__(PLAYER_ID|INTERVAL_MS)__", lambda m: values[m.group(1)], _static("player.js"))
+    script = re.sub(
+        r"__(PLAYER_ID|INTERVAL_MS)__", lambda m: values[m.group(1)], _static("player.js")
+    )
     return (
         f'<div class="kvp" id="{esc(player_id)}" data-step="0" data-steps="{n}" tabindex="0">\n'
         f"<style>\n{_static('player.css')}</style>\n{heading}"

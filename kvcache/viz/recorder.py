@@ -8,8 +8,9 @@ Its snapshots feed `draw_sequence`, `tree_text` and the step player.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any
 
 import graphviz
 import torch
@@ -45,13 +46,17 @@ class TreeRecorder:
     decode: DecodeLike = None
     record_initial: bool = True
     record_unchanged: bool = False
-    snapshots: List[TreeSnapshot] = field(default_factory=list)
+    snapshots: list[TreeSnapshot] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not isinstance(self.manager, RadixCacheManager):
-            raise TypeError(f"manager must be a RadixCacheManager, got {type(self.manager).__name__}")
+            raise TypeError(
+                f"manager must be a RadixCacheManager, got {type(self.manager).__name__}"
+            )
         as_decoder(self.decode)
-        if not isinstance(self.snapshots, list) or not all(isinstance(s, TreeSnapshot) for s in self.snapshots):
+        if not isinstance(self.snapshots, list) or not all(
+            isinstance(s, TreeSnapshot) for s in self.snapshots
+        ):
             raise TypeError("snapshots must be a list of TreeSnapshot")
         if self.record_initial and not self.snapshots:
             self.record("empty tree" if self.manager.num_nodes == 0 else "start")
@@ -62,7 +67,7 @@ class TreeRecorder:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(self.manager, name)
 
-    def record(self, caption: str, *, evict_size: Optional[int] = None) -> TreeSnapshot:
+    def record(self, caption: str, *, evict_size: int | None = None) -> TreeSnapshot:
         """Snapshot the tree now, diffed against the last snapshot, and keep it."""
         prev = self.snapshots[-1] if self.snapshots else None
         snap = snapshot(self.manager, caption, previous=prev, evict_size=evict_size)
@@ -81,15 +86,19 @@ class TreeRecorder:
         """The recorded snapshots, oldest first (so `draw_sequence(recorder)` draws them all)."""
         return iter(list(self.snapshots))
 
-    def match_prefix(self, input_ids: torch.Tensor) -> Tuple[RadixCacheHandle, torch.Tensor]:
+    def match_prefix(self, input_ids: torch.Tensor) -> tuple[RadixCacheHandle, torch.Tensor]:
         handle, indices = self.manager.match_prefix(input_ids)
-        self.record(f"match_prefix({_fmt_ids(input_ids, self.decode)}) → cached_len={handle.cached_len}")
+        self.record(
+            f"match_prefix({_fmt_ids(input_ids, self.decode)}) → cached_len={handle.cached_len}"
+        )
         return handle, indices
 
     def insert_prefix(self, input_ids: torch.Tensor, indices: torch.Tensor) -> int:
         already = self.manager.insert_prefix(input_ids, indices)
-        self.record(f"insert_prefix({_fmt_ids(input_ids, self.decode)}, "
-                    f"[{format_indices(indices.tolist())}]) → {already}")
+        self.record(
+            f"insert_prefix({_fmt_ids(input_ids, self.decode)}, "
+            f"[{format_indices(indices.tolist())}]) → {already}"
+        )
         return already
 
     def lock_handle(self, handle: RadixCacheHandle, unlock: bool = False) -> None:
@@ -136,4 +145,6 @@ class TreeRecorder:
     def text(self, **kwargs: Any) -> str:
         """`tree_text` of every snapshot, each under its caption."""
         kwargs.setdefault("decode", self.decode)
-        return "\n\n".join(f"{i + 1}. {s.caption}\n{tree_text(s, **kwargs)}" for i, s in enumerate(self.snapshots))
+        return "\n\n".join(
+            f"{i + 1}. {s.caption}\n{tree_text(s, **kwargs)}" for i, s in enumerate(self.snapshots)
+        )

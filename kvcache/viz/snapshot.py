@@ -11,16 +11,29 @@ request cached after every decode token) is as easy as a wide tree.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Protocol, Tuple, Union, runtime_checkable
+from typing import (
+    Any,
+    Protocol,
+    Union,
+    runtime_checkable,
+)
 
 from .._validate import check_size
 from ..managers.radix import RadixCacheManager
 
 __all__ = [
-    "NodeSnapshot", "TreeSnapshot", "SnapshotSource", "snapshot", "diff_snapshots", "as_snapshot",
-    "snapshot_list", "predict_evict", "evict_order",
+    "NodeSnapshot",
+    "TreeSnapshot",
+    "SnapshotSource",
+    "snapshot",
+    "diff_snapshots",
+    "as_snapshot",
+    "snapshot_list",
+    "predict_evict",
+    "evict_order",
 ]
 
 
@@ -33,14 +46,14 @@ class NodeSnapshot:
     """
 
     uuid: int
-    parent: Optional[int]
-    tokens: Tuple[int, ...]
-    indices: Tuple[int, ...]
+    parent: int | None
+    tokens: tuple[int, ...]
+    indices: tuple[int, ...]
     ref_count: int
     timestamp: int
     insert_time: int
-    priority: Optional[Tuple[Any, ...]]
-    children: Tuple[int, ...]
+    priority: tuple[Any, ...] | None
+    children: tuple[int, ...]
 
     @property
     def is_root(self) -> bool:
@@ -66,21 +79,21 @@ class TreeSnapshot:
     the call was ``evict(evict_size)``, so a sequence can preview it on the snapshot before.
     """
 
-    nodes: Tuple[NodeSnapshot, ...]
+    nodes: tuple[NodeSnapshot, ...]
     page_size: int = 1
     eviction_policy: str = "lru"
     clock: int = 0
     evictable_size: int = 0
     protected_size: int = 0
     caption: str = ""
-    new: FrozenSet[int] = frozenset()
-    split: FrozenSet[int] = frozenset()
-    shrunk: FrozenSet[int] = frozenset()
-    evicted: Tuple[NodeSnapshot, ...] = ()
-    evict_size: Optional[int] = None
+    new: frozenset[int] = frozenset()
+    split: frozenset[int] = frozenset()
+    shrunk: frozenset[int] = frozenset()
+    evicted: tuple[NodeSnapshot, ...] = ()
+    evict_size: int | None = None
 
     @cached_property
-    def by_uuid(self) -> Dict[int, NodeSnapshot]:
+    def by_uuid(self) -> dict[int, NodeSnapshot]:
         return {n.uuid: n for n in self.nodes}
 
     @property
@@ -92,16 +105,16 @@ class TreeSnapshot:
         """Nodes other than the root."""
         return len(self.nodes) - 1
 
-    def depths(self) -> Dict[int, int]:
+    def depths(self) -> dict[int, int]:
         """Depth of every node (root 0) and of every evicted ghost (under its old parent)."""
-        depth: Dict[int, int] = {}
+        depth: dict[int, int] = {}
         for n in self.nodes:  # parents come before their children in ``nodes``
             depth[n.uuid] = 0 if n.parent is None else depth[n.parent] + 1
         for g in self.evicted:  # parents before children: evicted in the order they were found
             depth[g.uuid] = depth.get(g.parent, 0) + 1 if g.parent is not None else 1
         return depth
 
-    def preorder(self, reverse: bool = False) -> List[NodeSnapshot]:
+    def preorder(self, reverse: bool = False) -> list[NodeSnapshot]:
         """Nodes depth first from the root; children in insertion order, or reversed with ``reverse``."""
         if not reverse:
             return list(self.nodes)
@@ -120,8 +133,13 @@ class SnapshotSource(Protocol):
     def to_snapshot(self) -> TreeSnapshot: ...
 
 
-def snapshot(manager: RadixCacheManager, caption: str = "", *,
-             previous: Optional[TreeSnapshot] = None, evict_size: Optional[int] = None) -> TreeSnapshot:
+def snapshot(
+    manager: RadixCacheManager,
+    caption: str = "",
+    *,
+    previous: TreeSnapshot | None = None,
+    evict_size: int | None = None,
+) -> TreeSnapshot:
     """Freeze ``manager``'s tree (any ``page_size``). Reads only: the manager is not changed.
 
     With ``previous``, the result also carries what changed since (see `diff_snapshots`).
@@ -129,8 +147,10 @@ def snapshot(manager: RadixCacheManager, caption: str = "", *,
     to draw), a non-``str`` caption or a ``previous`` that is not a `TreeSnapshot`.
     """
     if not isinstance(manager, RadixCacheManager):
-        raise TypeError(f"manager must be a RadixCacheManager (only a radix tree can be drawn), "
-                        f"got {type(manager).__name__}")
+        raise TypeError(
+            f"manager must be a RadixCacheManager (only a radix tree can be drawn), "
+            f"got {type(manager).__name__}"
+        )
     if not isinstance(caption, str):
         raise TypeError(f"caption must be a str, got {type(caption).__name__}")
     if previous is not None and not isinstance(previous, TreeSnapshot):
@@ -140,22 +160,29 @@ def snapshot(manager: RadixCacheManager, caption: str = "", *,
     nodes = []
     for node in manager.nodes():
         root = node.is_root()
-        nodes.append(NodeSnapshot(
-            uuid=node.uuid,
-            parent=None if root else node.parent.uuid,  # type: ignore[union-attr]
-            tokens=tuple(node.key.tolist()),
-            indices=tuple(node.value.tolist()),
-            ref_count=node.ref_count,
-            timestamp=node.timestamp,
-            insert_time=node.insert_time,
-            priority=None if root else manager.eviction_priority(node),
-            children=tuple(c.uuid for c in node.children.values()),
-        ))
+        nodes.append(
+            NodeSnapshot(
+                uuid=node.uuid,
+                parent=None if root else node.parent.uuid,  # type: ignore[union-attr]
+                tokens=tuple(node.key.tolist()),
+                indices=tuple(node.value.tolist()),
+                ref_count=node.ref_count,
+                timestamp=node.timestamp,
+                insert_time=node.insert_time,
+                priority=None if root else manager.eviction_priority(node),
+                children=tuple(c.uuid for c in node.children.values()),
+            )
+        )
     info = manager.size_info
     snap = TreeSnapshot(
-        nodes=tuple(nodes), page_size=manager.page_size, eviction_policy=manager.eviction_policy,
-        clock=manager.clock, evictable_size=info.evictable_size, protected_size=info.protected_size,
-        caption=caption, evict_size=evict_size,
+        nodes=tuple(nodes),
+        page_size=manager.page_size,
+        eviction_policy=manager.eviction_policy,
+        clock=manager.clock,
+        evictable_size=info.evictable_size,
+        protected_size=info.protected_size,
+        caption=caption,
+        evict_size=evict_size,
     )
     return diff_snapshots(previous, snap) if previous is not None else snap
 
@@ -194,18 +221,22 @@ def as_snapshot(tree: Tree, name: str = "tree") -> TreeSnapshot:
         return snapshot(tree)
     if isinstance(tree, SnapshotSource):
         return tree.to_snapshot()
-    raise TypeError(f"{name} must be a RadixCacheManager, TreeRecorder or TreeSnapshot, "
-                    f"got {type(tree).__name__}")
+    raise TypeError(
+        f"{name} must be a RadixCacheManager, TreeRecorder or TreeSnapshot, "
+        f"got {type(tree).__name__}"
+    )
 
 
-def snapshot_list(snapshots: Iterable[TreeSnapshot], name: str = "snapshots") -> List[TreeSnapshot]:
+def snapshot_list(snapshots: Iterable[TreeSnapshot], name: str = "snapshots") -> list[TreeSnapshot]:
     """``snapshots`` (any iterable of `TreeSnapshot`, a `TreeRecorder` included) as a list.
 
     Raises ``TypeError`` naming the argument ``name`` for anything else.
     """
     if isinstance(snapshots, (str, bytes, TreeSnapshot)) or not isinstance(snapshots, Iterable):
-        raise TypeError(f"{name} must be a TreeRecorder or an iterable of TreeSnapshot, "
-                        f"got {type(snapshots).__name__}")
+        raise TypeError(
+            f"{name} must be a TreeRecorder or an iterable of TreeSnapshot, "
+            f"got {type(snapshots).__name__}"
+        )
     snaps = list(snapshots)
     for s in snaps:
         if not isinstance(s, TreeSnapshot):
@@ -213,7 +244,7 @@ def snapshot_list(snapshots: Iterable[TreeSnapshot], name: str = "snapshots") ->
     return snaps
 
 
-def predict_evict(tree: Tree, size: int) -> List[int]:
+def predict_evict(tree: Tree, size: int) -> list[int]:
     """Uuids of the nodes ``evict(size)`` would remove, in the order it would remove them.
 
     Replays the manager's rule on a snapshot: pop the evictable leaf (``ref_count == 0``, no
@@ -231,10 +262,13 @@ def predict_evict(tree: Tree, size: int) -> List[int]:
         raise RuntimeError(f"cannot evict {size} tokens: only {snap.evictable_size} are evictable")
     nodes = snap.by_uuid
     live_children = {u: len(n.children) for u, n in nodes.items()}
-    heap = [(n.priority, u) for u, n in nodes.items()
-            if not n.is_root and n.ref_count == 0 and not n.children]
+    heap = [
+        (n.priority, u)
+        for u, n in nodes.items()
+        if not n.is_root and n.ref_count == 0 and not n.children
+    ]
     heapq.heapify(heap)
-    order: List[int] = []
+    order: list[int] = []
     freed = 0
     while freed < size and heap:
         _, u = heapq.heappop(heap)
@@ -247,7 +281,7 @@ def predict_evict(tree: Tree, size: int) -> List[int]:
     return order
 
 
-def evict_order(snap: TreeSnapshot, evict_size: Optional[int]) -> Dict[int, int]:
+def evict_order(snap: TreeSnapshot, evict_size: int | None) -> dict[int, int]:
     """``{uuid: rank}`` (rank from 1) of the leaves ``evict(evict_size)`` would take; empty if it would fail."""
     if not evict_size:
         return {}

@@ -11,7 +11,8 @@ shared with the graphviz drawings and the recorder of this package.
 from __future__ import annotations
 
 import numbers
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from collections.abc import Callable, Sequence
+from typing import Any, Union
 
 import numpy as np
 import torch
@@ -21,13 +22,13 @@ from .snapshot import NodeSnapshot, Tree, TreeSnapshot, as_snapshot, evict_order
 
 __all__ = ["Decode", "DecodeLike", "format_tokens", "format_indices", "tree_text"]
 
-Decode = Callable[[List[int]], str]
+Decode = Callable[[list[int]], str]
 DecodeLike = Union[Decode, Any, None]  # a callable, or an object with ``.decode(ids)``
 
 _ESCAPES = {"\r": "\\r", "\n": "\\n", "\t": "\\t"}
 
 
-def as_decoder(decode: DecodeLike) -> Optional[Decode]:
+def as_decoder(decode: DecodeLike) -> Decode | None:
     """``decode`` as a function of a list of ids: its ``.decode`` method, itself, or ``None``."""
     if decode is None:
         return None
@@ -36,7 +37,9 @@ def as_decoder(decode: DecodeLike) -> Optional[Decode]:
         return lambda ids: _text_of(method(list(ids)))
     if callable(decode):
         return lambda ids: _text_of(decode(list(ids)))
-    raise TypeError(f"decode must be a callable or have a .decode method, got {type(decode).__name__}")
+    raise TypeError(
+        f"decode must be a callable or have a .decode method, got {type(decode).__name__}"
+    )
 
 
 def _text_of(text: Any) -> str:
@@ -51,7 +54,13 @@ def _escape_char(ch: str) -> str:
     if ch == " " or ch.isprintable():
         return ch
     code = ord(ch)
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+    return (
+        f"\\x{code:02x}"
+        if code < 0x100
+        else f"\\u{code:04x}"
+        if code < 0x10000
+        else f"\\U{code:08x}"
+    )
 
 
 def one_line(text: str) -> str:
@@ -71,8 +80,9 @@ def shorten_middle(text: str, max_chars: int) -> str:
     return text[:head] + "…" + text[-tail:]
 
 
-def shorten_tokens(tokens: Sequence[int], decode: DecodeLike, max_chars: int,
-                   max_tokens: int = 64) -> Tuple[str, bool]:
+def shorten_tokens(
+    tokens: Sequence[int], decode: DecodeLike, max_chars: int, max_tokens: int = 64
+) -> tuple[str, bool]:
     """``(text, shortened)``: see `format_tokens`."""
     dec = as_decoder(decode)
     tokens = list(tokens)
@@ -87,26 +97,35 @@ def shorten_tokens(tokens: Sequence[int], decode: DecodeLike, max_chars: int,
     tail_budget = max(1, budget - head_budget)
     limit = min(len(tokens) - 1, max_tokens)
     k = 0
-    while k < limit and len(show(tokens[:k + 1])) <= head_budget:
+    while k < limit and len(show(tokens[: k + 1])) <= head_budget:
         k += 1
     j = 0
-    while j < min(limit, len(tokens) - k - 1) and len(show(tokens[-(j + 1):])) <= tail_budget:
+    while j < min(limit, len(tokens) - k - 1) and len(show(tokens[-(j + 1) :])) <= tail_budget:
         j += 1
     head = show(tokens[:k]) if k else show(tokens[:1])[:head_budget]
     tail = show(tokens[-j:]) if j else show(tokens[-1:])[-tail_budget:]
     return head + gap + tail, True
 
 
-def _int_list(values: Any, name: str) -> List[int]:
+def _int_list(values: Any, name: str) -> list[int]:
     """``values`` (a sequence, 1-D tensor or 1-D array of integers) as a list of Python ints."""
     if isinstance(values, torch.Tensor):
-        if values.dim() != 1 or values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
-            raise TypeError(f"{name} must be a 1-D integer tensor, got {values.dtype} of shape "
-                            f"{tuple(values.shape)}")
+        if (
+            values.dim() != 1
+            or values.is_floating_point()
+            or values.is_complex()
+            or values.dtype == torch.bool
+        ):
+            raise TypeError(
+                f"{name} must be a 1-D integer tensor, got {values.dtype} of shape "
+                f"{tuple(values.shape)}"
+            )
         return values.tolist()
     if isinstance(values, np.ndarray):
         if values.ndim != 1 or values.dtype.kind not in "iu":
-            raise TypeError(f"{name} must be a 1-D integer array, got {values.dtype} of shape {values.shape}")
+            raise TypeError(
+                f"{name} must be a 1-D integer array, got {values.dtype} of shape {values.shape}"
+            )
         return values.tolist()
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
@@ -137,7 +156,7 @@ def format_indices(indices: Sequence[int], max_runs: int = 4) -> str:
     """
     values = _int_list(indices, "indices")
     check_positive_int(max_runs, "max_runs")
-    runs: List[Tuple[int, int]] = []
+    runs: list[tuple[int, int]] = []
     for v in values:
         if runs and v == runs[-1][1] + 1:
             runs[-1] = (runs[-1][0], v)
@@ -145,7 +164,7 @@ def format_indices(indices: Sequence[int], max_runs: int = 4) -> str:
             runs.append((v, v))
     parts = [str(a) if a == b else f"{a}–{b}" for a, b in runs]
     if len(parts) > max_runs:
-        parts = parts[:max(1, max_runs - 1)] + ["…", parts[-1]]
+        parts = parts[: max(1, max_runs - 1)] + ["…", parts[-1]]
     return ", ".join(parts)
 
 
@@ -157,7 +176,7 @@ def age_text(node: NodeSnapshot, policy: str, sep: str) -> str:
     return age
 
 
-def change_marks(snap: TreeSnapshot, uuid: int, order: Dict[int, int]) -> List[str]:
+def change_marks(snap: TreeSnapshot, uuid: int, order: dict[int, int]) -> list[str]:
     """What the last call did to node ``uuid``: ``new``, ``split``, ``evict #k`` (from ``order``)."""
     marks = []
     if uuid in snap.new:
@@ -169,8 +188,9 @@ def change_marks(snap: TreeSnapshot, uuid: int, order: Dict[int, int]) -> List[s
     return marks
 
 
-def tree_text(tree: Tree, decode: DecodeLike = None, *,
-              max_chars: int = 40, evict_size: Optional[int] = None) -> str:
+def tree_text(
+    tree: Tree, decode: DecodeLike = None, *, max_chars: int = 40, evict_size: int | None = None
+) -> str:
     """The tree as box-drawing text, one node a line, children in insertion order.
 
     Each line reads ``[tokens] → [slots] ref=R t=T`` (FIFO adds ``in=I``; tokens as in
@@ -187,7 +207,7 @@ def tree_text(tree: Tree, decode: DecodeLike = None, *,
     order = evict_order(snap, evict_size)
     lines = ["root"]
 
-    def pushes(uuid: int, prefix: str) -> List[Tuple[int, str, bool]]:
+    def pushes(uuid: int, prefix: str) -> list[tuple[int, str, bool]]:
         kids = snap.by_uuid[uuid].children
         return [(c, prefix, i == len(kids) - 1) for i, c in reversed(list(enumerate(kids)))]
 
@@ -196,8 +216,10 @@ def tree_text(tree: Tree, decode: DecodeLike = None, *,
         uuid, prefix, last = stack.pop()
         n = snap.by_uuid[uuid]
         tokens, shortened = shorten_tokens(n.tokens, decode, max_chars)
-        text = (f"[{tokens}] → [{format_indices(n.indices)}] ref={n.ref_count} "
-                f"{age_text(n, snap.eviction_policy, '=')}")
+        text = (
+            f"[{tokens}] → [{format_indices(n.indices)}] ref={n.ref_count} "
+            f"{age_text(n, snap.eviction_policy, '=')}"
+        )
         marks = ([f"{n.length} tokens"] if shortened else []) + change_marks(snap, uuid, order)
         if marks:
             text += " (" + ", ".join(marks) + ")"
