@@ -176,7 +176,7 @@ def test_no_import_cycle():
         stack.append(m)
         for t in sorted(graph[m]):
             if state.get(t) == 1:
-                cycle = stack[stack.index(t) :] + [t]
+                cycle = [*stack[stack.index(t) :], t]
                 pytest.fail("import cycle: " + " -> ".join(cycle))
             if t not in state:
                 visit(t)

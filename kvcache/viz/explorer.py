@@ -15,7 +15,7 @@ from __future__ import annotations
 import html
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -47,6 +47,18 @@ DEFAULT_PRESETS: tuple[tuple[str, str], ...] = (
 def _quote(text: str, width: int = 28) -> str:
     text = text.replace("\n", "\\n")
     return '"' + (text if len(text) <= width else text[: width - 1] + "…") + '"'
+
+
+class TextTokenizer(Protocol):
+    """What the explorer needs of a tokenizer (`ByteTokenizer` is one)."""
+
+    def encode(self, text: str) -> torch.Tensor:
+        """``text`` as a 1-D integer tensor of token ids."""
+        ...
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of the token ids ``ids``."""
+        ...
 
 
 @dataclass
@@ -122,7 +134,7 @@ class Explorer:
         check_positive_int(max_log, "max_log")
         self.manager = manager
         self.page_size = manager.page_size
-        self.tokenizer = tokenizer
+        self.tokenizer: TextTokenizer = tokenizer
         self.allocator = PageAllocator(num_pages, self.page_size, device=manager.device)
         self.flow = RequestFlow(manager, self.allocator)
         self.history = TreeRecorder(manager, decode=self.tokenizer)
@@ -304,7 +316,8 @@ class Explorer:
     @property
     def dot(self) -> str:
         """DOT source of what the tree pane shows now."""
-        return self.graph(self._preview_size()).source
+        source: str = self.graph(self._preview_size()).source  # a graphviz.Digraph (untyped)
+        return source
 
     def _preview_size(self) -> int | None:
         w = self._widget
@@ -345,7 +358,8 @@ class Explorer:
     def _ipython_display_(self) -> None:
         from IPython.display import display
 
-        display(self.widget)
+        # IPython's display() carries no annotations; the call is the documented one.
+        display(self.widget)  # type: ignore[no-untyped-call]
 
     def __repr__(self) -> str:
         info = self.manager.size_info
@@ -368,7 +382,7 @@ class _ExplorerWidget:
             layout=W.Layout(width="100%"),
         )
         self.preset = W.Dropdown(
-            options=[("pick a preset request…", "")] + list(ex.presets),
+            options=[("pick a preset request…", ""), *ex.presets],
             value="",
             description="preset",
             layout=W.Layout(width="100%"),

@@ -28,11 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
-from typing import (
-    Any,
-    Protocol,
-    runtime_checkable,
-)
+from typing import Any, Protocol, runtime_checkable
 
 from .._validate import check_size
 from .drawing import draw_tree
@@ -63,7 +59,7 @@ def render_svg(graph: Any) -> str:
     pipe = getattr(graph, "pipe", None)
     if not callable(pipe):
         raise TypeError(f"graph must be a graphviz graph, got {type(graph).__name__}")
-    svg = pipe(format="svg").decode("utf-8")
+    svg: str = pipe(format="svg").decode("utf-8")  # graphviz is untyped: pipe() gives bytes
     start = svg.find("<svg")
     if start < 0:
         raise ValueError("graphviz produced no <svg> element")
@@ -186,7 +182,7 @@ def step_player(
         captions.append(f"{i + 1} / {n} · {snap.caption}")
     if player_id is None:
         digest = hashlib.sha1()
-        for snap, cap in zip(snaps, captions):
+        for snap, cap in zip(snaps, captions, strict=True):
             digest.update(cap.encode("utf-8", "surrogatepass"))
             digest.update(tree_text(snap, decode).encode("utf-8", "surrogatepass"))
             digest.update(b"\0")
@@ -208,7 +204,7 @@ def _player_html(
     frames = "".join(
         f'<div class="kvp-frame" data-step="{i}" data-caption="{esc(snap.caption)}"{"" if i == 0 else " hidden"}>'
         f"{svg}</div>\n"
-        for i, (snap, svg) in enumerate(zip(snaps, svgs))
+        for i, (snap, svg) in enumerate(zip(snaps, svgs, strict=True))
     )
     heading = f'<div class="kvp-title"><b>{esc(title)}</b></div>\n' if title else ""
     values = {"PLAYER_ID": js_string(player_id), "INTERVAL_MS": str(int(interval_ms))}

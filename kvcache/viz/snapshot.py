@@ -14,12 +14,7 @@ import heapq
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import (
-    Any,
-    Protocol,
-    Union,
-    runtime_checkable,
-)
+from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 from .._validate import check_size
 from ..managers.radix import RadixCacheManager
@@ -207,7 +202,7 @@ def diff_snapshots(before: TreeSnapshot, after: TreeSnapshot) -> TreeSnapshot:
     return replace(after, new=frozenset(fresh - split), split=split, shrunk=shrunk, evicted=evicted)
 
 
-Tree = Union[RadixCacheManager, TreeSnapshot, SnapshotSource]
+Tree: TypeAlias = RadixCacheManager | TreeSnapshot | SnapshotSource
 
 
 def as_snapshot(tree: Tree, name: str = "tree") -> TreeSnapshot:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable, Sequence
-from typing import Any, Union
+from typing import Any, TypeAlias
 
 import numpy as np
 import torch
@@ -23,7 +23,7 @@ from .snapshot import NodeSnapshot, Tree, TreeSnapshot, as_snapshot, evict_order
 __all__ = ["Decode", "DecodeLike", "format_tokens", "format_indices", "tree_text"]
 
 Decode = Callable[[list[int]], str]
-DecodeLike = Union[Decode, Any, None]  # a callable, or an object with ``.decode(ids)``
+DecodeLike: TypeAlias = Decode | Any | None  # a callable, or an object with ``.decode(ids)``
 
 _ESCAPES = {"\r": "\\r", "\n": "\\n", "\t": "\\t"}
 
@@ -86,7 +86,10 @@ def shorten_tokens(
     """``(text, shortened)``: see `format_tokens`."""
     dec = as_decoder(decode)
     tokens = list(tokens)
-    show = (lambda ids: one_line(dec(ids))) if dec else (lambda ids: ", ".join(map(str, ids)))
+
+    def show(ids: list[int]) -> str:
+        return one_line(dec(ids)) if dec else ", ".join(map(str, ids))
+
     gap = "…" if dec else ", …, "
     if len(tokens) <= max_tokens:
         full = show(tokens)
@@ -120,13 +123,15 @@ def _int_list(values: Any, name: str) -> list[int]:
                 f"{name} must be a 1-D integer tensor, got {values.dtype} of shape "
                 f"{tuple(values.shape)}"
             )
-        return values.tolist()
+        ints: list[int] = values.tolist()  # a 1-D integer tensor lists Python ints
+        return ints
     if isinstance(values, np.ndarray):
         if values.ndim != 1 or values.dtype.kind not in "iu":
             raise TypeError(
                 f"{name} must be a 1-D integer array, got {values.dtype} of shape {values.shape}"
             )
-        return values.tolist()
+        listed: list[int] = values.tolist()  # a 1-D integer array lists Python ints
+        return listed
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
     for v in values:  # numpy integers are Integral too
@@ -164,7 +169,7 @@ def format_indices(indices: Sequence[int], max_runs: int = 4) -> str:
             runs.append((v, v))
     parts = [str(a) if a == b else f"{a}–{b}" for a, b in runs]
     if len(parts) > max_runs:
-        parts = parts[: max(1, max_runs - 1)] + ["…", parts[-1]]
+        parts = [*parts[: max(1, max_runs - 1)], "…", parts[-1]]
     return ", ".join(parts)
 
 
