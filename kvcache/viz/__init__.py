@@ -9,6 +9,7 @@ One module a job, each importing only the ones above it in this list:
 - `kvcache.viz.recorder`: `TreeRecorder` (a snapshot after every call);
 - `kvcache.viz.player`: `step_player`, `StepPlayer`, `render_svg` (static HTML; its script
   and stylesheet are the package data files ``static/player.js`` and ``static/player.css``);
+- `kvcache.viz.widget`: `ExplorerWidget` (the explorer's ipywidgets view, built on demand);
 - `kvcache.viz.explorer`: `Explorer` (the live widget).
 
 The top of the package: nothing below imports it. ``import kvcache`` does not load it (nor

@@ -29,6 +29,7 @@ from .player import StepPlayer, render_svg, step_player
 from .recorder import TreeRecorder
 from .snapshot import predict_evict
 from .text import format_indices, tree_text
+from .widget import ExplorerWidget
 
 __all__ = ["Explorer", "DEFAULT_PRESETS", "StepPlayer", "step_player", "render_svg"]
 
@@ -143,7 +144,7 @@ class Explorer:
         self.log: list[str] = []
         self.max_log = max_log
         self.last_ok = True
-        self._widget: Any = None
+        self._widget: ExplorerWidget | None = None
 
     # ----------------------------------------------------------------------------- helpers
     def _ids(self, text: str) -> torch.Tensor:
@@ -330,7 +331,7 @@ class Explorer:
     def widget(self) -> Any:
         """The ipywidgets view (built on first use)."""
         if self._widget is None:
-            self._widget = _ExplorerWidget(self)
+            self._widget = ExplorerWidget(self)
             self.refresh()
         return self._widget.box
 
@@ -367,61 +368,3 @@ class Explorer:
             f"Explorer(page_size={self.page_size}, num_pages={self.allocator.num_pages}, "
             f"cached={info.total_size}, locks={len(self.locks)}, events={len(self.log)})"
         )
-
-
-class _ExplorerWidget:
-    """The ipywidgets of an `Explorer`: inputs and buttons on top, state and tree below."""
-
-    def __init__(self, ex: Explorer) -> None:
-        import ipywidgets as W
-
-        self.ex = ex
-        self.text = W.Text(
-            value=ex.presets[0][1] if ex.presets else "",
-            description="request",
-            layout=W.Layout(width="100%"),
-        )
-        self.preset = W.Dropdown(
-            options=[("pick a preset request…", ""), *ex.presets],
-            value="",
-            description="preset",
-            layout=W.Layout(width="100%"),
-        )
-        self.preset.observe(self._on_preset, names="value")
-        self.buttons = {}
-        specs = [
-            ("match", "match_prefix", "info", lambda: ex.match()),
-            ("insert", "insert (serve)", "success", lambda: ex.insert()),
-            ("lock", "lock", "primary", lambda: ex.lock()),
-            ("unlock", "unlock", "", lambda: ex.unlock()),
-            ("evict", "evict N", "danger", lambda: ex.evict()),
-            ("reset", "reset", "warning", lambda: ex.reset()),
-        ]
-        for key, label, style, action in specs:
-            b = W.Button(description=label, button_style=style, layout=W.Layout(width="auto"))
-            b.on_click(lambda _b, act=action: act())
-            self.buttons[key] = b
-        self.evict_n = W.BoundedIntText(
-            value=4, min=0, max=10**9, description="N", layout=W.Layout(width="9em")
-        )
-        self.preview = W.Checkbox(value=True, description="mark what evict N takes", indent=False)
-        self.evict_n.observe(lambda _c: ex.refresh(), names="value")
-        self.preview.observe(lambda _c: ex.refresh(), names="value")
-        self.tree = W.HTML()
-        self.status = W.HTML()
-        self.log = W.HTML()
-        row = W.HBox(
-            [*self.buttons.values(), self.evict_n, self.preview],
-            layout=W.Layout(flex_flow="row wrap", align_items="center"),
-        )
-        info = W.HBox(
-            [
-                W.VBox([W.HTML("<b>state</b>"), self.status], layout=W.Layout(width="50%")),
-                W.VBox([W.HTML("<b>event log</b>"), self.log], layout=W.Layout(width="50%")),
-            ]
-        )
-        self.box = W.VBox([self.text, self.preset, row, info, self.tree])
-
-    def _on_preset(self, change: Any) -> None:
-        if change["new"]:
-            self.text.value = change["new"]
