@@ -41,9 +41,10 @@ keeps the queue in least-recently-used order; locking and evicting only remove b
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from itertools import islice
-from typing import Dict, Iterator, List, Optional, Tuple
+from collections import Counter, OrderedDict, deque
+from itertools import islice, repeat
+from operator import attrgetter
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -57,6 +58,11 @@ __all__ = ["CachedBlock", "BlockHashCacheHandle", "BlockHashCacheManager", "ROOT
            "default_block_hash"]
 
 _MASK = (1 << 64) - 1
+_PARENT = attrgetter("parent_hash")
+_KEY = attrgetter("block_hash")
+_CHILDREN = attrgetter("num_children")
+_PAGE = attrgetter("page")
+_TOKENS = attrgetter("token_bytes")
 
 
 class BlockHashCacheManager(BaseCacheManager):
@@ -81,7 +87,7 @@ class BlockHashCacheManager(BaseCacheManager):
         self._hasher = ChainHasher(page_size, hash_fn)
         self.hash_fn: HashFn = self._hasher.hash_fn
         self.empty_tensor = torch.empty(0, dtype=torch.int32, device=self.device)
-        self._offsets = np.arange(page_size, dtype=np.int64)
+        self._offsets = np.arange(page_size, dtype=np.int32)
         self._clock = 0
         self._token = object()  # names this manager in the handles it makes
         self._epoch = 0  # bumped whenever a block leaves the cache
@@ -94,7 +100,8 @@ class BlockHashCacheManager(BaseCacheManager):
         self._page_owner: Dict[int, int] = {}  # page -> block hash
         self._num_locked = 0  # blocks with ref_count > 0
         self._max_probe = 0
-        self._locks: Dict[BlockHashCacheHandle, int] = {}  # locked handle -> times locked
+        # locked handle -> (times locked, the blocks it locked)
+        self._locks: Dict[BlockHashCacheHandle, Tuple[int, Tuple[CachedBlock, ...]]] = {}
         self._epoch += 1
 
     @property
@@ -129,15 +136,16 @@ class BlockHashCacheManager(BaseCacheManager):
 
     def locked_handles(self) -> Dict[BlockHashCacheHandle, int]:
         """Each locked handle and how many times it is locked (a copy)."""
-        return dict(self._locks)
+        return {h: n for h, (n, _) in self._locks.items()}
 
-    def _slots(self, chain: List[CachedBlock]) -> torch.Tensor:
+    def _slots(self, chain: Sequence[CachedBlock]) -> torch.Tensor:
         """The slots of ``chain``'s pages, block after block (1-D int32 on ``device``)."""
         if not chain:
             return self.empty_tensor
-        pages = np.fromiter([b.page for b in chain], dtype=np.int64, count=len(chain))
-        slots = (pages[:, None] * self.page_size + self._offsets).reshape(-1).astype(np.int32)
-        out = torch.from_numpy(slots)
+        pages = np.fromiter(map(_PAGE, chain), dtype=np.int32, count=len(chain))
+        if self.page_size > 1:
+            pages = (pages[:, None] * self.page_size + self._offsets).reshape(-1)
+        out = torch.from_numpy(pages)
         return out if self.device.type == "cpu" else out.to(self.device)
 
     def cached_indices(self) -> torch.Tensor:
@@ -165,22 +173,27 @@ class BlockHashCacheManager(BaseCacheManager):
         its hash: one probe per block, then the tokens of the whole chain in one comparison.
         """
         get = self._blocks.get
-        chain: List[CachedBlock] = []
-        parent: Optional[int] = None
         if self._max_probe == 0:
-            for h in hashes:
-                block = get(h)
-                if block is None or block.parent_hash != parent:
-                    break
-                chain.append(block)
-                parent = h
+            chain = list(map(get, hashes))  # the gets run in C; a miss ends the chain
+            try:
+                del chain[chain.index(None):]
+            except ValueError:
+                pass
             k = len(chain)
-            if k and b"".join([b.token_bytes for b in chain]) != rows[:k].tobytes():
+            if not k:
+                return chain
+            parents = list(map(_PARENT, chain))
+            if parents[0] is not None or parents[1:] != hashes[:k - 1]:  # a collision
+                k = next(i for i, p in enumerate(parents) if p != (hashes[i - 1] if i else None))
+                del chain[k:]
+            if k and b"".join(map(_TOKENS, chain)) != rows[:k].tobytes():
                 for i, block in enumerate(chain):  # a collision: keep what really matches
                     if block.token_bytes != rows[i].tobytes():
                         del chain[i:]
                         break
             return chain
+        chain = []
+        parent: Optional[int] = None
         for h, row in zip(hashes, rows):
             tokens = row.tobytes()
             for k in range(self._max_probe + 1):
@@ -197,12 +210,13 @@ class BlockHashCacheManager(BaseCacheManager):
         """Mark ``chain`` used at ``tic``: its free blocks move to the queue's tail, deepest first."""
         move = self._free.move_to_end
         for block in reversed(chain):
+            if block.ref_count:
+                break  # locked blocks are a prefix of any chain; their release sets ``last_use``
             block.last_use = tic
-            if block.ref_count == 0:
-                move(block.block_hash)
+            move(block.block_hash)
 
     def _handle(self, chain: List[CachedBlock]) -> BlockHashCacheHandle:
-        hashes = tuple([b.block_hash for b in chain])
+        hashes = tuple(map(_KEY, chain))
         return BlockHashCacheHandle(len(chain) * self.page_size, hashes, tuple(chain),
                                     (self._token, self._epoch, hashes))
 
@@ -250,43 +264,42 @@ class BlockHashCacheManager(BaseCacheManager):
         pages = new_pages(indices[m * ps:nb * ps], ps, self._page_owner)
         # Keys of the new blocks (probing past taken ones), computed before anything changes.
         taken = self._blocks
-        keys: List[int] = hashes[m:]
+        new_hashes = keys = hashes[m:]
+        probes: Optional[List[int]] = None
         probe_max = self._max_probe
-        if any(h in taken for h in keys) or len(set(keys)) != len(keys):
-            keys, mine = [], set()
-            for h in hashes[m:]:
+        if any(map(taken.__contains__, keys)) or len(set(keys)) != len(keys):
+            keys, probes, mine = [], [], set()
+            for h in new_hashes:
                 key, probe = h, 0
                 while key in taken or key in mine:
                     probe += 1
                     key = (h + probe) & _MASK
                 probe_max = max(probe_max, probe)
                 keys.append(key)
+                probes.append(probe)
                 mine.add(key)
         raw = rows[m:].tobytes()
         width = 8 * ps
+        tokens = [raw[j:j + width] for j in range(0, len(raw), width)]
+        n = len(keys)
         # Validation done; from here on nothing raises.
         self._clock += 1
         tic = self._clock
-        parent = chain[-1].block_hash if m else None
+        parents: List[Optional[int]] = [chain[-1].block_hash if m else None]
+        parents += keys[:-1]
+        created = list(map(CachedBlock, keys, new_hashes, parents, tokens, pages, repeat(tic, n),
+                           repeat(0) if probes is None else probes,
+                           [1] * (n - 1) + [0]))
         if m:
             chain[-1].num_children += 1
-        created: List[CachedBlock] = []
-        for i, (key, h, page) in enumerate(zip(keys, hashes[m:], pages)):
-            block = CachedBlock(key, h, parent, raw[i * width:(i + 1) * width], page, tic, (key - h) & _MASK)
-            if created:
-                created[-1].num_children = 1
-            self._blocks[key] = block
-            self._page_owner[page] = key
-            created.append(block)
-            parent = key
+        self._blocks.update(zip(keys, created))
+        self._page_owner.update(zip(pages, keys))
+        self._free.update(zip(reversed(keys), repeat(None)))  # deepest first
         self._max_probe = probe_max
-        free = self._free
-        for block in reversed(created):
-            free[block.block_hash] = None
         self._use(chain, tic)
         return m * ps, chain + created
 
-    def _chain(self, handle: BaseCacheHandle) -> List[CachedBlock]:
+    def _chain(self, handle: BaseCacheHandle) -> Tuple[CachedBlock, ...]:
         """The blocks behind ``handle``, root first, after checking the handle names them."""
         if not isinstance(handle, BlockHashCacheHandle):
             raise TypeError(f"handle must be a BlockHashCacheHandle, got {type(handle).__name__}")
@@ -300,7 +313,7 @@ class BlockHashCacheManager(BaseCacheManager):
         stamp = handle.stamp
         if (stamp is not None and stamp[0] is self._token and stamp[1] == self._epoch
                 and stamp[2] is hashes and len(made) == len(hashes)):
-            return list(made)  # nothing has left the cache since the handle was made
+            return made  # nothing has left the cache since the handle was made
         chain: List[CachedBlock] = []
         parent: Optional[int] = None
         for i, h in enumerate(hashes):
@@ -318,7 +331,7 @@ class BlockHashCacheManager(BaseCacheManager):
                 )
             chain.append(block)
             parent = h
-        return chain
+        return tuple(chain)
 
     def handle_indices(self, handle: BaseCacheHandle) -> torch.Tensor:
         """The slots of the prefix behind ``handle`` (read-only: the LRU order does not change)."""
@@ -341,7 +354,8 @@ class BlockHashCacheManager(BaseCacheManager):
         chain = self._chain(handle)
         if not chain:
             return
-        self._locks[handle] = self._locks.get(handle, 0) + 1  # type: ignore[index,call-overload]
+        record = self._locks.get(handle)  # type: ignore[call-overload]
+        self._locks[handle] = (record[0] + 1, record[1]) if record else (1, chain)  # type: ignore[index]
         free = self._free
         for block in chain:
             if block.ref_count == 0:
@@ -353,18 +367,20 @@ class BlockHashCacheManager(BaseCacheManager):
         if not isinstance(handle, BlockHashCacheHandle) or not handle.cached_len:
             self._chain(handle)  # a wrong type or length raises; an empty handle needs nothing
             return
-        times = self._locks.get(handle, 0)
-        if times == 0:
+        record = self._locks.get(handle)
+        if record is None:
             self._chain(handle)  # a handle that is not even valid says so first
             raise RuntimeError(
                 f"cannot unlock a handle that is not locked ({len(handle.block_hashes)} blocks, "
                 f"cached_len={handle.cached_len})"
             )
-        chain = self._chain(handle)
+        times, locked_chain = record
+        # Locked blocks cannot leave the cache: the handle that locked them needs no re-check.
+        chain = locked_chain if handle.blocks is locked_chain else self._chain(handle)
         if times == 1:
             del self._locks[handle]
         else:
-            self._locks[handle] = times - 1
+            self._locks[handle] = (times - 1, locked_chain)
         free, clock = self._free, self._clock
         for block in reversed(chain):
             block.ref_count -= 1
@@ -389,26 +405,27 @@ class BlockHashCacheManager(BaseCacheManager):
                 f"cannot evict {size} tokens: only {evictable} are evictable "
                 f"({self._num_locked * self.page_size} are locked)"
             )
-        victims = [self._blocks[h] for h in islice(self._free, -(-size // self.page_size))]
-        gone: Dict[int, int] = {}  # parent hash -> children among earlier victims
-        for block in victims:
-            if block.num_children != gone.get(block.block_hash, 0):
-                raise RuntimeError(
-                    f"internal error: free block {block.block_hash:#018x} would be evicted before its "
-                    f"{block.num_children} children; nothing was evicted"
-                )
-            if block.parent_hash is not None:
-                gone[block.parent_hash] = gone.get(block.parent_hash, 0) + 1
+        keys = list(islice(self._free, -(-size // self.page_size)))
+        blocks, free = self._blocks, self._free
+        victims = list(map(blocks.__getitem__, keys))
+        parents = Counter(map(_PARENT, victims))
+        # Every victim's children must be victims too (the queue's order promises it).
+        if list(map(_CHILDREN, victims)) != list(map(parents.get, keys, repeat(0))):
+            bad = next(b for b in victims if b.num_children != parents.get(b.block_hash, 0))
+            raise RuntimeError(
+                f"internal error: free block {bad.block_hash:#018x} would be evicted before its "
+                f"{bad.num_children} children; nothing was evicted"
+            )
         self._epoch += 1
-        for block in victims:
-            del self._free[block.block_hash]
-            del self._blocks[block.block_hash]
-            del self._page_owner[block.page]
-            if block.parent_hash is not None:
-                self._blocks[block.parent_hash].num_children -= 1
+        deque(map(free.pop, keys), 0)
+        deque(map(blocks.pop, keys), 0)
+        deque(map(self._page_owner.pop, map(_PAGE, victims)), 0)
+        for parent, count in parents.items():
+            if parent is not None and parent in blocks:
+                blocks[parent].num_children -= count
         return self._slots(victims)
 
     def check_integrity(self) -> None:
         """Check every block, the free queue, the locked handles and the sizes; ``RuntimeError`` on the first fault."""
         check_pool(self._blocks, self._free, self._page_owner, self._num_locked, self._max_probe,
-                   self._hasher, self.page_size, self._locks)
+                   self._hasher, self.page_size, self.locked_handles())

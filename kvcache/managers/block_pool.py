@@ -24,7 +24,8 @@ class CachedBlock:
     (how far the key moved after a collision, usually 0). ``parent_hash`` is the key of the block
     before it (``None`` for the first block of a sequence). ``ref_count`` counts the locks through
     it (0: the block is in the free queue and may be evicted); ``num_children`` the cached blocks
-    that chain from it. ``last_use`` is the manager's clock at its last match, insert or release.
+    that chain from it. ``last_use`` is the manager's clock when it was last matched or inserted while
+    free, or released.
     ``token_bytes`` holds the tokens as little-endian int64 (compared on every hit); ``tokens``
     gives them as a tuple of ints. Read-only for callers.
     """
@@ -33,14 +34,14 @@ class CachedBlock:
                  "num_children", "last_use", "probe")
 
     def __init__(self, block_hash: int, base: int, parent_hash: Optional[int], token_bytes: bytes,
-                 page: int, last_use: int, probe: int) -> None:
+                 page: int, last_use: int, probe: int = 0, num_children: int = 0) -> None:
         self.block_hash = block_hash
         self.base = base
         self.parent_hash = parent_hash
         self.token_bytes = token_bytes
         self.page = page
         self.ref_count = 0
-        self.num_children = 0
+        self.num_children = num_children
         self.last_use = last_use
         self.probe = probe
 
