@@ -4,11 +4,11 @@ Block ``i`` of a sequence is named by ``h_i = H(h_{i-1}, tokens of block i)``, w
 ``h_{-1} = ROOT_HASH_SEED``. The default ``H`` is chosen so that the whole chain can be computed
 with a few NumPy operations over every block together, instead of a Python call per block:
 
-    c_i = mix64(sum_k t_{i,k} * P^(k+1))          (the block's content hash, mod 2**64)
+    c_i = mix(sum_k t_{i,k} * P^(k+1))            (the block's content hash, mod 2**64)
     h_i = h_{i-1} * M + c_i                         (mod 2**64; M odd, hence invertible)
 
-so ``h_i = M^i * (seed * M + sum_{j<=i} c_j * M^-j)``: a cumulative sum. ``mix64`` is
-SplitMix64's finaliser, which spreads every token bit over the 64 bits before the linear chain.
+so ``h_i = M^i * (seed * M + sum_{j<=i} c_j * M^-j)``: a cumulative sum. ``mix(x) = (x ^ (x >> 32))
+* K`` folds the high bits (which every token reaches) into the low ones.
 The hash is not cryptographic; the manager compares tokens on every hit, so a collision (even a
 deliberate one) can cost a cache hit but never returns another prefix's K/V. Values depend on
 nothing but the tokens: equal in every process and run.
@@ -33,20 +33,19 @@ _M_INV = pow(_M, -1, 1 << 64)
 HashFn = Callable[[int, Tuple[int, ...]], int]
 
 
+_K = 0xBF58476D1CE4E5B9
+_K_NP, _SHIFT_NP = np.uint64(_K), np.uint64(32)
+
+
 def _mix64(x: int) -> int:
-    x ^= x >> 30
-    x = (x * 0xBF58476D1CE4E5B9) & _MASK
-    x ^= x >> 27
-    x = (x * 0x94D049BB133111EB) & _MASK
-    return x ^ (x >> 31)
+    return ((x ^ (x >> 32)) * _K) & _MASK
 
 
 def _mix64_np(x: np.ndarray) -> np.ndarray:
-    x = x ^ (x >> np.uint64(30))
-    x = x * np.uint64(0xBF58476D1CE4E5B9)
-    x = x ^ (x >> np.uint64(27))
-    x = x * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
+    """``_mix64`` of every element, in place."""
+    x ^= x >> _SHIFT_NP
+    x *= _K_NP
+    return x
 
 
 def default_block_hash(parent_hash: int, tokens: Tuple[int, ...]) -> int:
@@ -116,6 +115,8 @@ class ChainHasher:
             self._m_pow, self._m_inv_pow = _powers(_M, size), _powers(_M_INV, size)
         # Integer array arithmetic wraps modulo 2**64 without a warning (only scalars warn).
         c = _mix64_np(blocks.view(np.uint64) @ self._token_weights)
-        s = np.cumsum(c * self._m_inv_pow[:nb], dtype=np.uint64)
+        c *= self._m_inv_pow[:nb]
+        s = np.cumsum(c, dtype=np.uint64)
         s += np.uint64((seed * _M) & _MASK)
-        return (s * self._m_pow[:nb]).tolist()
+        s *= self._m_pow[:nb]
+        return s.tolist()

@@ -85,14 +85,16 @@ def new_pages(part: torch.Tensor, page_size: int, page_owner: Mapping[int, int])
     ps = page_size
     new = (part.numpy() if part.device.type == "cpu" else part.cpu().numpy()).reshape(-1, ps)
     first = new[:, 0]
-    if (new < 0).any():
-        raise ValueError(f"indices must be >= 0, got {int(new.min())}")
     if ps > 1 and ((first % ps).any() or (new != first[:, None] + np.arange(ps, dtype=np.int32)).any()):
+        if (new < 0).any():
+            raise ValueError(f"indices must be >= 0, got {int(new.min())}")
         raise ValueError(
             f"with page_size={ps} every {ps} indices must be the consecutive slots of one page "
             f"(first slot a multiple of {ps}); got {part.tolist()}"
         )
     pages = (first // ps).tolist()
+    if pages and min(pages) < 0:
+        raise ValueError(f"indices must be >= 0, got {min(pages) * ps}")
     for page in pages:
         if page in page_owner:
             raise ValueError(
