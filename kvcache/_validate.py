@@ -49,3 +49,19 @@ def check_positive_int(value: object, name: str) -> int:
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
     return value
+
+
+def check_count(value: object, name: str = "size") -> int:
+    """A non-negative token count as a Python int: an int, a NumPy integer or a 0-d integer
+    tensor; bools (of any kind), floats and complex numbers are refused with ``TypeError``."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.dtype not in _INT_DTYPES:
+            raise TypeError(f"{name} must be an int, got a tensor of shape {tuple(value.shape)} and dtype {value.dtype}")
+        value = int(value.item())
+    elif type(value).__name__ in ("bool", "bool_") or not hasattr(value, "__index__"):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    else:
+        value = value.__index__()  # type: ignore[union-attr]
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value

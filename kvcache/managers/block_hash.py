@@ -49,7 +49,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .._validate import check_indices, check_positive_int, check_size, check_token_ids
+from .._validate import check_count, check_indices, check_positive_int, check_token_ids
 from .base import BaseCacheHandle, BaseCacheManager, InsertResult, SizeInfo
 from .block_hash_chain import ROOT_HASH_SEED, ChainHasher, HashFn, default_block_hash, token_array
 from .block_pool import BlockHashCacheHandle, CachedBlock, check_pool, new_pages
@@ -437,7 +437,7 @@ class BlockHashCacheManager(BaseCacheManager):
         evicted (the queue's order guarantees the head is one). Raises ``RuntimeError``
         (evicting nothing) when fewer than ``size`` tokens are evictable.
         """
-        check_size(size)
+        size = check_count(size)
         if size == 0:
             return self.empty_tensor
         evictable = self.size_info.evictable_size
