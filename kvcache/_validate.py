@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
@@ -58,10 +60,13 @@ def check_count(value: object, name: str = "size") -> int:
         if value.dim() != 0 or value.dtype not in _INT_DTYPES:
             raise TypeError(f"{name} must be an int, got a tensor of shape {tuple(value.shape)} and dtype {value.dtype}")
         value = int(value.item())
-    elif type(value).__name__ in ("bool", "bool_") or not hasattr(value, "__index__"):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     else:
-        value = value.__index__()  # type: ignore[union-attr]
+        try:
+            if type(value).__name__ in ("bool", "bool_"):
+                raise TypeError
+            value = operator.index(value)
+        except TypeError:
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
     return value

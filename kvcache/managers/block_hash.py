@@ -52,6 +52,7 @@ import torch
 from .._validate import check_count, check_indices, check_positive_int, check_token_ids
 from .base import BaseCacheHandle, BaseCacheManager, InsertResult, SizeInfo
 from .block_hash_chain import ROOT_HASH_SEED, ChainHasher, HashFn, default_block_hash, token_array
+from .block_lookup import RequestHashes, walk
 from .block_pool import BlockHashCacheHandle, CachedBlock, check_pool, new_pages
 
 __all__ = ["CachedBlock", "BlockHashCacheHandle", "BlockHashCacheManager", "ROOT_HASH_SEED",
@@ -62,8 +63,6 @@ _PARENT = attrgetter("parent_hash")
 _KEY = attrgetter("block_hash")
 _CHILDREN = attrgetter("num_children")
 _PAGE = attrgetter("page")
-_PENDING = 64  # requests whose block hashes are remembered between match and insert
-_TOKENS = attrgetter("token_bytes")
 
 
 class BlockHashCacheManager(BaseCacheManager):
@@ -103,9 +102,7 @@ class BlockHashCacheManager(BaseCacheManager):
         self._max_probe = 0
         # locked handle -> (times locked, the blocks it locked)
         self._locks: Dict[BlockHashCacheHandle, Tuple[int, Tuple[CachedBlock, ...]]] = {}
-        # first block's bytes -> (a recent request's full blocks as bytes, their hashes, the chain
-        # that matched them, its keys): vLLM's ``Request.block_hashes``
-        self._pending: "OrderedDict[bytes, Tuple[bytes, List[int], List[CachedBlock], int]]" = OrderedDict()
+        self._pending = RequestHashes(self.page_size)
         self._epoch += 1
 
     @property
@@ -170,78 +167,6 @@ class BlockHashCacheManager(BaseCacheManager):
         nb = len(ids) // self.page_size
         return ids[:nb * self.page_size].reshape(nb, self.page_size)
 
-    def _walk(self, rows: np.ndarray, hashes: List[int], known: Sequence[CachedBlock] = ()) -> List[CachedBlock]:
-        """The cached chain matching the longest prefix of ``rows`` (read-only).
-
-        ``hashes[i]`` is the chained hash of ``rows[:i + 1]``; ``known`` is a chain already known
-        to match ``rows[:len(known)]``, from which the walk goes on. Without collisions a block's
-        key is its hash: one probe per block, then the tokens of the whole chain in one comparison.
-        """
-        get = self._blocks.get
-        i0 = len(known)
-        parent: Optional[int] = known[-1].block_hash if i0 else None
-        if self._max_probe == 0:
-            chain = list(map(get, hashes[i0:] if i0 else hashes))  # the gets run in C
-            try:
-                del chain[chain.index(None):]  # a miss ends the chain
-            except ValueError:
-                pass
-            k = len(chain)
-            if k:
-                parents = list(map(_PARENT, chain))
-                if parents[0] != parent or parents[1:] != hashes[i0:i0 + k - 1]:  # a collision
-                    k = next(i for i, p in enumerate(parents) if p != (hashes[i0 + i - 1] if i else parent))
-                    del chain[k:]
-            if k and b"".join(map(_TOKENS, chain)) != rows[i0:i0 + k].tobytes():
-                for i, block in enumerate(chain):  # a collision: keep what really matches
-                    if block.token_bytes != rows[i0 + i].tobytes():
-                        del chain[i:]
-                        break
-            return [*known, *chain] if i0 else chain
-        chain = list(known)
-        for h, row in zip(hashes[i0:], rows[i0:]):
-            tokens = row.tobytes()
-            for k in range(self._max_probe + 1):
-                block = get((h + k) & _MASK)
-                if block is not None and block.parent_hash == parent and block.token_bytes == tokens:
-                    break
-            else:
-                return chain
-            chain.append(block)
-            parent = block.block_hash
-        return chain
-
-    def _remember(self, rows: np.ndarray, hashes: List[int], chain: List[CachedBlock]) -> None:
-        """Keep a request's block hashes (and the chain that matched them) for its insert."""
-        if len(rows):
-            pending = self._pending
-            key = rows[0].tobytes()
-            pending.pop(key, None)
-            pending[key] = (rows.tobytes(), hashes, chain, tuple(map(_KEY, chain)))
-            if len(pending) > _PENDING:
-                pending.popitem(last=False)
-
-    def _recall(self, rows: np.ndarray) -> Tuple[List[int], List[CachedBlock]]:
-        """The hashes of ``rows`` and the longest chain known to match them, reusing what this
-        request's `match_prefix` (or an earlier insert) computed; only new blocks are hashed."""
-        entry = self._pending.get(rows[0].tobytes()) if len(rows) else None
-        if entry is not None:
-            raw, hashes, chain, keys = entry
-            n = min(len(hashes), len(rows))
-            width = 8 * self.page_size
-            if rows[:n].tobytes() == (raw if n == len(hashes) else raw[:n * width]):
-                if n < len(rows):
-                    hashes = hashes[:n] + self._hasher.chain(rows[n:], hashes[n - 1])
-                elif n < len(hashes):
-                    hashes = hashes[:n]
-                # What is still cached of the chain: the same block objects under the same keys
-                # (a block is never changed in place, so identity proves content and parent).
-                now = list(map(self._blocks.get, keys[:n]))
-                if now != chain[:n]:
-                    now = chain[:next(i for i, (a, b) in enumerate(zip(now, chain)) if a is not b)]
-                return hashes, now
-        return self._hasher.chain(rows), []
-
     def _use(self, chain: List[CachedBlock], tic: int) -> None:
         """Mark ``chain`` used at ``tic``: its free blocks move to the queue's tail, deepest first."""
         move = self._free.move_to_end
@@ -264,8 +189,8 @@ class BlockHashCacheManager(BaseCacheManager):
         """
         rows = self._rows(input_ids)
         hashes = self._hasher.chain(rows)
-        chain = self._walk(rows, hashes)
-        self._remember(rows, hashes, chain)
+        chain = walk(self._blocks, self._max_probe, rows, hashes)
+        self._pending.remember(rows, hashes, chain)
         self._clock += 1
         self._use(chain, self._clock)
         return self._handle(chain), self._slots(chain)
@@ -292,13 +217,13 @@ class BlockHashCacheManager(BaseCacheManager):
         check_indices(indices, self.device)
         if indices.shape[0] != input_ids.shape[0]:
             raise ValueError(f"len(indices) ({len(indices)}) must equal len(input_ids) ({len(input_ids)})")
-        hashes, known = self._recall(rows)
-        chain = self._walk(rows, hashes, known)
+        hashes, known = self._pending.recall(rows, self._blocks, self._hasher)
+        chain = walk(self._blocks, self._max_probe, rows, hashes, known)
         ps, m, nb = self.page_size, len(chain), len(rows)
         if m == nb:
             self._clock += 1
             self._use(chain, self._clock)
-            self._remember(rows, hashes, chain)
+            self._pending.remember(rows, hashes, chain)
             return m * ps, chain
         pages = new_pages(indices[m * ps:nb * ps], ps, self._page_owner)
         # Keys of the new blocks (probing past taken ones), computed before anything changes.
@@ -337,7 +262,7 @@ class BlockHashCacheManager(BaseCacheManager):
         self._max_probe = probe_max
         self._use(chain, tic)
         chain += created
-        self._remember(rows, hashes, chain)
+        self._pending.remember(rows, hashes, chain)
         return m * ps, chain
 
     def _chain(self, handle: BaseCacheHandle) -> Tuple[CachedBlock, ...]:
