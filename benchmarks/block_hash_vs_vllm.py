@@ -187,6 +187,42 @@ def compare(page_size: int, repeats: int, pool_tokens: int) -> Dict[str, Dict[st
     return out
 
 
+def radix_ops_rows(num_requests: int, pool_tokens: int, page_sizes: Tuple[int, ...] = (1, 16),
+                   repeats: int = 2) -> Dict[str, Dict[str, float]]:
+    """`BlockHashCacheManager` on `benchmarks/radix_ops.py`'s workload (``mixed``, through
+    `RequestFlow`), one row per page size: the whole flow and the time inside manager calls."""
+    from kvcache.serving.workloads import mixed
+
+    jobs = mixed(num_requests, seed=0)
+    rows: Dict[str, Dict[str, float]] = {}
+    for ps in page_sizes:
+        flow_s, manager_s = [], []
+        for _ in range(repeats):
+            timed = Timed(BlockHashCacheManager("cpu", ps))
+            flow = RequestFlow(timed, PageAllocator(pool_tokens // ps, ps))
+            t0 = time.perf_counter()
+            for job in jobs:
+                req = flow.begin(job.prompt)
+                flow.mark_computed(req)
+                if len(job.output):
+                    flow.extend(req, job.output)
+                    flow.mark_computed(req)
+                flow.finish(req)
+            flow_s.append(time.perf_counter() - t0)
+            manager_s.append(timed.seconds)
+        rows[f"page_size_{ps}"] = {"flow_seconds": min(flow_s), "manager_seconds": min(manager_s),
+                                   "requests_per_s": num_requests / min(flow_s),
+                                   "manager_requests_per_s": num_requests / min(manager_s),
+                                   "reused_tokens": flow.stats.reused_tokens}
+    return rows
+
+
+def print_radix_ops_rows(rows: Dict[str, Dict[str, float]]) -> None:
+    for key, r in rows.items():
+        name = f"BlockHash ps={key.rsplit('_', 1)[1]}"
+        print(f"  {name:18s} {r['requests_per_s']:8.0f} req/s {r['manager_requests_per_s']:14.0f} req/s")
+
+
 def main(argv: List[str] | None = None) -> Dict[str, object]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--page-size", type=int, nargs="+", default=[16])
