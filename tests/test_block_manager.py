@@ -36,11 +36,12 @@ def slots_of(pages: List[int], ps: int, n: int | None = None) -> torch.Tensor:
 
 def dump(m: BlockHashCacheManager) -> tuple:
     """Everything the manager holds, as plain values: equal dumps mean equal states."""
+    queue = tuple(m.free_queue())
     blocks = tuple(
-        (k, b.block_hash, b.parent_hash, b.tokens, b.page, b.ref_count, b.num_children, b.last_use, b.probe)
-        for k, b in m._blocks.items()
+        (b.block_hash, b.parent_hash, b.tokens, b.page, b.ref_count, b.num_children, b.last_use, b.probe)
+        for b in m.blocks()
     )
-    return (blocks, tuple(m._free), tuple(sorted(m._page_owner.items())), m._num_locked,
+    return (blocks, queue, tuple(sorted(m._page_owner.items())), m._num_locked,
             m.max_probe, m.clock, m.size_info, tuple(m.locked_handles().items()))
 
 
@@ -346,7 +347,9 @@ def test_unlock_releases_the_chain_deepest_first():
 def test_evict_refuses_if_the_queue_order_were_broken():
     m = BlockHashCacheManager(page_size=1)
     m.insert_prefix(ids(1, 2), torch.tensor([0, 1], dtype=torch.int32))
-    m._free.move_to_end(m.match_prefix(ids(1, 2))[0].block_hashes[1])  # corrupt: parent now first
+    key = m.match_prefix(ids(1, 2))[0].block_hashes[1]
+    m.free_queue()
+    m._free.move_to_end(key)  # corrupt: parent now first
     with pytest.raises(RuntimeError, match="queued after its parent"):
         m.check_integrity()
     unchanged_dump = dump(m)

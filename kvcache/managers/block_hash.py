@@ -53,7 +53,7 @@ from .._validate import check_count, check_indices, check_positive_int, check_to
 from .base import BaseCacheHandle, BaseCacheManager, InsertResult, SizeInfo
 from .block_hash_chain import ROOT_HASH_SEED, ChainHasher, HashFn, default_block_hash, token_array
 from .block_lookup import RequestHashes, walk
-from .block_pool import BlockHashCacheHandle, CachedBlock, check_pool, new_pages
+from .block_pool import BlockHashCacheHandle, CachedBlock, check_pool, handle_chain, new_pages
 
 __all__ = ["CachedBlock", "BlockHashCacheHandle", "BlockHashCacheManager", "ROOT_HASH_SEED",
            "default_block_hash"]
@@ -103,6 +103,10 @@ class BlockHashCacheManager(BaseCacheManager):
         # locked handle -> (times locked, the blocks it locked)
         self._locks: Dict[BlockHashCacheHandle, Tuple[int, Tuple[CachedBlock, ...]]] = {}
         self._pending = RequestHashes(self.page_size)
+        # A match's refresh of the LRU order (chain, clock), applied by the next call unless that
+        # call locks the very chain: the flow matches and locks at once, and a lock takes the
+        # blocks out of the queue anyway.
+        self._touch: Optional[Tuple[Tuple[CachedBlock, ...], int]] = None
         self._epoch += 1
 
     @property
@@ -126,13 +130,16 @@ class BlockHashCacheManager(BaseCacheManager):
 
     def blocks(self) -> Iterator[CachedBlock]:
         """Every cached block, in insertion order (a parent before its children)."""
+        self._flush()
         return iter(list(self._blocks.values()))
 
     def get_block(self, block_hash: int) -> Optional[CachedBlock]:
+        self._flush()
         return self._blocks.get(block_hash)
 
     def free_queue(self) -> List[int]:
         """Hashes of the evictable blocks in eviction order (head first)."""
+        self._flush()
         return list(self._free)
 
     def locked_handles(self) -> Dict[BlockHashCacheHandle, int]:
@@ -153,6 +160,7 @@ class BlockHashCacheManager(BaseCacheManager):
         return self._slots(list(self._blocks.values()))
 
     def reset(self) -> None:
+        self._flush()
         if self._num_locked:
             raise RuntimeError(
                 f"cannot reset while {self._num_locked * self.page_size} tokens are locked; "
@@ -167,7 +175,14 @@ class BlockHashCacheManager(BaseCacheManager):
         nb = len(ids) // self.page_size
         return ids[:nb * self.page_size].reshape(nb, self.page_size)
 
-    def _use(self, chain: List[CachedBlock], tic: int) -> None:
+    def _flush(self) -> None:
+        """Apply the last match's deferred LRU refresh, if any."""
+        if self._touch is not None:
+            chain, tic = self._touch
+            self._touch = None
+            self._use(chain, tic)
+
+    def _use(self, chain: Sequence[CachedBlock], tic: int) -> None:
         """Mark ``chain`` used at ``tic``: its free blocks move to the queue's tail, deepest first."""
         move = self._free.move_to_end
         for block in reversed(chain):
@@ -189,11 +204,14 @@ class BlockHashCacheManager(BaseCacheManager):
         """
         rows = self._rows(input_ids)
         hashes = self._hasher.chain(rows)
+        self._flush()
         chain = walk(self._blocks, self._max_probe, rows, hashes)
         self._pending.remember(rows, hashes, chain)
         self._clock += 1
-        self._use(chain, self._clock)
-        return self._handle(chain), self._slots(chain)
+        handle = self._handle(chain)
+        if chain:
+            self._touch = (handle.blocks, self._clock)
+        return handle, self._slots(chain)
 
     def insert_prefix(self, input_ids: torch.Tensor, indices: torch.Tensor) -> int:
         """Cache the full blocks of ``input_ids`` whose K/V sit at ``indices``; return the length already cached.
@@ -217,6 +235,7 @@ class BlockHashCacheManager(BaseCacheManager):
         check_indices(indices, self.device)
         if indices.shape[0] != input_ids.shape[0]:
             raise ValueError(f"len(indices) ({len(indices)}) must equal len(input_ids) ({len(input_ids)})")
+        self._flush()
         hashes, known = self._pending.recall(rows, self._blocks, self._hasher)
         chain = walk(self._blocks, self._max_probe, rows, hashes, known)
         ps, m, nb = self.page_size, len(chain), len(rows)
@@ -267,37 +286,7 @@ class BlockHashCacheManager(BaseCacheManager):
 
     def _chain(self, handle: BaseCacheHandle) -> Tuple[CachedBlock, ...]:
         """The blocks behind ``handle``, root first, after checking the handle names them."""
-        if not isinstance(handle, BlockHashCacheHandle):
-            raise TypeError(f"handle must be a BlockHashCacheHandle, got {type(handle).__name__}")
-        hashes = handle.block_hashes
-        if handle.cached_len != len(hashes) * self.page_size:
-            raise RuntimeError(
-                f"handle says cached_len={handle.cached_len} but names {len(hashes)} blocks of "
-                f"{self.page_size} tokens"
-            )
-        made = handle.blocks
-        stamp = handle.stamp
-        if (stamp is not None and stamp[0] is self._token and stamp[1] == self._epoch
-                and stamp[2] is hashes and len(made) == len(hashes)):
-            return made  # nothing has left the cache since the handle was made
-        chain: List[CachedBlock] = []
-        parent: Optional[int] = None
-        for i, h in enumerate(hashes):
-            block = self._blocks.get(h)
-            if block is None:
-                raise RuntimeError(f"handle's block {i} ({h:#018x}) was evicted; match the prefix again")
-            if block.parent_hash != parent:
-                raise RuntimeError(f"handle's block {i} ({h:#018x}) does not chain from block {i - 1}")
-            if i >= len(made) or not isinstance(made[i], CachedBlock):
-                raise RuntimeError(f"handle does not carry the tokens of block {i}; make handles with match_prefix")
-            if made[i] is not block and made[i].token_bytes != block.token_bytes:
-                raise RuntimeError(
-                    f"handle's block {i} ({h:#018x}) was evicted and its key now holds other tokens; "
-                    "match the prefix again"
-                )
-            chain.append(block)
-            parent = h
-        return tuple(chain)
+        return handle_chain(handle, self._blocks, self.page_size, (self._token, self._epoch))
 
     def handle_indices(self, handle: BaseCacheHandle) -> torch.Tensor:
         """The slots of the prefix behind ``handle`` (read-only: the LRU order does not change)."""
@@ -320,6 +309,11 @@ class BlockHashCacheManager(BaseCacheManager):
         chain = self._chain(handle)
         if not chain:
             return
+        if self._touch is not None:
+            if self._touch[0] is chain:
+                self._touch = None  # the lock takes the matched blocks out of the queue: moot
+            else:
+                self._flush()
         record = self._locks.get(handle)  # type: ignore[call-overload]
         self._locks[handle] = (record[0] + 1, record[1]) if record else (1, chain)  # type: ignore[index]
         free = self._free
@@ -341,6 +335,7 @@ class BlockHashCacheManager(BaseCacheManager):
                 f"cached_len={handle.cached_len})"
             )
         times, locked_chain = record
+        self._flush()
         # Locked blocks cannot leave the cache: the handle that locked them needs no re-check.
         chain = locked_chain if handle.blocks is locked_chain else self._chain(handle)
         if times == 1:
@@ -365,6 +360,7 @@ class BlockHashCacheManager(BaseCacheManager):
         size = check_count(size)
         if size == 0:
             return self.empty_tensor
+        self._flush()
         evictable = self.size_info.evictable_size
         if size > evictable:
             raise RuntimeError(
@@ -393,5 +389,6 @@ class BlockHashCacheManager(BaseCacheManager):
 
     def check_integrity(self) -> None:
         """Check every block, the free queue, the locked handles and the sizes; ``RuntimeError`` on the first fault."""
+        self._flush()
         check_pool(self._blocks, self._free, self._page_owner, self._num_locked, self._max_probe,
                    self._hasher, self.page_size, self.locked_handles())

@@ -12,7 +12,7 @@ import torch
 from .base import BaseCacheHandle
 from .block_hash_chain import ROOT_HASH_SEED, ChainHasher
 
-__all__ = ["CachedBlock", "BlockHashCacheHandle", "check_pool", "new_pages"]
+__all__ = ["CachedBlock", "BlockHashCacheHandle", "handle_chain", "check_pool", "new_pages"]
 
 _MASK = (1 << 64) - 1
 
@@ -73,6 +73,49 @@ class BlockHashCacheHandle(BaseCacheHandle):
     #: (manager token, manager epoch, the ``block_hashes`` object) when made; lets the manager
     #: skip re-checking a handle made since its last eviction.
     stamp: Optional[Tuple[object, int, object]] = field(default=None, compare=False, repr=False)
+
+
+def handle_chain(handle: BaseCacheHandle, blocks: Mapping[int, CachedBlock], page_size: int,
+                 stamp: Tuple[object, int]) -> Tuple[CachedBlock, ...]:
+    """The blocks ``handle`` names, root first, checked to be the content it was made for.
+
+    ``stamp`` is the manager's (token, epoch): a handle made by that manager since its last
+    eviction names blocks that are all still cached, and is returned as it is. Otherwise each
+    block must still be cached, chain from the one before, and hold the tokens the handle was made
+    for (a weak hash may have put other tokens under the same key). ``TypeError`` for another
+    kind of handle, ``RuntimeError`` otherwise.
+    """
+    if not isinstance(handle, BlockHashCacheHandle):
+        raise TypeError(f"handle must be a BlockHashCacheHandle, got {type(handle).__name__}")
+    hashes = handle.block_hashes
+    if handle.cached_len != len(hashes) * page_size:
+        raise RuntimeError(
+            f"handle says cached_len={handle.cached_len} but names {len(hashes)} blocks of "
+            f"{page_size} tokens"
+        )
+    made = handle.blocks
+    mine = handle.stamp
+    if (mine is not None and mine[0] is stamp[0] and mine[1] == stamp[1] and mine[2] is hashes
+            and len(made) == len(hashes)):
+        return made  # nothing has left the cache since the handle was made
+    chain: List[CachedBlock] = []
+    parent: Optional[int] = None
+    for i, h in enumerate(hashes):
+        block = blocks.get(h)
+        if block is None:
+            raise RuntimeError(f"handle's block {i} ({h:#018x}) was evicted; match the prefix again")
+        if block.parent_hash != parent:
+            raise RuntimeError(f"handle's block {i} ({h:#018x}) does not chain from block {i - 1}")
+        if i >= len(made) or not isinstance(made[i], CachedBlock):
+            raise RuntimeError(f"handle does not carry the tokens of block {i}; make handles with match_prefix")
+        if made[i] is not block and made[i].token_bytes != block.token_bytes:
+            raise RuntimeError(
+                f"handle's block {i} ({h:#018x}) was evicted and its key now holds other tokens; "
+                "match the prefix again"
+            )
+        chain.append(block)
+        parent = h
+    return tuple(chain)
 
 
 def new_pages(part: torch.Tensor, page_size: int, page_owner: Mapping[int, int]) -> List[int]:
