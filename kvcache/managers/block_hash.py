@@ -14,10 +14,13 @@ prefix without any tree. The manager keeps:
   is refused even while its blocks are locked through another handle.
 
 Speed. The default hash (`block_hash_chain`) is computed for every block of a sequence at once
-with a few NumPy passes; a lookup is then one dict probe and one parent check per block, and the
-tokens of the whole matched chain are compared with one ``bytes`` comparison. Slots are built in
-NumPy; validation of an insert looks at the new blocks only. A handle remembers the blocks it was
-made for, so locking a handle made since the last eviction re-checks nothing.
+with a few NumPy passes; a lookup is then one dict probe per block, and the parents and tokens of
+the whole matched chain are compared in one go each (`block_lookup.walk`). A request's hashes
+and matched chain are remembered from `match_prefix` to its insert (`block_lookup.RequestHashes`,
+vLLM's ``Request.block_hashes``), so the insert hashes only new tokens and re-walks nothing still
+cached. Slots are built in NumPy; an insert validates its new blocks only. A handle carries the
+blocks it was made for, so locking one made since the last eviction re-checks nothing, and a
+match's LRU refresh waits for the next call, which skips it when it locks that very chain.
 
 Collisions. A 64-bit hash can collide (and a caller's ``hash_fn`` may be weak on purpose). Every
 block keeps its tokens and its parent's key, and a lookup compares both, so a collision can cost a
