@@ -697,6 +697,27 @@ def test_request_hashes_are_reused_but_never_trusted_blindly():
     m.check_integrity()
 
 
+@pytest.mark.parametrize("ps", [1, 4])
+def test_views_of_ids_and_slots_act_like_their_contents(ps):
+    """Token ids and slots are read by value, whatever the view: strided, expanded (stride 0),
+    sliced with an offset, or of a narrower integer dtype."""
+    seq = list(range(3 * ps)) + [7] * ps
+    pages = [5, 2, 9, 4]
+    a, b = BlockHashCacheManager(page_size=ps), BlockHashCacheManager(page_size=ps)
+    ids_view = torch.tensor([[t, -1] for t in seq])[:, 0]  # stride 2
+    slot_view = torch.cat([torch.zeros(3, dtype=torch.int32), slots_of(pages, ps).repeat_interleave(2)])[3::2]
+    assert a.insert_prefix(ids_view, slot_view) == b.insert_prefix(ids(*seq), slots_of(pages, ps))
+    assert prefixes_in(a) == prefixes_in(b)
+    same = torch.tensor([7], dtype=torch.int16).expand(2 * ps)  # stride 0
+    for m in (a, b):
+        assert m.insert_prefix(same, slots_of([11, 12], ps)) == 0
+    assert prefixes_in(a) == prefixes_in(b)
+    for q in (ids_view, ids(*seq), same):
+        (ha, ia), (hb, ib) = a.match_prefix(q), b.match_prefix(q.contiguous())
+        assert ha == hb and ia.tolist() == ib.tolist()
+    a.check_integrity()
+
+
 def test_agrees_with_a_vllm_style_stand_in_on_a_seeded_trace():
     """The benchmark's vLLM stand-in (SHA-256 block hashes, hash -> block dict, LRU free list)
     makes exactly our decisions on a seeded trace with eviction: tokens reused per request,
