@@ -81,6 +81,15 @@ def evict_one_leaf(num_leaves: int, make: Callable[[], BaseCacheManager], calls:
     return statistics.median(times)
 
 
+def block_hash_rows(num_requests: int, pool_tokens: int) -> Dict[str, Dict[str, float]]:
+    """`BlockHashCacheManager`'s own lines (page sizes 1 and 16): see benchmarks/block_hash_vs_vllm.py."""
+    from block_hash_vs_vllm import print_radix_ops_rows, radix_ops_rows
+
+    rows = radix_ops_rows(num_requests, pool_tokens)
+    print_radix_ops_rows(rows)
+    return rows
+
+
 def main(argv: List[str] | None = None) -> Dict[str, object]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=3000)
@@ -107,6 +116,7 @@ def main(argv: List[str] | None = None) -> Dict[str, object]:
     ratio = ours["requests_per_s"] / base["requests_per_s"]
     manager_ratio = ours["manager_requests_per_s"] / base["manager_requests_per_s"]
     print(f"  {'speed-up':18s} {ratio:12.1f}x {manager_ratio:18.1f}x")
+    block_hash = block_hash_rows(args.requests, args.pages)  # block-hash manager, page sizes 1 and 16
 
     ev = {}
     for n, calls in ((1_000, 200), (100_000, 200)):
@@ -118,7 +128,7 @@ def main(argv: List[str] | None = None) -> Dict[str, object]:
     scale = ev[100_000] / ev[1_000]
     print(f"  RadixCacheManager 100k / 1k leaves: {scale:.2f}x (source design: {ev_base[100_000] / ev_base[1_000]:.0f}x)")
 
-    result = {"machine": info, "throughput": tp, "speedup": ratio, "manager_speedup": manager_ratio,
+    result = {"machine": info, "throughput": tp, "block_hash": block_hash, "speedup": ratio, "manager_speedup": manager_ratio,
               "evict_seconds": {str(k): v for k, v in ev.items()},
               "evict_seconds_source": {str(k): v for k, v in ev_base.items()}, "evict_scaling": scale}
     if args.json:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
@@ -48,4 +50,23 @@ def check_positive_int(value: object, name: str) -> int:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+def check_count(value: object, name: str = "size") -> int:
+    """A non-negative token count as a Python int: an int, a NumPy integer or a 0-d integer
+    tensor; bools (of any kind), floats and complex numbers are refused with ``TypeError``."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.dtype not in _INT_DTYPES:
+            raise TypeError(f"{name} must be an int, got a tensor of shape {tuple(value.shape)} and dtype {value.dtype}")
+        value = int(value.item())
+    else:
+        try:
+            if type(value).__name__ in ("bool", "bool_"):
+                raise TypeError
+            value = operator.index(value)
+        except TypeError:
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
     return value

@@ -8,6 +8,7 @@ import copy
 import random
 from typing import Dict, List, Set, Tuple
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -16,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvcache.serving.allocator import PageAllocator
 from kvcache import BaseCacheManager, SizeInfo
-from kvcache.managers.block_hash import BlockHashCacheHandle, BlockHashCacheManager, CachedBlock
+from kvcache.managers.block_hash import BlockHashCacheHandle, BlockHashCacheManager, CachedBlock, default_block_hash
 from kvcache.managers.radix import RadixCacheManager
 from kvcache.serving.request_flow import RequestFlow
 
@@ -35,12 +36,13 @@ def slots_of(pages: List[int], ps: int, n: int | None = None) -> torch.Tensor:
 
 def dump(m: BlockHashCacheManager) -> tuple:
     """Everything the manager holds, as plain values: equal dumps mean equal states."""
+    queue = tuple(m.free_queue())
     blocks = tuple(
-        (k, b.block_hash, b.parent_hash, b.tokens, b.page, b.ref_count, b.num_children, b.last_use, b.probe)
-        for k, b in m._blocks.items()
+        (b.block_hash, b.parent_hash, b.tokens, b.page, b.ref_count, b.num_children, b.last_use, b.probe)
+        for b in m.blocks()
     )
-    return (blocks, tuple(m._free), tuple(sorted(m._page_owner.items())), m._num_locked,
-            m._max_probe, m.clock, m.size_info)
+    return (blocks, queue, tuple(sorted(m._page_owner.items())), m._num_locked,
+            m.max_probe, m.clock, m.size_info, tuple(m.locked_handles().items()))
 
 
 def prefixes_in(m: BlockHashCacheManager) -> Dict[Prefix, int]:
@@ -168,9 +170,9 @@ def _filled() -> BlockHashCacheManager:
     (ids(*range(8)), torch.zeros(8, dtype=torch.int32, device="meta"), ValueError, "device"),
     (ids(*range(12)), slots_of([5, 6], 4), ValueError, r"len\(indices\) \(8\) must equal len\(input_ids\) \(12\)"),
     (ids(*range(12)), slots_of([5, 6, 7], 4) + 1, ValueError, "consecutive slots of one page"),
-    (ids(*range(12)), torch.tensor([*range(20, 24), 24, 25, 27, 26, *range(28, 32)], dtype=torch.int32),
+    (ids(*range(12)), torch.tensor([*range(20, 28), 28, 29, 31, 30], dtype=torch.int32),
      ValueError, "consecutive slots"),
-    (ids(*range(12)), slots_of([5, -1, 7], 4), ValueError, ">= 0"),
+    (ids(*range(12)), slots_of([5, 6, -1], 4), ValueError, ">= 0"),
     (ids(*range(4), 9, 9, 9, 9), slots_of([5, 3], 4), ValueError, "page 3 .* already holds cached block"),
     (ids(*range(4), *[9] * 8), slots_of([5, 6, 6], 4), ValueError, "page 6 appears in more than one new block"),
 ])
@@ -201,7 +203,7 @@ def test_hash_collisions_never_return_wrong_slots(hash_fn):
         next_page += n_pages
         assert m.insert_prefix(ids(*s), idx) == ref.insert_prefix(ids(*s), idx)
         m.check_integrity()
-    assert m._max_probe > 0  # the weak hash did collide
+    assert m.max_probe > 0  # the weak hash did collide
     for s in seqs + [tuple(rng.randrange(3) for _ in range(8)) for _ in range(30)]:
         (h1, i1), (h2, i2) = m.match_prefix(ids(*s)), ref.match_prefix(ids(*s))
         assert h1.cached_len == h2.cached_len and i1.tolist() == i2.tolist()
@@ -216,7 +218,7 @@ def test_default_hash_is_stable_across_processes():
     """Hashes of int tuples ignore PYTHONHASHSEED (pytest runs under a random one), so a block's
     hash is the same in every process on a 64-bit CPython: here, a value computed once."""
     from kvcache.managers.block_hash import ROOT_HASH_SEED, default_block_hash as h
-    assert h(h(ROOT_HASH_SEED, (1, 2, 3)), (4, 5, 6)) == 14104448956996097241
+    assert h(h(ROOT_HASH_SEED, (1, 2, 3)), (4, 5, 6)) == 6344552939871388144
     assert 0 <= h(ROOT_HASH_SEED, (-5,)) < 2 ** 64
 
 
@@ -345,7 +347,9 @@ def test_unlock_releases_the_chain_deepest_first():
 def test_evict_refuses_if_the_queue_order_were_broken():
     m = BlockHashCacheManager(page_size=1)
     m.insert_prefix(ids(1, 2), torch.tensor([0, 1], dtype=torch.int32))
-    m._free.move_to_end(m.match_prefix(ids(1, 2))[0].block_hashes[1])  # corrupt: parent now first
+    key = m.match_prefix(ids(1, 2))[0].block_hashes[1]
+    m.free_queue()
+    m._free.move_to_end(key)  # corrupt: parent now first
     with pytest.raises(RuntimeError, match="queued after its parent"):
         m.check_integrity()
     unchanged_dump = dump(m)
@@ -386,8 +390,8 @@ def _corrupt(fn):
 @pytest.mark.parametrize("fn, match", [
     (lambda m, b: setattr(b[2], "ref_count", -1), "negative ref_count|free queue"),
     (lambda m, b: setattr(b[1], "ref_count", 2), "exceeds its parent"),
-    (lambda m, b: setattr(b[2], "tokens", (5, 9)), "hash does not match"),
-    (lambda m, b: setattr(b[2], "tokens", (5,)), "not 2 ints"),
+    (lambda m, b: setattr(b[2], "token_bytes", np.array([5, 9]).astype(np.int64).tobytes()), "hash does not match"),
+    (lambda m, b: setattr(b[2], "token_bytes", b"\x05" * 8), "not 2 ints"),
     (lambda m, b: m._free.pop(b[3].block_hash), "not in the free queue"),
     (lambda m, b: m._free.__setitem__(b[0].block_hash, None), "in the free queue"),
     (lambda m, b: m._free.__setitem__(999, None), "not cached"),
@@ -409,8 +413,10 @@ def test_check_integrity_catches(fn, match):
 def test_check_integrity_catches_duplicate_content():
     m = BlockHashCacheManager(page_size=1, hash_fn=lambda p, t: 0)
     m.insert_prefix(ids(4), torch.tensor([0], dtype=torch.int32))
-    m._add_block(None, (4,), 1, m.clock)  # the same content under a second key
-    m._free[m._page_owner[1]] = None
+    first = m.get_block(0)
+    twin = CachedBlock(1, 0, None, first.token_bytes, 1, m.clock, 1)  # the same content under key 1
+    m._blocks[1], m._page_owner[1], m._free[1] = twin, 1, None
+    m._max_probe = 1
     with pytest.raises(RuntimeError, match="cached twice"):
         m.check_integrity()
 
@@ -488,6 +494,257 @@ def test_agrees_with_radix_on_cached_len(ps):
             assert h0.cached_len == h1.cached_len and i0.tolist() == i1.tolist()
 
     run()
+
+
+# ------------------------------------------------ issue 9: reliability
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(ops=st.lists(st.tuples(st.integers(0, 3), st.booleans()), max_size=30))
+def test_only_locked_handles_unlock(ops):
+    """Issue 9 item 3: the manager tracks which handles are locked. Four handles on nested
+    prefixes of one chain (and a copy of one); unlocking a handle locked fewer times than it was
+    unlocked raises RuntimeError and changes nothing, even while the blocks are locked through a
+    longer or shorter handle. Model: a lock count per handle value."""
+    m = BlockHashCacheManager(page_size=2)
+    m.insert_prefix(ids(*range(8)), slots_of([0, 1, 2, 3], 2))
+    handles = [m.match_prefix(ids(*range(k)))[0] for k in (2, 4, 6, 8)]
+    model = [0, 0, 0, 0]
+    for i, unlock in ops:
+        if unlock and model[i] == 0:
+            unchanged(m, RuntimeError, "not locked", m.lock_handle, handles[i], unlock=True)
+            continue
+        m.lock_handle(copy.copy(handles[i]) if unlock else handles[i], unlock=unlock)
+        model[i] += -1 if unlock else 1
+        m.check_integrity()
+        assert m.locked_handles() == {h: n for h, n in zip(handles, model) if n}
+        depth = max([k + 1 for k in range(4) if model[k]], default=0)
+        assert m.size_info == SizeInfo(8 - 2 * depth, 2 * depth)
+
+
+def test_unlock_of_a_never_locked_prefix_while_a_longer_one_is_locked():
+    m = BlockHashCacheManager(page_size=2)
+    m.insert_prefix(ids(1, 2, 3, 4), slots_of([0, 1], 2))
+    short, _ = m.match_prefix(ids(1, 2))
+    long_, _ = m.match_prefix(ids(1, 2, 3, 4))
+    m.lock_handle(long_)
+    unchanged(m, RuntimeError, "not locked", m.lock_handle, short, unlock=True)
+    m.lock_handle(long_, unlock=True)
+    assert m.size_info == SizeInfo(4, 0) and m.evict(4).numel() == 4
+
+
+class RaisingHash:
+    """The default hash, but the ``k``-th call (counting from 1 after ``arm``) raises."""
+
+    def __init__(self) -> None:
+        self.calls, self.fail_at = 0, None
+
+    def arm(self, k: int) -> None:
+        self.calls, self.fail_at = 0, k
+
+    def __call__(self, parent: int, tokens: tuple) -> int:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise KeyError("hash_fn failed")
+        return default_block_hash(parent, tokens)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(k=st.integers(1, 12), tail=st.lists(st.integers(0, 3), min_size=0, max_size=16))
+def test_hash_fn_raising_on_any_block_changes_nothing(k, tail):
+    """Issue 9 item 8: everything that can raise runs before anything changes, so a hash_fn that
+    raises on the k-th block of an insert (or of a match) leaves the manager as it was."""
+    fn = RaisingHash()
+    m = BlockHashCacheManager(page_size=2, hash_fn=fn)
+    m.insert_prefix(ids(1, 2, 3, 4, 5, 6), slots_of([0, 1, 2], 2))
+    m.lock_handle(m.match_prefix(ids(1, 2))[0])
+    seq = (1, 2, 3, 4, *tail)
+    idx = slots_of(list(range(10, 10 + len(seq) // 2 + 1)), 2, len(seq))
+    for call in (m.match_prefix, m.insert_prefix, m.insert_and_match):
+        args = (ids(*seq),) if call == m.match_prefix else (ids(*seq), idx)
+        before = dump(m)
+        fn.arm(k)
+        try:
+            call(*args)
+        except KeyError:
+            assert dump(m) == before  # raised on some block: nothing changed
+            m.check_integrity()
+        else:
+            assert fn.calls < k  # it never reached the k-th hash
+            break
+    fn.arm(None)
+    m.insert_prefix(ids(*seq), idx)
+    m.check_integrity()
+    assert m.match_prefix(ids(*seq))[0].cached_len == len(seq) // 2 * 2
+
+
+def test_hash_fn_raising_on_a_later_block_example():
+    fn = RaisingHash()
+    m = BlockHashCacheManager(page_size=2, hash_fn=fn)
+    m.insert_prefix(ids(1, 2), slots_of([0], 2))
+    m2 = BlockHashCacheManager(page_size=2, hash_fn=fn)  # no remembered hashes: every block is hashed
+    for mgr in (m, m2):
+        fn.arm(3)
+        unchanged(mgr, KeyError, "hash_fn failed", mgr.insert_prefix, ids(5, 6, 7, 8, 9, 9), slots_of([4, 5, 6], 2))
+
+
+@pytest.mark.parametrize("bad", [1.5, True, None, "7"])
+def test_hash_fn_must_return_an_int(bad):
+    m = BlockHashCacheManager(page_size=2, hash_fn=lambda p, t: bad)
+    unchanged(m, TypeError, "hash_fn must return an int", m.insert_prefix, ids(1, 2), slots_of([0], 2))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(old=st.lists(st.integers(0, 3), min_size=2, max_size=6), new=st.lists(st.integers(0, 3), min_size=2, max_size=6),
+       weak=st.sampled_from(["zero", "first token", "length"]))
+def test_stale_handle_never_names_another_prompts_blocks(old, new, weak):
+    """Issue 9 item 14: with a weak hash, evict a handle's blocks and cache other tokens that take
+    the same keys: the old handle must neither lock nor name the new blocks. Caching the *same*
+    tokens again revives it (a handle names content)."""
+    hash_fn = {"zero": lambda p, t: 0, "first token": lambda p, t: t[0], "length": lambda p, t: len(t)}[weak]
+    n = min(len(old), len(new)) // 2 * 2
+    old, new = tuple(old[:n]), tuple(new[:n])
+    m = BlockHashCacheManager(page_size=2, hash_fn=hash_fn)
+    m.insert_prefix(ids(*old), slots_of(list(range(n // 2)), 2))
+    h, _ = m.match_prefix(ids(*old))
+    assert h.cached_len == n
+    m.evict(n)
+    m.insert_prefix(ids(*new), slots_of(list(range(10, 10 + n // 2)), 2))
+    if new != old:
+        unchanged(m, RuntimeError, "evicted|other tokens|does not chain", m.lock_handle, h)
+        unchanged(m, RuntimeError, "evicted|other tokens|does not chain", m.handle_indices, h)
+    else:
+        assert m.handle_indices(h).tolist() == slots_of(list(range(10, 10 + n // 2)), 2).tolist()
+
+
+def test_stale_handle_after_collision_example():
+    m = BlockHashCacheManager(page_size=2, hash_fn=lambda p, t: 0)
+    m.insert_prefix(ids(1, 2), slots_of([0], 2))
+    h, _ = m.match_prefix(ids(1, 2))
+    m.evict(2)
+    m.insert_prefix(ids(7, 7), slots_of([5], 2))  # takes h's key 0
+    assert m.get_block(h.block_hashes[0]).tokens == (7, 7)
+    unchanged(m, RuntimeError, "other tokens", m.lock_handle, h)
+    unchanged(m, RuntimeError, "other tokens", m.handle_indices, h)
+    unchanged(m, RuntimeError, "other tokens", m.lock_handle, h, unlock=True)
+
+
+@pytest.mark.parametrize("size", [True, np.bool_(True), torch.tensor(True), 1.0, 2j, np.float64(2.0),
+                                  torch.tensor(2.0), torch.tensor([2]), "2", None])
+def test_evict_counts_must_be_real_ints(size):
+    """Issue 9 items 2/5: counts are real integers; bools, floats and complex numbers are refused."""
+    m = BlockHashCacheManager(page_size=2)
+    m.insert_prefix(ids(1, 2, 3, 4), slots_of([0, 1], 2))
+    unchanged(m, TypeError, "size must be an int", m.evict, size)
+
+
+@pytest.mark.parametrize("size", [2, np.int64(2), torch.tensor(2), torch.tensor(2, dtype=torch.int32)])
+def test_evict_accepts_integer_counts(size):
+    m = BlockHashCacheManager(page_size=2)
+    m.insert_prefix(ids(1, 2, 3, 4), slots_of([0, 1], 2))
+    assert m.evict(size).tolist() == [2, 3]
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32, torch.float64, torch.complex64, torch.int64,
+                                   torch.int16, torch.uint8])
+def test_slots_must_be_int32_before_any_cast(dtype):
+    """Issue 9 item 2: slots are dtype-checked before anything is cast: a slot of 2**32 + 1 can
+    never wrap to 1, a float or bool is never truncated."""
+    m = _filled()
+    idx = torch.tensor([2 ** 32 + 4, 2 ** 32 + 5, 2 ** 32 + 6, 2 ** 32 + 7]) if dtype == torch.int64 else torch.ones(4)
+    unchanged(m, TypeError, "torch.int32", m.insert_prefix, ids(9, 9, 9, 9), idx.to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32, torch.complex64])
+def test_token_ids_must_be_integers(dtype):
+    m = _filled()
+    unchanged(m, TypeError, "integer dtype", m.match_prefix, torch.ones(4, dtype=dtype))
+    unchanged(m, TypeError, "integer dtype", m.insert_prefix, torch.ones(4, dtype=dtype), slots_of([9], 4))
+
+
+def test_lock_flag_must_be_a_bool():
+    m = _filled()
+    h, _ = m.match_prefix(ids(*range(4)))
+    unchanged(m, TypeError, "unlock must be a bool", m.lock_handle, h, unlock=1)
+
+
+def test_insert_and_match_is_one_walk_with_the_same_result():
+    """insert_and_match == insert_prefix then match_prefix (cached length, handle, its slots)."""
+    a, b = BlockHashCacheManager(page_size=2), BlockHashCacheManager(page_size=2)
+    for seq, pages in [((1, 2, 3, 4, 5), [0, 1, 2]), ((1, 2, 3, 4, 6, 6, 7), [3, 4, 5, 6]), ((8, 8), [7])]:
+        idx = slots_of(pages, 2, len(seq))
+        res = a.insert_and_match(ids(*seq), idx)
+        assert res.cached_len == b.insert_prefix(ids(*seq), idx)
+        h, slots = b.match_prefix(ids(*seq))
+        assert res.handle == h and a.handle_indices(res.handle).tolist() == slots.tolist()
+        a.lock_handle(res.handle)
+        b.lock_handle(h)
+        assert a.size_info == b.size_info
+        a.check_integrity()
+
+
+def test_request_hashes_are_reused_but_never_trusted_blindly():
+    """The block hashes remembered from match_prefix are used by the next insert only for the
+    tokens that are still the same: an insert of other tokens with the same first block, or of
+    a tensor changed in place since the match, caches exactly its own content."""
+    m = BlockHashCacheManager(page_size=2)
+    ref = BlockHashCacheManager(page_size=2)
+    seq = torch.tensor([1, 2, 3, 4, 5, 6])
+    m.match_prefix(seq)
+    seq[3] = 9  # the caller changed the tensor after matching
+    for mgr in (m, ref):
+        assert mgr.insert_prefix(seq, slots_of([0, 1, 2], 2)) == 0
+        assert mgr.insert_prefix(ids(1, 2, 7, 7), slots_of([3, 4], 2)) == 2
+    assert prefixes_in(m) == prefixes_in(ref)
+    m.check_integrity()
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+def test_views_of_ids_and_slots_act_like_their_contents(ps):
+    """Token ids and slots are read by value, whatever the view: strided, expanded (stride 0),
+    sliced with an offset, or of a narrower integer dtype."""
+    seq = list(range(3 * ps)) + [7] * ps
+    pages = [5, 2, 9, 4]
+    a, b = BlockHashCacheManager(page_size=ps), BlockHashCacheManager(page_size=ps)
+    ids_view = torch.tensor([[t, -1] for t in seq])[:, 0]  # stride 2
+    slot_view = torch.cat([torch.zeros(3, dtype=torch.int32), slots_of(pages, ps).repeat_interleave(2)])[3::2]
+    assert a.insert_prefix(ids_view, slot_view) == b.insert_prefix(ids(*seq), slots_of(pages, ps))
+    assert prefixes_in(a) == prefixes_in(b)
+    same = torch.tensor([7], dtype=torch.int16).expand(2 * ps)  # stride 0
+    for m in (a, b):
+        assert m.insert_prefix(same, slots_of([11, 12], ps)) == 0
+    assert prefixes_in(a) == prefixes_in(b)
+    for q in (ids_view, ids(*seq), same):
+        (ha, ia), (hb, ib) = a.match_prefix(q), b.match_prefix(q.contiguous())
+        assert ha == hb and ia.tolist() == ib.tolist()
+    a.check_integrity()
+
+
+def test_agrees_with_a_vllm_style_stand_in_on_a_seeded_trace():
+    """The benchmark's vLLM stand-in (SHA-256 block hashes, hash -> block dict, LRU free list)
+    makes exactly our decisions on a seeded trace with eviction: tokens reused per request,
+    tokens evicted, and the slots cached after every request."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from vllm_standin import VllmStandIn
+    from kvcache.serving.workloads import multi_turn_chat
+
+    jobs = multi_turn_chat(6, 4, system_len=40, message_len=(5, 30), output_len=(5, 30), seed=3)
+    for ps in (1, 4):
+        flows = [RequestFlow(make, PageAllocator(600 // ps, ps)) for make in
+                 (BlockHashCacheManager("cpu", ps), VllmStandIn("cpu", ps), VllmStandIn("cpu", ps, hash_once=False))]
+        for job in jobs:
+            reqs = [f.begin(job.prompt) for f in flows]
+            assert len({r.reused_len for r in reqs}) == 1
+            for f, r in zip(flows, reqs):
+                f.mark_computed(r)
+                f.extend(r, job.output)
+                f.mark_computed(r)
+                f.finish(r)
+            assert len({f.stats.evicted_tokens for f in flows}) == 1
+            cached = [sorted(f.manager.cached_indices().tolist()) for f in flows]
+            assert cached[0] == cached[1] == cached[2]
+        assert flows[0].stats.evicted_tokens > 0
+        flows[0].check_integrity()
 
 
 # ------------------------------------------ stateful: under RequestFlow

@@ -9,106 +9,63 @@ prefix without any tree. The manager keeps:
 - ``hash -> CachedBlock``: the page, the tokens, the parent's hash, a ref count, a child count and
   the logical time of last use;
 - a *free queue* (an ``OrderedDict``) of the blocks whose ref count is 0. It is also the eviction
-  order: ``evict`` takes blocks from its head.
+  order: ``evict`` takes blocks from its head;
+- the locked handles and how often each is locked, so that unlocking a handle that is not locked
+  is refused even while its blocks are locked through another handle.
 
-Collisions. A 64-bit hash can collide. Every block keeps its tokens and its parent's hash, and a
-lookup compares both, so a collision can cost a cache hit but never returns another prefix's
-K/V. A block whose hash is taken by a different block is stored under the next free key
-(``hash + 1``, ``hash + 2``, ... modulo 2**64, its ``probe`` offset), and lookups try every
-offset up to the largest ever used (``0`` unless a collision happened).
+Speed. The default hash (`block_hash_chain`) is computed for every block of a sequence at once
+with a few NumPy passes; a lookup is then one dict probe per block, and the parents and tokens of
+the whole matched chain are compared in one go each (`block_lookup.walk`). A request's hashes
+and matched chain are remembered from `match_prefix` to its insert (`block_lookup.RequestHashes`,
+vLLM's ``Request.block_hashes``), so the insert hashes only new tokens and re-walks nothing still
+cached. Slots are built in NumPy; an insert validates its new blocks only. A handle carries the
+blocks it was made for, so locking one made since the last eviction re-checks nothing, and a
+match's LRU refresh waits for the next call, which skips it when it locks that very chain.
 
-Eviction rule. vLLM evicts any free block: a child whose parent is gone can never be matched
-again (its hash chains through the parent), so it just lingers until evicted in turn. Here the
-cache's content must stay exact (`cached_indices`, `check_integrity`, the page accounting of
+Collisions. A 64-bit hash can collide (and a caller's ``hash_fn`` may be weak on purpose). Every
+block keeps its tokens and its parent's key, and a lookup compares both, so a collision can cost a
+cache hit but never returns another prefix's K/V. A block whose hash is taken by a different block
+is stored under the next free key (``hash + 1``, ``hash + 2``, ... modulo 2**64, its ``probe``
+offset), and lookups try every offset up to the largest ever used (``0`` unless a collision
+happened). A child's hash chains from its parent's hash, not its key, so probing changes no other
+block's name.
+
+Eviction rule. vLLM evicts any free block (an orphaned child just lingers, unmatchable). Here
+the cache's content must stay exact (`cached_indices`, `check_integrity`, the page accounting of
 `RequestFlow`), so a block is evicted only when no cached block chains from it. The free queue
-is kept in an order that makes this free of charge: **every free block comes after all of its
-cached descendants**. Then the head of the queue is always a leaf of the hash forest, and
-``evict`` pops from the head in ``O(1)`` per block, like vLLM. The order holds because
-
-- a descendant's ref count never exceeds its ancestor's (a handle locks a whole chain), so when a
-  block becomes free, all its descendants are free already and sit in the queue; it is appended
-  at the tail, after them; an unlock releases a chain deepest block first;
-- ``insert_prefix`` and ``match_prefix`` *use* a chain: its free blocks move to the tail, deepest
-  first (new blocks are appended deepest first too), so each ends after its descendants, and
-  the queue stays in least-recently-used order (a prefix counts as used whenever a longer prefix
-  is);
-- locking removes blocks and eviction removes leaves, neither of which can break the order.
-
-``check_integrity`` verifies the order; ``evict`` also verifies, before changing anything, that
-each block it is about to remove has no children left.
+keeps **every free block after all of its cached descendants**, so its head is always a leaf and
+``evict`` pops from the head in ``O(1)`` per block, like vLLM. The order holds because a
+descendant's ref count never exceeds its ancestor's (a handle locks a whole chain) and an unlock
+releases a chain deepest block first; ``insert_prefix`` and ``match_prefix`` move a used chain's
+free blocks to the tail deepest first (new blocks are appended deepest first too), which also
+keeps the queue in least-recently-used order; locking and evicting only remove blocks.
+``check_integrity`` verifies the order; ``evict`` re-checks each victim has no children left.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from dataclasses import dataclass
-from itertools import islice
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from collections import Counter, OrderedDict, deque
+from itertools import islice, repeat
+from operator import attrgetter
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
-from .._validate import check_indices, check_positive_int, check_size, check_token_ids
-from .base import BaseCacheHandle, BaseCacheManager, SizeInfo
+from .._validate import check_count, check_indices, check_positive_int, check_token_ids
+from .base import BaseCacheHandle, BaseCacheManager, InsertResult, SizeInfo
+from .block_hash_chain import ROOT_HASH_SEED, ChainHasher, HashFn, default_block_hash, token_array
+from .block_lookup import RequestHashes, walk
+from .block_pool import BlockHashCacheHandle, CachedBlock, check_pool, handle_chain, new_pages
 
-__all__ = ["CachedBlock", "BlockHashCacheHandle", "BlockHashCacheManager"]
+__all__ = ["CachedBlock", "BlockHashCacheHandle", "BlockHashCacheManager", "ROOT_HASH_SEED",
+           "default_block_hash"]
 
 _MASK = (1 << 64) - 1
-#: What block 0 of every sequence chains from.
-ROOT_HASH_SEED = 0x6B7663616368655F  # "kvcache_"
-
-HashFn = Callable[[int, Tuple[int, ...]], int]
-
-
-def default_block_hash(parent_hash: int, tokens: Tuple[int, ...]) -> int:
-    """Python's hash of ``(parent_hash, tokens)`` as an unsigned 64-bit int.
-
-    Stable across processes and runs: hashes of ints and tuples of ints do not depend on
-    ``PYTHONHASHSEED`` (only str/bytes hashes are salted).
-    """
-    return hash((parent_hash, tokens)) & _MASK
-
-
-class CachedBlock:
-    """One cached full block: ``page_size`` tokens whose K/V fill page ``page``.
-
-    ``block_hash`` is its key in the manager's table; ``parent_hash`` the key of the block before
-    it (``None`` for the first block of a sequence). ``ref_count`` counts the locked handles
-    through it (0: the block is in the free queue and may be evicted); ``num_children`` the cached
-    blocks that chain from it. ``last_use`` is the manager's clock at its last match, insert or
-    release. ``probe`` is how far past its hash the key had to move after a collision (usually 0).
-    Read-only for callers.
-    """
-
-    __slots__ = ("block_hash", "parent_hash", "tokens", "page", "ref_count", "num_children",
-                 "last_use", "probe")
-
-    def __init__(self, block_hash: int, parent_hash: Optional[int], tokens: Tuple[int, ...],
-                 page: int, last_use: int, probe: int) -> None:
-        self.block_hash = block_hash
-        self.parent_hash = parent_hash
-        self.tokens = tokens
-        self.page = page
-        self.ref_count = 0
-        self.num_children = 0
-        self.last_use = last_use
-        self.probe = probe
-
-    def __repr__(self) -> str:
-        toks = list(self.tokens)
-        shown = toks if len(toks) <= 8 else toks[:4] + ["..."] + toks[-2:]
-        return (f"CachedBlock(hash={self.block_hash:#018x}, page={self.page}, tokens={shown}, "
-                f"ref_count={self.ref_count}, last_use={self.last_use})")
-
-
-@dataclass(frozen=True)
-class BlockHashCacheHandle(BaseCacheHandle):
-    """The matched prefix is the chain of blocks ``block_hashes`` (``cached_len // page_size`` of them).
-
-    Blocks are named by content: if they are evicted the handle can no longer be locked
-    (``RuntimeError``); if the same tokens are cached again, the handle names the new blocks.
-    """
-
-    block_hashes: Tuple[int, ...]
+_PARENT = attrgetter("parent_hash")
+_KEY = attrgetter("block_hash")
+_CHILDREN = attrgetter("num_children")
+_PAGE = attrgetter("page")
 
 
 class BlockHashCacheManager(BaseCacheManager):
@@ -118,8 +75,9 @@ class BlockHashCacheManager(BaseCacheManager):
         device: where the KV-slot indices live (values returned by ``match_prefix``/``evict``).
         page_size: tokens per block (= per page); only whole blocks are matched and cached.
         hash_fn: ``hash_fn(parent_hash, tokens) -> int``, the chained block hash (keyword only;
-            default `default_block_hash`). A deliberately weak one (say ``lambda p, t: 0``)
-            exercises the collision handling; results stay correct, lookups get slower.
+            default `default_block_hash`, computed for a whole sequence at once). ``tokens`` is a
+            tuple of ints. A deliberately weak one (say ``lambda p, t: 0``) exercises the
+            collision handling; results stay correct, lookups get slower.
     """
 
     def __init__(self, device: torch.device | str = "cpu", page_size: int = 16, *,
@@ -129,10 +87,13 @@ class BlockHashCacheManager(BaseCacheManager):
             raise TypeError(f"hash_fn must be callable, got {type(hash_fn).__name__}")
         self.device = torch.device(device)
         self.page_size = page_size
-        self.hash_fn: HashFn = hash_fn if hash_fn is not None else default_block_hash
+        self._hasher = ChainHasher(page_size, hash_fn)
+        self.hash_fn: HashFn = self._hasher.hash_fn
         self.empty_tensor = torch.empty(0, dtype=torch.int32, device=self.device)
-        self._offsets = torch.arange(page_size, dtype=torch.int64)
+        self._offsets = np.arange(page_size, dtype=np.int32)
         self._clock = 0
+        self._token = object()  # names this manager in the handles it makes
+        self._epoch = 0  # bumped whenever a block leaves the cache
         self._init_state()
 
     # ------------------------------------------------------------------ state
@@ -142,10 +103,14 @@ class BlockHashCacheManager(BaseCacheManager):
         self._page_owner: Dict[int, int] = {}  # page -> block hash
         self._num_locked = 0  # blocks with ref_count > 0
         self._max_probe = 0
-
-    def _tick(self) -> int:
-        self._clock += 1
-        return self._clock
+        # locked handle -> (times locked, the blocks it locked)
+        self._locks: Dict[BlockHashCacheHandle, Tuple[int, Tuple[CachedBlock, ...]]] = {}
+        self._pending = RequestHashes(self.page_size)
+        # A match's refresh of the LRU order (chain, clock), applied by the next call unless that
+        # call locks the very chain: the flow matches and locks at once, and a lock takes the
+        # blocks out of the queue anyway.
+        self._touch: Optional[Tuple[Tuple[CachedBlock, ...], int]] = None
+        self._epoch += 1
 
     @property
     def size_info(self) -> SizeInfo:
@@ -161,28 +126,44 @@ class BlockHashCacheManager(BaseCacheManager):
         """The logical clock: incremented by every ``match_prefix`` and ``insert_prefix``."""
         return self._clock
 
+    @property
+    def max_probe(self) -> int:
+        """The largest collision offset ever used (0 while no two blocks' hashes have collided)."""
+        return self._max_probe
+
     def blocks(self) -> Iterator[CachedBlock]:
         """Every cached block, in insertion order (a parent before its children)."""
+        self._flush()
         return iter(list(self._blocks.values()))
 
     def get_block(self, block_hash: int) -> Optional[CachedBlock]:
+        self._flush()
         return self._blocks.get(block_hash)
 
     def free_queue(self) -> List[int]:
         """Hashes of the evictable blocks in eviction order (head first)."""
+        self._flush()
         return list(self._free)
 
-    def _slots(self, pages: List[int]) -> torch.Tensor:
-        if not pages:
+    def locked_handles(self) -> Dict[BlockHashCacheHandle, int]:
+        """Each locked handle and how many times it is locked (a copy)."""
+        return {h: n for h, (n, _) in self._locks.items()}
+
+    def _slots(self, chain: Sequence[CachedBlock]) -> torch.Tensor:
+        """The slots of ``chain``'s pages, block after block (1-D int32 on ``device``)."""
+        if not chain:
             return self.empty_tensor
-        p = torch.tensor(pages, dtype=torch.int64)
-        slots = (p[:, None] * self.page_size + self._offsets).reshape(-1)
-        return slots.to(device=self.device, dtype=torch.int32)
+        pages = np.fromiter(map(_PAGE, chain), dtype=np.int32, count=len(chain))
+        if self.page_size > 1:
+            pages = (pages[:, None] * self.page_size + self._offsets).reshape(-1)
+        out = torch.from_numpy(pages)
+        return out if self.device.type == "cpu" else out.to(self.device)
 
     def cached_indices(self) -> torch.Tensor:
-        return self._slots([b.page for b in self._blocks.values()])
+        return self._slots(list(self._blocks.values()))
 
     def reset(self) -> None:
+        self._flush()
         if self._num_locked:
             raise RuntimeError(
                 f"cannot reset while {self._num_locked * self.page_size} tokens are locked; "
@@ -190,44 +171,33 @@ class BlockHashCacheManager(BaseCacheManager):
             )
         self._init_state()
 
-    # ----------------------------------------------------------- hashing
-    def _token_blocks(self, input_ids: torch.Tensor) -> List[Tuple[int, ...]]:
-        """The full blocks of ``input_ids`` as tuples of Python ints (validated)."""
-        check_token_ids(input_ids)
-        ids = input_ids.tolist()
-        ps = self.page_size
-        return [tuple(ids[i:i + ps]) for i in range(0, len(ids) // ps * ps, ps)]
+    # ----------------------------------------------------------- lookups
+    def _rows(self, input_ids: torch.Tensor) -> np.ndarray:
+        """The full blocks of ``input_ids`` (validated) as an ``(n, page_size)`` int64 array."""
+        ids = token_array(check_token_ids(input_ids))
+        nb = len(ids) // self.page_size
+        return ids[:nb * self.page_size].reshape(nb, self.page_size)
 
-    def _base_hash(self, parent: Optional[int], tokens: Tuple[int, ...]) -> int:
-        return int(self.hash_fn(ROOT_HASH_SEED if parent is None else parent, tokens)) & _MASK
+    def _flush(self) -> None:
+        """Apply the last match's deferred LRU refresh, if any."""
+        if self._touch is not None:
+            chain, tic = self._touch
+            self._touch = None
+            self._use(chain, tic)
 
-    def _find(self, parent: Optional[int], tokens: Tuple[int, ...]) -> Optional[CachedBlock]:
-        """The cached block holding ``tokens`` after ``parent``, comparing content, not just hashes."""
-        h = self._base_hash(parent, tokens)
-        for k in range(self._max_probe + 1):
-            block = self._blocks.get((h + k) & _MASK)
-            if block is not None and block.parent_hash == parent and block.tokens == tokens:
-                return block
-        return None
-
-    def _walk(self, blocks: List[Tuple[int, ...]]) -> List[CachedBlock]:
-        """The cached chain matching the longest prefix of ``blocks`` (read-only)."""
-        chain: List[CachedBlock] = []
-        parent: Optional[int] = None
-        for tokens in blocks:
-            block = self._find(parent, tokens)
-            if block is None:
-                break
-            chain.append(block)
-            parent = block.block_hash
-        return chain
-
-    def _use(self, chain: List[CachedBlock], tic: int) -> None:
+    def _use(self, chain: Sequence[CachedBlock], tic: int) -> None:
         """Mark ``chain`` used at ``tic``: its free blocks move to the queue's tail, deepest first."""
+        move = self._free.move_to_end
         for block in reversed(chain):
+            if block.ref_count:
+                break  # locked blocks are a prefix of any chain; their release sets ``last_use``
             block.last_use = tic
-            if block.ref_count == 0:
-                self._free.move_to_end(block.block_hash)
+            move(block.block_hash)
+
+    def _handle(self, chain: List[CachedBlock]) -> BlockHashCacheHandle:
+        hashes = tuple(map(_KEY, chain))
+        return BlockHashCacheHandle(len(chain) * self.page_size, hashes, tuple(chain),
+                                    (self._token, self._epoch, hashes))
 
     # ------------------------------------------------------------- public
     def match_prefix(self, input_ids: torch.Tensor) -> Tuple[BlockHashCacheHandle, torch.Tensor]:
@@ -235,143 +205,153 @@ class BlockHashCacheManager(BaseCacheManager):
 
         Not read-only: the matched blocks count as used (they move to the tail of the free queue).
         """
-        chain = self._walk(self._token_blocks(input_ids))
-        self._use(chain, self._tick())
-        handle = BlockHashCacheHandle(len(chain) * self.page_size,
-                                      tuple(b.block_hash for b in chain))
-        return handle, self._slots([b.page for b in chain])
+        rows = self._rows(input_ids)
+        hashes = self._hasher.chain(rows)
+        self._flush()
+        chain = walk(self._blocks, self._max_probe, rows, hashes)
+        self._pending.remember(rows, hashes, chain)
+        self._clock += 1
+        handle = self._handle(chain)
+        if chain:
+            self._touch = (handle.blocks, self._clock)
+        return handle, self._slots(chain)
 
     def insert_prefix(self, input_ids: torch.Tensor, indices: torch.Tensor) -> int:
         """Cache the full blocks of ``input_ids`` whose K/V sit at ``indices``; return the length already cached.
 
         Only the blocks past the cached prefix are added (each takes the page of its indices);
         ``indices[:returned]`` (duplicates of cached blocks) and the tail past the last full block
-        stay the caller's, to free or keep. New blocks are evictable until a handle covering them
-        is locked. Each block's indices must be the ``page_size`` consecutive slots of one page,
-        and a new block's page must not already belong to the cache.
+        stay the caller's, to free or keep, and are not inspected. New blocks are evictable until
+        a handle covering them is locked. Each new block's indices must be the ``page_size``
+        consecutive slots of one page, and its page must not already belong to the cache.
+        Everything that can raise (including ``hash_fn``) runs before anything changes.
         """
-        blocks = self._token_blocks(input_ids)
+        return self._insert(input_ids, indices)[0]
+
+    def insert_and_match(self, input_ids: torch.Tensor, indices: torch.Tensor) -> InsertResult:
+        """`insert_prefix` and the (unlocked) handle on the whole inserted chain, in one walk."""
+        cached, chain = self._insert(input_ids, indices)
+        return InsertResult(cached, self._handle(chain))
+
+    def _insert(self, input_ids: torch.Tensor, indices: torch.Tensor) -> Tuple[int, List[CachedBlock]]:
+        rows = self._rows(input_ids)
         check_indices(indices, self.device)
-        if len(indices) != len(input_ids):
+        if indices.shape[0] != input_ids.shape[0]:
             raise ValueError(f"len(indices) ({len(indices)}) must equal len(input_ids) ({len(input_ids)})")
-        ps = self.page_size
-        n = len(blocks) * ps
-        self._check_page_aligned(indices, n)
-        chain = self._walk(blocks)
-        m = len(chain)
-        new_pages = (indices[m * ps:n:ps].to(torch.int64) // ps).tolist()
-        self._check_new_pages(new_pages)
+        self._flush()
+        hashes, known = self._pending.recall(rows, self._blocks, self._hasher)
+        chain = walk(self._blocks, self._max_probe, rows, hashes, known)
+        ps, m, nb = self.page_size, len(chain), len(rows)
+        if m == nb:
+            self._clock += 1
+            self._use(chain, self._clock)
+            self._pending.remember(rows, hashes, chain)
+            return m * ps, chain
+        pages = new_pages(indices[m * ps:nb * ps], ps, self._page_owner)
+        # Keys of the new blocks (probing past taken ones), computed before anything changes.
+        taken = self._blocks
+        new_hashes = keys = hashes[m:]
+        probes: Optional[List[int]] = None
+        probe_max = self._max_probe
+        if any(map(taken.__contains__, keys)) or len(set(keys)) != len(keys):
+            keys, probes, mine = [], [], set()
+            for h in new_hashes:
+                key, probe = h, 0
+                while key in taken or key in mine:
+                    probe += 1
+                    key = (h + probe) & _MASK
+                probe_max = max(probe_max, probe)
+                keys.append(key)
+                probes.append(probe)
+                mine.add(key)
+        raw = rows[m:].tobytes()
+        width = 8 * ps
+        tokens = [raw[j:j + width] for j in range(0, len(raw), width)]
+        n = len(keys)
         # Validation done; from here on nothing raises.
-        tic = self._tick()
-        parent = chain[-1].block_hash if chain else None
-        created: List[CachedBlock] = []
-        for tokens, page in zip(blocks[m:], new_pages):
-            block = self._add_block(parent, tokens, page, tic)
-            created.append(block)
-            parent = block.block_hash
-        for block in reversed(created):
-            self._free[block.block_hash] = None
+        self._clock += 1
+        tic = self._clock
+        parents: List[Optional[int]] = [chain[-1].block_hash if m else None]
+        parents += keys[:-1]
+        created = list(map(CachedBlock, keys, new_hashes, parents, tokens, pages, repeat(tic, n),
+                           repeat(0) if probes is None else probes,
+                           [1] * (n - 1) + [0]))
+        if m:
+            chain[-1].num_children += 1
+        self._blocks.update(zip(keys, created))
+        self._page_owner.update(zip(pages, keys))
+        self._free.update(zip(reversed(keys), repeat(None)))  # deepest first
+        self._max_probe = probe_max
         self._use(chain, tic)
-        return m * ps
+        chain += created
+        self._pending.remember(rows, hashes, chain)
+        return m * ps, chain
 
-    def _check_page_aligned(self, indices: torch.Tensor, n: int) -> None:
-        """Each block of ``indices[:n]`` must be ``page_size`` consecutive slots of one page."""
-        if n == 0:
-            return
-        head = indices[:n]
-        if bool((head < 0).any()):
-            raise ValueError(f"indices must be >= 0, got {int(head.min())}")
-        ps = self.page_size
-        if ps == 1:
-            return
-        pages = head.view(-1, ps)
-        offsets = pages - pages[:, :1]
-        expected = torch.arange(ps, dtype=torch.int32, device=indices.device)
-        if bool(((pages[:, 0] % ps) != 0).any()) or not bool((offsets == expected).all()):
-            raise ValueError(
-                f"with page_size={ps} every {ps} indices must be the consecutive slots of one page "
-                f"(first slot a multiple of {ps}); got {head.tolist()}"
-            )
-
-    def _check_new_pages(self, pages: List[int]) -> None:
-        seen = set()
-        for page in pages:
-            if page in self._page_owner:
-                raise ValueError(
-                    f"page {page} (slots {page * self.page_size}..{(page + 1) * self.page_size - 1}) "
-                    f"already holds cached block {self._page_owner[page]:#018x}; a page can be cached once"
-                )
-            if page in seen:
-                raise ValueError(f"page {page} appears in more than one new block of this insert")
-            seen.add(page)
-
-    def _add_block(self, parent: Optional[int], tokens: Tuple[int, ...], page: int, tic: int) -> CachedBlock:
-        h = self._base_hash(parent, tokens)
-        probe = 0
-        while ((h + probe) & _MASK) in self._blocks:
-            probe += 1
-        key = (h + probe) & _MASK
-        self._max_probe = max(self._max_probe, probe)
-        block = CachedBlock(key, parent, tokens, page, tic, probe)
-        self._blocks[key] = block
-        self._page_owner[page] = key
-        if parent is not None:
-            self._blocks[parent].num_children += 1
-        return block
-
-    def _chain(self, handle: BaseCacheHandle) -> List[CachedBlock]:
-        """The blocks behind ``handle``, root first, after checking the handle."""
-        if not isinstance(handle, BlockHashCacheHandle):
-            raise TypeError(f"handle must be a BlockHashCacheHandle, got {type(handle).__name__}")
-        hashes = handle.block_hashes
-        if handle.cached_len != len(hashes) * self.page_size:
-            raise RuntimeError(
-                f"handle says cached_len={handle.cached_len} but names {len(hashes)} blocks of "
-                f"{self.page_size} tokens"
-            )
-        chain: List[CachedBlock] = []
-        parent: Optional[int] = None
-        for i, h in enumerate(hashes):
-            block = self._blocks.get(h)
-            if block is None:
-                raise RuntimeError(f"handle's block {i} ({h:#018x}) was evicted; match the prefix again")
-            if block.parent_hash != parent:
-                raise RuntimeError(f"handle's block {i} ({h:#018x}) does not chain from block {i - 1}")
-            chain.append(block)
-            parent = h
-        return chain
+    def _chain(self, handle: BaseCacheHandle) -> Tuple[CachedBlock, ...]:
+        """The blocks behind ``handle``, root first, after checking the handle names them."""
+        return handle_chain(handle, self._blocks, self.page_size, (self._token, self._epoch))
 
     def handle_indices(self, handle: BaseCacheHandle) -> torch.Tensor:
         """The slots of the prefix behind ``handle`` (read-only: the LRU order does not change)."""
-        return self._slots([b.page for b in self._chain(handle)])
+        return self._slots(self._chain(handle))
 
     def lock_handle(self, handle: BaseCacheHandle, unlock: bool = False) -> None:
         """Lock (``ref_count += 1``) or unlock every block of ``handle``.
 
-        Unlocking a handle that is not locked raises ``RuntimeError``. A block whose count drops
-        to 0 joins the tail of the free queue; the chain is released deepest block first, so its
-        tail is evicted before its head. A handle of length 0 needs no protection: nothing happens.
+        Unlocking a handle that is not locked (never locked, or unlocked as often as locked)
+        raises ``RuntimeError``, even while its blocks are locked through another handle. A block
+        whose count drops to 0 joins the tail of the free queue; the chain is released deepest
+        block first, so its tail is evicted before its head. A handle of length 0 needs no
+        protection: nothing happens.
         """
+        if not isinstance(unlock, bool):
+            raise TypeError(f"unlock must be a bool, got {type(unlock).__name__}")
+        if unlock:
+            self._unlock(handle)
+            return
         chain = self._chain(handle)
         if not chain:
             return
-        if unlock:
-            if chain[-1].ref_count <= 0:
-                raise RuntimeError(
-                    f"cannot unlock a handle that is not locked (block {chain[-1].block_hash:#018x})"
-                )
-            for block in reversed(chain):
-                block.ref_count -= 1
-                if block.ref_count == 0:
-                    block.last_use = self._clock
-                    self._free[block.block_hash] = None
-                    self._num_locked -= 1
+        if self._touch is not None:
+            if self._touch[0] is chain:
+                self._touch = None  # the lock takes the matched blocks out of the queue: moot
+            else:
+                self._flush()
+        record = self._locks.get(handle)  # type: ignore[call-overload]
+        self._locks[handle] = (record[0] + 1, record[1]) if record else (1, chain)  # type: ignore[index]
+        free = self._free
+        for block in chain:
+            if block.ref_count == 0:
+                del free[block.block_hash]
+                self._num_locked += 1
+            block.ref_count += 1
+
+    def _unlock(self, handle: BaseCacheHandle) -> None:
+        if not isinstance(handle, BlockHashCacheHandle) or not handle.cached_len:
+            self._chain(handle)  # a wrong type or length raises; an empty handle needs nothing
+            return
+        record = self._locks.get(handle)
+        if record is None:
+            self._chain(handle)  # a handle that is not even valid says so first
+            raise RuntimeError(
+                f"cannot unlock a handle that is not locked ({len(handle.block_hashes)} blocks, "
+                f"cached_len={handle.cached_len})"
+            )
+        times, locked_chain = record
+        self._flush()
+        # Locked blocks cannot leave the cache: the handle that locked them needs no re-check.
+        chain = locked_chain if handle.blocks is locked_chain else self._chain(handle)
+        if times == 1:
+            del self._locks[handle]
         else:
-            for block in chain:
-                if block.ref_count == 0:
-                    del self._free[block.block_hash]
-                    self._num_locked += 1
-                block.ref_count += 1
+            self._locks[handle] = (times - 1, locked_chain)
+        free, clock = self._free, self._clock
+        for block in reversed(chain):
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                block.last_use = clock
+                free[block.block_hash] = None
+                self._num_locked -= 1
 
     def evict(self, size: int) -> torch.Tensor:
         """Evict free blocks from the head of the free queue until at least ``size`` tokens are freed.
@@ -380,93 +360,38 @@ class BlockHashCacheManager(BaseCacheManager):
         evicted (the queue's order guarantees the head is one). Raises ``RuntimeError``
         (evicting nothing) when fewer than ``size`` tokens are evictable.
         """
-        check_size(size)
+        size = check_count(size)
         if size == 0:
             return self.empty_tensor
+        self._flush()
         evictable = self.size_info.evictable_size
         if size > evictable:
             raise RuntimeError(
                 f"cannot evict {size} tokens: only {evictable} are evictable "
                 f"({self._num_locked * self.page_size} are locked)"
             )
-        victims = [self._blocks[h] for h in islice(self._free, -(-size // self.page_size))]
-        gone: Dict[int, int] = {}  # parent hash -> children among earlier victims
-        for block in victims:
-            if block.num_children != gone.get(block.block_hash, 0):
-                raise RuntimeError(
-                    f"internal error: free block {block.block_hash:#018x} would be evicted before its "
-                    f"{block.num_children} children; nothing was evicted"
-                )
-            if block.parent_hash is not None:
-                gone[block.parent_hash] = gone.get(block.parent_hash, 0) + 1
-        for block in victims:
-            del self._free[block.block_hash]
-            del self._blocks[block.block_hash]
-            del self._page_owner[block.page]
-            if block.parent_hash is not None:
-                self._blocks[block.parent_hash].num_children -= 1
-        return self._slots([b.page for b in victims])
+        keys = list(islice(self._free, -(-size // self.page_size)))
+        blocks, free = self._blocks, self._free
+        victims = list(map(blocks.__getitem__, keys))
+        parents = Counter(map(_PARENT, victims))
+        # Every victim's children must be victims too (the queue's order promises it).
+        if list(map(_CHILDREN, victims)) != list(map(parents.get, keys, repeat(0))):
+            bad = next(b for b in victims if b.num_children != parents.get(b.block_hash, 0))
+            raise RuntimeError(
+                f"internal error: free block {bad.block_hash:#018x} would be evicted before its "
+                f"{bad.num_children} children; nothing was evicted"
+            )
+        self._epoch += 1
+        deque(map(free.pop, keys), 0)
+        deque(map(blocks.pop, keys), 0)
+        deque(map(self._page_owner.pop, map(_PAGE, victims)), 0)
+        for parent, count in parents.items():
+            if parent is not None and parent in blocks:
+                blocks[parent].num_children -= count
+        return self._slots(victims)
 
-    # ---------------------------------------------------------- integrity
     def check_integrity(self) -> None:
-        """Check every block, the free queue and the sizes; raise ``RuntimeError`` on the first fault."""
-        ps = self.page_size
-        children: Dict[int, int] = {}
-        contents = set()
-        locked = 0
-        for key, block in self._blocks.items():
-            where = f"block {key:#018x}"
-            if block.block_hash != key:
-                raise RuntimeError(f"{where}: filed under the wrong key (says {block.block_hash:#018x})")
-            if len(block.tokens) != ps or not all(isinstance(t, int) for t in block.tokens):
-                raise RuntimeError(f"{where}: tokens {block.tokens!r} are not {ps} ints")
-            if not 0 <= block.probe <= self._max_probe:
-                raise RuntimeError(f"{where}: probe {block.probe} outside [0, {self._max_probe}]")
-            if key != (self._base_hash(block.parent_hash, block.tokens) + block.probe) & _MASK:
-                raise RuntimeError(f"{where}: hash does not match its parent and tokens")
-            content = (block.parent_hash, block.tokens)
-            if content in contents:
-                raise RuntimeError(f"{where}: the same tokens after the same parent are cached twice")
-            contents.add(content)
-            if block.ref_count < 0:
-                raise RuntimeError(f"{where}: negative ref_count {block.ref_count}")
-            if block.parent_hash is not None:
-                parent = self._blocks.get(block.parent_hash)
-                if parent is None:
-                    raise RuntimeError(f"{where}: parent {block.parent_hash:#018x} is not cached")
-                if parent.ref_count < block.ref_count:
-                    raise RuntimeError(
-                        f"{where}: ref_count {block.ref_count} exceeds its parent's {parent.ref_count}"
-                    )
-                children[block.parent_hash] = children.get(block.parent_hash, 0) + 1
-            if self._page_owner.get(block.page) != key:
-                raise RuntimeError(f"{where}: page {block.page} is not recorded as its page")
-            if block.page < 0:
-                raise RuntimeError(f"{where}: negative page {block.page}")
-            in_queue = key in self._free
-            if (block.ref_count == 0) != in_queue:
-                raise RuntimeError(
-                    f"{where}: ref_count {block.ref_count} but {'in' if in_queue else 'not in'} the free queue"
-                )
-            locked += block.ref_count > 0
-        for key, block in self._blocks.items():
-            if block.num_children != children.get(key, 0):
-                raise RuntimeError(
-                    f"block {key:#018x}: records {block.num_children} children, has {children.get(key, 0)}"
-                )
-        if len(self._page_owner) != len(self._blocks):
-            raise RuntimeError(f"{len(self._page_owner)} pages recorded for {len(self._blocks)} blocks")
-        extra = [h for h in self._free if h not in self._blocks]
-        if extra:
-            raise RuntimeError(f"free queue holds {len(extra)} blocks that are not cached: {extra[:4]}")
-        position = {h: i for i, h in enumerate(self._free)}
-        last = None
-        for h in self._free:
-            block = self._blocks[h]
-            if last is not None and block.last_use < last:
-                raise RuntimeError(f"free queue out of LRU order at block {h:#018x}")
-            last = block.last_use
-            if block.parent_hash in position and position[block.parent_hash] < position[h]:
-                raise RuntimeError(f"block {h:#018x} is queued after its parent: the parent would be evicted first")
-        if locked != self._num_locked:
-            raise RuntimeError(f"recorded {self._num_locked} locked blocks, counted {locked}")
+        """Check every block, the free queue, the locked handles and the sizes; ``RuntimeError`` on the first fault."""
+        self._flush()
+        check_pool(self._blocks, self._free, self._page_owner, self._num_locked, self._max_probe,
+                   self._hasher, self.page_size, self.locked_handles())

@@ -1,0 +1,122 @@
+"""Chained block hashes for `BlockHashCacheManager`: one block's hash, and a whole sequence's at once.
+
+Block ``i`` of a sequence is named by ``h_i = H(h_{i-1}, tokens of block i)``, with
+``h_{-1} = ROOT_HASH_SEED``. The default ``H`` is chosen so that the whole chain can be computed
+with a few NumPy operations over every block together, instead of a Python call per block:
+
+    c_i = mix(sum_k t_{i,k} * P^(k+1))            (the block's content hash, mod 2**64)
+    h_i = h_{i-1} * M + c_i                         (mod 2**64; M odd, hence invertible)
+
+so ``h_i = M^i * (seed * M + sum_{j<=i} c_j * M^-j)``: a cumulative sum. ``mix(x) = (x ^ (x >> 32))
+* K`` folds the high bits (which every token reaches) into the low ones.
+The hash is not cryptographic; the manager compares tokens on every hit, so a collision (even a
+deliberate one) can cost a cache hit but never returns another prefix's K/V. Values depend on
+nothing but the tokens: equal in every process and run.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+__all__ = ["ROOT_HASH_SEED", "HashFn", "default_block_hash", "token_array", "ChainHasher"]
+
+_MASK = (1 << 64) - 1
+#: What block 0 of every sequence chains from.
+ROOT_HASH_SEED = 0x6B7663616368655F  # "kvcache_"
+_P = 0x9E3779B97F4A7C15  # token weights: powers of the golden-ratio constant
+_M = 0xD6E8FEB86659FD93  # chain multiplier (odd)
+_M_INV = pow(_M, -1, 1 << 64)
+
+HashFn = Callable[[int, Tuple[int, ...]], int]
+
+
+_K = 0xBF58476D1CE4E5B9
+_K_NP, _SHIFT_NP = np.uint64(_K), np.uint64(32)
+
+
+def _mix64(x: int) -> int:
+    return ((x ^ (x >> 32)) * _K) & _MASK
+
+
+def _mix64_np(x: np.ndarray) -> np.ndarray:
+    """``_mix64`` of every element, in place."""
+    x ^= x >> _SHIFT_NP
+    x *= _K_NP
+    return x
+
+
+def default_block_hash(parent_hash: int, tokens: Tuple[int, ...]) -> int:
+    """``H(parent_hash, tokens)`` as an unsigned 64-bit int (the module docstring's formula).
+
+    Tokens are taken as 64-bit two's-complement integers. Equal to what `ChainHasher` computes
+    for a whole sequence at once.
+    """
+    c, w = 0, 1
+    for t in tokens:
+        w = (w * _P) & _MASK
+        c = (c + (t & _MASK) * w) & _MASK
+    return (parent_hash * _M + _mix64(c)) & _MASK
+
+
+def token_array(input_ids: torch.Tensor) -> np.ndarray:
+    """The ids of a validated 1-D integer CPU tensor as an ``int64`` NumPy array (a view when possible)."""
+    a = input_ids.numpy()
+    return a if a.dtype == np.int64 else a.astype(np.int64)
+
+
+def _powers(base: int, n: int) -> np.ndarray:
+    """``[base**0, base**1, ..., base**(n-1)]`` mod 2**64 as ``uint64``."""
+    out = np.full(n, base, dtype=np.uint64)
+    out[0] = 1
+    return np.cumprod(out, dtype=np.uint64)
+
+
+class ChainHasher:
+    """Computes the chained hashes of every full block of a sequence.
+
+    With the default hash the work is vectorised (a handful of NumPy passes over the tokens);
+    with a caller's ``hash_fn`` it is one call per block, each result checked to be an int. Either
+    way everything is computed before the manager changes anything, so a ``hash_fn`` that raises
+    leaves the manager as it was.
+    """
+
+    def __init__(self, page_size: int, hash_fn: Optional[HashFn] = None) -> None:
+        self.page_size = page_size
+        self.custom = hash_fn is not None and hash_fn is not default_block_hash
+        self.hash_fn: HashFn = hash_fn if self.custom else default_block_hash  # type: ignore[assignment]
+        self._token_weights = _powers(_P, page_size + 1)[1:]
+        self._m_pow = _powers(_M, 1)
+        self._m_inv_pow = _powers(_M_INV, 1)
+
+    def one(self, parent_hash: int, tokens: Tuple[int, ...]) -> int:
+        """The hash of one block; ``TypeError`` when a custom ``hash_fn`` returns a non-int."""
+        h = self.hash_fn(parent_hash, tokens)
+        if isinstance(h, bool) or not isinstance(h, int):
+            raise TypeError(f"hash_fn must return an int, got {type(h).__name__} ({h!r})")
+        return h & _MASK
+
+    def chain(self, blocks: np.ndarray, seed: int = ROOT_HASH_SEED) -> List[int]:
+        """Hashes of the rows of ``blocks`` (shape ``(num_blocks, page_size)``, int64), in order."""
+        nb = blocks.shape[0]
+        if nb == 0:
+            return []
+        if self.custom:
+            out: List[int] = []
+            parent = seed
+            for row in blocks.tolist():
+                parent = self.one(parent, tuple(row))
+                out.append(parent)
+            return out
+        if len(self._m_pow) < nb + 1:
+            size = max(nb + 1, 2 * len(self._m_pow))
+            self._m_pow, self._m_inv_pow = _powers(_M, size), _powers(_M_INV, size)
+        # Integer array arithmetic wraps modulo 2**64 without a warning (only scalars warn).
+        c = _mix64_np(blocks.view(np.uint64) @ self._token_weights)
+        c *= self._m_inv_pow[:nb]
+        s = np.cumsum(c, dtype=np.uint64)
+        s += np.uint64((seed * _M) & _MASK)
+        s *= self._m_pow[:nb]
+        return s.tolist()

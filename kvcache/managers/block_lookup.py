@@ -1,0 +1,109 @@
+"""Finding cached chains for `BlockHashCacheManager`: the walk over a sequence's block hashes, and
+the block hashes a request carries from `match_prefix` to `insert_prefix`."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from operator import attrgetter
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .block_hash_chain import ChainHasher
+from .block_pool import CachedBlock
+
+__all__ = ["walk", "RequestHashes"]
+
+_MASK = (1 << 64) - 1
+_PARENT = attrgetter("parent_hash")
+_TOKENS = attrgetter("token_bytes")
+_KEY = attrgetter("block_hash")
+
+
+def walk(blocks: Dict[int, CachedBlock], max_probe: int, rows: np.ndarray, hashes: List[int],
+         known: Sequence[CachedBlock] = ()) -> List[CachedBlock]:
+    """The cached chain matching the longest prefix of ``rows`` (read-only).
+
+    ``rows`` is ``(n, page_size)`` int64; ``hashes[i]`` is the chained hash of ``rows[:i + 1]``;
+    ``known`` is a chain already known to match ``rows[:len(known)]``, from which the walk goes
+    on. Without collisions (``max_probe == 0``) a block's key is its hash: one dict probe per
+    block (run in C), then the parents and the tokens of the whole chain in one comparison each.
+    With collisions every block tries each probe offset and compares parent and tokens.
+    """
+    get = blocks.get
+    i0 = len(known)
+    parent: Optional[int] = known[-1].block_hash if i0 else None
+    if max_probe == 0:
+        chain = list(map(get, hashes[i0:] if i0 else hashes))
+        try:
+            del chain[chain.index(None):]  # a miss ends the chain
+        except ValueError:
+            pass
+        k = len(chain)
+        if k:
+            parents = list(map(_PARENT, chain))
+            if parents[0] != parent or parents[1:] != hashes[i0:i0 + k - 1]:  # a collision
+                k = next(i for i, p in enumerate(parents) if p != (hashes[i0 + i - 1] if i else parent))
+                del chain[k:]
+        if k and b"".join(map(_TOKENS, chain)) != rows[i0:i0 + k].tobytes():
+            for i, block in enumerate(chain):  # a collision: keep what really matches
+                if block.token_bytes != rows[i0 + i].tobytes():
+                    del chain[i:]
+                    break
+        return [*known, *chain] if i0 else chain
+    chain = list(known)
+    for h, row in zip(hashes[i0:], rows[i0:]):
+        tokens = row.tobytes()
+        for k in range(max_probe + 1):
+            block = get((h + k) & _MASK)
+            if block is not None and block.parent_hash == parent and block.token_bytes == tokens:
+                break
+        else:
+            return chain
+        chain.append(block)
+        parent = block.block_hash
+    return chain
+
+
+class RequestHashes:
+    """The block hashes of recent requests, so that a request's insert does not hash again what
+    its match hashed (vLLM's ``Request.block_hashes``), and the chain its match found.
+
+    Keyed by a request's first block; an entry is used only for the tokens that are still equal
+    (one ``bytes`` comparison), and its chain only for the blocks that are still the same objects
+    under the same keys (a block never changes in place, so identity proves its content and
+    parent). At most ``capacity`` requests are remembered, the least recent forgotten first.
+    """
+
+    def __init__(self, page_size: int, capacity: int = 64) -> None:
+        self.width = 8 * page_size
+        self.capacity = capacity
+        self._entries: "OrderedDict[bytes, Tuple[bytes, List[int], List[CachedBlock], Tuple[int, ...]]]" = OrderedDict()
+
+    def remember(self, rows: np.ndarray, hashes: List[int], chain: List[CachedBlock]) -> None:
+        if len(rows):
+            entries = self._entries
+            key = rows[0].tobytes()
+            entries.pop(key, None)
+            entries[key] = (rows.tobytes(), hashes, chain, tuple(map(_KEY, chain)))
+            if len(entries) > self.capacity:
+                entries.popitem(last=False)
+
+    def recall(self, rows: np.ndarray, blocks: Dict[int, CachedBlock],
+               hasher: ChainHasher) -> Tuple[List[int], List[CachedBlock]]:
+        """The hashes of every row of ``rows`` (only rows not remembered are hashed) and the longest
+        remembered chain that still matches them (possibly empty)."""
+        entry = self._entries.get(rows[0].tobytes()) if len(rows) else None
+        if entry is not None:
+            raw, hashes, chain, keys = entry
+            n = min(len(hashes), len(rows))
+            if rows[:n].tobytes() == (raw if n == len(hashes) else raw[:n * self.width]):
+                if n < len(rows):
+                    hashes = hashes[:n] + hasher.chain(rows[n:], hashes[n - 1])
+                elif n < len(hashes):
+                    hashes = hashes[:n]
+                now = list(map(blocks.get, keys[:n]))
+                if now != chain[:n]:
+                    now = chain[:next(i for i, (a, b) in enumerate(zip(now, chain)) if a is not b)]
+                return hashes, now
+        return hasher.chain(rows), []
