@@ -3,6 +3,10 @@
 A policy maps an evictable leaf to a sortable priority; the leaf with the smallest priority is
 evicted first. The manager keeps the evictable leaves in a heap keyed by this priority, so the
 priority of a node may only change when the manager is told (it re-pushes the node then).
+
+A policy may also offer ``flat_priority(node) -> int``, ordered exactly as ``priority``: the
+heap then compares plain ints (the built-in policies pack ``(time, uuid)`` as
+``time << 64 | uuid``), which keeps the hot path free of tuple building.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ class EvictableNode(Protocol):
 class EvictionPolicy(Protocol):
     name: str
 
-    def priority(self, node: EvictableNode) -> Tuple[int, int]:
+    def priority(self, node: EvictableNode) -> Tuple[int, ...]:
         """Smaller goes first. Must be a pure function of the node's fields."""
         ...
 
@@ -53,6 +57,9 @@ class LRUPolicy:
     def priority(self, node: EvictableNode) -> Tuple[int, int]:
         return (node.timestamp, node.uuid)
 
+    def flat_priority(self, node: EvictableNode) -> int:
+        return node.timestamp << 64 | node.uuid
+
 
 @register_eviction_policy("fifo")
 class FIFOPolicy:
@@ -62,3 +69,6 @@ class FIFOPolicy:
 
     def priority(self, node: EvictableNode) -> Tuple[int, int]:
         return (node.insert_time, node.uuid)
+
+    def flat_priority(self, node: EvictableNode) -> int:
+        return node.insert_time << 64 | node.uuid
