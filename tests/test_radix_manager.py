@@ -135,7 +135,7 @@ CORRUPTIONS = {
     "key/value lengths differ": (lambda m: setattr(node(m, 1, 4), "_value", np.array([3, 9], np.int32)),
                                  "1 tokens but 2 indices"),
     "held-slot record wrong": (lambda m: setattr(node(m, 1, 4), "_value", np.array([7], np.int32)), "held slots"),
-    "evictable leaf not filed": (lambda m: m._heap.clear(), "missing from the eviction heap"),
+    "evictable leaf not filed": (lambda m: m._leaves.clear(), "missing from the eviction heap"),
 }
 
 

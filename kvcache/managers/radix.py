@@ -5,46 +5,33 @@ the path from the root to a node spells a cached prefix. With ``page_size > 1`` 
 whole number of pages and children are filed under their first page, so matching, splitting and
 eviction all happen at page boundaries.
 
-Costs (the design, measured in ``benchmarks/radix_ops.py``). The work per call is a few C calls
-per node on the path, never Python work per token: keys are int64 bytes, so a node matches with
-one ``bytes.startswith`` and the next child is one ``struct`` unpack and one dict probe away.
-Slots live on the host as NumPy int32 arrays; a match returns one ``np.concatenate``. An insert
-first walks without changing anything, then checks only the *new* slots (page alignment, not
-already held, not listed twice: `SlotOwners`), then changes the tree, so a refused call leaves
-no trace. Evictable leaves live in a heap of flat integer priorities kept up to date as the tree
-changes, so evicting ``k`` leaves costs ``O(k log n)``; stale entries are skipped when popped and
-the heap is compacted when they outnumber the live ones. No method recurses over the tree's
-depth.
+Costs (measured in ``benchmarks/radix_ops.py``): a few C calls per node on the path, never
+Python work per token. Keys are int64 bytes: a node matches with one ``bytes.startswith`` and
+the next child is one unpack and one dict probe away. Slots live on the host as NumPy int32. An
+insert walks without changing anything, checks only the *new* slots (`SlotOwners`), then changes
+the tree, so a refused call leaves no trace. Evictable leaves sit in a lazy heap of flat integer
+priorities (`LeafHeap`): a match never touches it, evicting ``k`` leaves costs ``O(k log n)``.
+No method recurses over the tree's depth.
 """
 
 from __future__ import annotations
 
-import heapq
+import struct
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
 
-from .._validate import check_indices, check_positive_int, check_size, check_token_ids
+from .._validate import check_positive_int, check_size
 from .base import BaseCacheHandle, BaseCacheManager, InsertResult, SizeInfo
-from .eviction import EVICTION_POLICIES, EvictionPolicy
-from .radix_node import ITEM, RadixCacheHandle, RadixTreeNode, TreeInfo, key_reader
+from .eviction import EVICTION_POLICIES, EvictionPolicy, LeafHeap
+from .radix_node import (ITEM, RadixCacheHandle, RadixTreeNode, TreeInfo, check_child, common_tokens,
+                         key_reader, slot_array, token_array)
 from .slot_owners import SlotOwners
 
 __all__ = ["RadixTreeNode", "RadixCacheHandle", "RadixCacheManager"]
 
-# NumPy twins of the integer dtypes `check_token_ids` accepts.
-_TOKEN_DTYPES = frozenset(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64, np.uint8))
-
 _Walk = Tuple[List[RadixTreeNode], int, Optional[RadixTreeNode], int]
-
-
-def _common_tokens(key_bytes: bytes, ids: np.ndarray, pos: int) -> int:
-    """How many leading tokens of ``key_bytes`` equal ``ids[pos:]``."""
-    key = np.frombuffer(key_bytes, dtype=np.int64)
-    m = min(len(key), len(ids) - pos)
-    differ = key[:m] != ids[pos:pos + m]
-    return int(differ.argmax()) if differ.any() else m
 
 
 class RadixCacheManager(BaseCacheManager):
@@ -61,17 +48,16 @@ class RadixCacheManager(BaseCacheManager):
                  eviction_policy: str = "lru") -> None:
         check_positive_int(page_size, "page_size")
         if eviction_policy not in EVICTION_POLICIES:
-            raise ValueError(
-                f"eviction_policy must be one of {sorted(EVICTION_POLICIES)}, got {eviction_policy!r}"
-            )
+            raise ValueError(f"eviction_policy must be one of {sorted(EVICTION_POLICIES)}, got {eviction_policy!r}")
         self.device = torch.device(device)
         self.page_size = page_size
         self.eviction_policy = eviction_policy
         self._policy: EvictionPolicy = EVICTION_POLICIES[eviction_policy]()
-        self._heap_key = getattr(self._policy, "flat_priority", None) or self._policy.priority
+        self._leaves = LeafHeap(getattr(self._policy, "flat_priority", None) or self._policy.priority)
         self.empty_tensor = torch.empty(0, dtype=torch.int32, device=self.device)
         self._on_cpu = self.device.type == "cpu"
         self._key_of = key_reader(page_size)
+        self._unpack = struct.Struct(f"={page_size}q").unpack_from
         self._owners = SlotOwners(page_size)
         self._uuid = 0
         self._clock = 0
@@ -86,7 +72,7 @@ class RadixCacheManager(BaseCacheManager):
         self._evictable_size = 0
         self._protected_size = 0
         self._num_nodes = 0  # excluding the root
-        self._heap: List[Tuple[object, int, RadixTreeNode]] = []
+        self._leaves.clear()
         self._locks: Dict[int, List] = {}  # id(handle) -> [handle, times locked]
         self._owners.clear()
 
@@ -132,56 +118,18 @@ class RadixCacheManager(BaseCacheManager):
     def reset(self) -> None:
         """Forget every prefix. Locks on empty (root) handles are forgotten with them."""
         if self._protected_size > 0:
-            raise RuntimeError(
-                f"cannot reset while {self._protected_size} tokens are locked; unlock every handle first"
-            )
+            raise RuntimeError(f"cannot reset while {self._protected_size} tokens are locked; unlock every handle first")
         for node in self.nodes():
             node._in_tree = False
         self._init_tree()
 
     # ----------------------------------------------------------- helpers
-    def _token_array(self, input_ids: torch.Tensor) -> np.ndarray:
-        """``input_ids`` as int64 NumPy (a view when it is int64 already), checked as
-        `check_token_ids` checks, through the cheapest route for the common case."""
-        try:
-            ids = input_ids.numpy()  # only a CPU tensor gets past here
-        except (AttributeError, TypeError, RuntimeError):
-            ids = None
-        if ids is None or ids.ndim != 1 or ids.dtype not in _TOKEN_DTYPES:
-            check_token_ids(input_ids)  # raises with the standard message
-            raise TypeError(f"input_ids must be a 1-D integer tensor on the CPU, got {input_ids!r}")
-        return ids if ids.dtype == np.int64 else ids.astype(np.int64)
-
-    def _slot_array(self, indices: torch.Tensor) -> np.ndarray:
-        """``indices`` as int32 NumPy on the host, checked as `check_indices` checks."""
-        if not self._on_cpu:
-            return check_indices(indices, self.device).cpu().numpy()
-        try:
-            slots = indices.numpy()
-        except (AttributeError, TypeError, RuntimeError):
-            slots = None
-        if slots is None or slots.ndim != 1 or slots.dtype != np.int32:
-            check_indices(indices, self.device)
-            raise TypeError(f"indices must be a 1-D torch.int32 tensor on {self.device}, got {indices!r}")
-        return slots
-
     def _out(self, values: np.ndarray) -> torch.Tensor:
         out = torch.from_numpy(values)
         return out if self._on_cpu else out.to(self.device)
 
-    # --------------------------------------------------------------- heap
-    # Every evictable leaf has one heap entry whose priority is at most its current one (time
-    # only grows), so a match only stamps times and never touches the heap: a popped entry that
-    # is out of date is filed again under the node's current priority (`_pop_leaf`).
     def _is_evictable_leaf(self, node: RadixTreeNode) -> bool:
         return node._in_tree and node.ref_count == 0 and not node.children and node._parent is not None
-
-    def _file(self, node: RadixTreeNode) -> None:
-        """Give ``node`` (just become an evictable leaf) a heap entry if it has none."""
-        if node._heap_priority is None:
-            priority = self._heap_key(node)
-            node._heap_priority = priority
-            heapq.heappush(self._heap, (priority, node.uuid, node))
 
     # --------------------------------------------------------------- tree
     def _split_at(self, node: RadixTreeNode, pos: int) -> RadixTreeNode:
@@ -207,25 +155,26 @@ class RadixCacheManager(BaseCacheManager):
     def _walk(self, ids_b: bytes, ids: np.ndarray) -> _Walk:
         """Follow ``ids_b`` (whole pages of int64 token bytes) down the tree; change nothing.
 
-        Returns ``(path, matched_bytes, partial, cut)``: ``path`` the nodes matched whole, root
-        excluded; ``partial`` the node after them that matches only its first ``cut`` tokens (a
-        whole number of pages, at least one), or ``None``.
+        Returns ``(path, matched_bytes, partial, cut)``: the nodes matched whole (root excluded),
+        and the node after them matching only its first ``cut`` tokens (whole pages), or ``None``.
         """
         node, pos, n = self.root_node, 0, len(ids_b)
-        key_of, path = self._key_of, []
+        path: List[RadixTreeNode] = []
+        append, startswith = path.append, ids_b.startswith  # bound once: this loop is the hot path
+        # The filing key of the page at byte ``pos``: the token (``ids.item``) or a tuple of them.
+        one, item, unpack = self.page_size == 1, ids.item, self._unpack
         while pos < n:
-            child = node.children.get(key_of(ids_b, pos))
+            child = node.children.get(item(pos >> 3) if one else unpack(ids_b, pos))
             if child is None:
                 break
             kb = child._kb
-            if ids_b.startswith(kb, pos):  # the whole node matches: one memcmp
-                path.append(child)
-                pos += len(kb)
-                node = child
-                continue
-            ps = self.page_size
-            cut = _common_tokens(kb, ids, pos // ITEM) // ps * ps
-            return path, pos + cut * ITEM, child, cut
+            if not startswith(kb, pos):  # the whole node matches: one memcmp
+                ps = self.page_size
+                cut = common_tokens(kb, ids, pos // ITEM) // ps * ps
+                return path, pos + cut * ITEM, child, cut
+            append(child)
+            pos += len(kb)
+            node = child
         return path, pos, None, 0
 
     def _commit(self, walk: _Walk, tic: int) -> RadixTreeNode:
@@ -246,7 +195,7 @@ class RadixCacheManager(BaseCacheManager):
         Not read-only: a node matched only in part is split so that the handle can point at the
         end of the match, and the matched path's timestamps are refreshed.
         """
-        ids = self._token_array(input_ids)
+        ids = token_array(input_ids)
         n = len(ids) // self.page_size * self.page_size
         walk = self._walk(ids[:n].tobytes(), ids)
         node = self._commit(walk, self._tick())
@@ -273,8 +222,8 @@ class RadixCacheManager(BaseCacheManager):
         return self._insert(input_ids, indices)
 
     def _insert(self, input_ids: torch.Tensor, indices: torch.Tensor) -> InsertResult:
-        ids = self._token_array(input_ids)
-        all_slots = self._slot_array(indices)
+        ids = token_array(input_ids)
+        all_slots = slot_array(indices, self.device)
         if len(all_slots) != len(ids):
             raise ValueError(f"len(indices) ({len(all_slots)}) must equal len(input_ids) ({len(ids)})")
         n = len(ids) // self.page_size * self.page_size
@@ -284,7 +233,7 @@ class RadixCacheManager(BaseCacheManager):
         prefix_len = pos // ITEM
         if prefix_len < n:  # check what would enter before anything changes
             slots = all_slots[prefix_len:n]
-            pages = self._owners.pages_of(slots)
+            self._owners.claim_new(slots)  # the last check: it holds the pages when it passes
         tic = self._tick()
         node = self._commit(walk, tic)
         if prefix_len == n:
@@ -292,10 +241,9 @@ class RadixCacheManager(BaseCacheManager):
         new = RadixTreeNode(self._next_uuid(), ids_b[pos:], slots.copy(), tic, tic, self._tree)
         new._parent = node
         node.children[self._key_of(ids_b, pos)] = new
-        self._owners.claim(pages)
         self._num_nodes += 1
         self._evictable_size += n - prefix_len
-        self._file(new)
+        self._leaves.file(new)
         return InsertResult(prefix_len, RadixCacheHandle(n, new))
 
     def _checked_path_end(self, handle: BaseCacheHandle) -> RadixTreeNode:
@@ -361,7 +309,7 @@ class RadixCacheManager(BaseCacheManager):
             self._evictable_size += freed
             self._protected_size -= freed
             if leaf.ref_count == 0 and not leaf.children and leaf._parent is not None:
-                self._file(leaf)
+                self._leaves.file(leaf)
             return
         node = handle.node if entry is not None else self._checked_path_end(handle)  # type: ignore[attr-defined]
         if entry is None:
@@ -395,7 +343,7 @@ class RadixCacheManager(BaseCacheManager):
         freed = 0
         key_of = self._key_of
         while freed < size:
-            node = self._pop_leaf()
+            node = self._leaves.pop(self._is_evictable_leaf)
             evicted.append(node._value)
             freed += len(node._value)
             parent = node._parent
@@ -403,26 +351,11 @@ class RadixCacheManager(BaseCacheManager):
             node._in_tree = False
             self._num_nodes -= 1
             if not parent.children and parent.ref_count == 0 and parent._parent is not None:  # type: ignore[union-attr]
-                self._file(parent)  # type: ignore[arg-type]
+                self._leaves.file(parent)  # type: ignore[arg-type]
         self._evictable_size -= freed
         out = evicted[0] if len(evicted) == 1 else np.concatenate(evicted)
         self._owners.release(out)
         return self._out(out)
-
-    def _pop_leaf(self) -> RadixTreeNode:
-        heap, key = self._heap, self._heap_key
-        while heap:
-            priority, _, node = heapq.heappop(heap)
-            # That was the node's only entry: it has none now.
-            node._heap_priority = None
-            if not self._is_evictable_leaf(node):
-                continue  # it gained a child or a lock since; filed again when it is a leaf again
-            current = key(node)
-            if current == priority:
-                return node
-            node._heap_priority = current  # used since it was filed: file it under its new time
-            heapq.heappush(heap, (current, node.uuid, node))
-        raise RuntimeError("internal error: evictable size is positive but no evictable leaf is filed")
 
     # ---------------------------------------------------------- integrity
     def check_integrity(self) -> None:
@@ -430,15 +363,17 @@ class RadixCacheManager(BaseCacheManager):
         root = self.root_node
         if root.ref_count != 1 or root.length != 0 or root._parent is not None:
             raise RuntimeError("root must be empty, parentless and hold ref_count 1")
-        live = {id(node) for priority, _, node in self._heap
-                if node._heap_priority == priority and priority <= self._heap_key(node)}
         evictable = protected = count = 0
         values: List[np.ndarray] = []
         stack = [root]
         while stack:
             node = stack.pop()
             for key, child in node.children.items():
-                self._check_child(node, key, child, live)
+                check_child(node, key, child, self.page_size, self._key_of)
+                if child._tree is not self._tree:
+                    raise RuntimeError(f"node {child.uuid}: from another tree, or from before a reset")
+                if self._is_evictable_leaf(child) and not self._leaves.is_filed(child):
+                    raise RuntimeError(f"node {child.uuid}: evictable leaf missing from the eviction heap")
                 if child.ref_count == 0:
                     evictable += child.length
                 else:
@@ -461,26 +396,3 @@ class RadixCacheManager(BaseCacheManager):
         pages = allv[::ps] // ps if ps > 1 else allv
         if self._owners.count != len(pages) or not self._owners.held(pages.astype(np.int64)).all():
             raise RuntimeError("the record of held slots disagrees with the slots in the tree")
-
-    def _check_child(self, node: RadixTreeNode, key: object, child: RadixTreeNode, live: set) -> None:
-        where = f"node {child.uuid}"
-        if child._parent is not node:
-            raise RuntimeError(f"{where}: parent link does not point to the node that files it")
-        if child.length == 0 or not child._kb:
-            raise RuntimeError(f"{where}: empty node")
-        if len(child._kb) != child.length * ITEM:
-            raise RuntimeError(f"{where}: {len(child._kb) // ITEM} tokens but {child.length} indices")
-        if child.length % self.page_size:
-            raise RuntimeError(f"{where}: length {child.length} is not whole pages of {self.page_size}")
-        if self._key_of(child._kb, 0) != key:
-            raise RuntimeError(f"{where}: filed under {key!r} but starts with {self._key_of(child._kb, 0)!r}")
-        if child.ref_count < 0:
-            raise RuntimeError(f"{where}: negative ref_count {child.ref_count}")
-        if not node.is_root() and node.ref_count < child.ref_count:
-            raise RuntimeError(f"{where}: ref_count {child.ref_count} exceeds its parent's {node.ref_count}")
-        if not node.is_root() and node.timestamp < child.timestamp:
-            raise RuntimeError(f"{where}: used at {child.timestamp}, after its parent ({node.timestamp})")
-        if not child._in_tree or child._tree is not self._tree:
-            raise RuntimeError(f"{where}: marked evicted but still in the tree")
-        if self._is_evictable_leaf(child) and id(child) not in live:
-            raise RuntimeError(f"{where}: evictable leaf missing from the eviction heap (or filed too late)")

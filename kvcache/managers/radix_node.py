@@ -16,11 +16,51 @@ from typing import Callable, Dict, Hashable, Optional
 import numpy as np
 import torch
 
+from .._validate import check_indices, check_token_ids
 from .base import BaseCacheHandle
 
-__all__ = ["RadixTreeNode", "RadixCacheHandle", "TreeInfo", "key_reader", "ITEM"]
+__all__ = ["RadixTreeNode", "RadixCacheHandle", "TreeInfo", "key_reader", "token_array", "slot_array",
+           "common_tokens", "check_child", "ITEM"]
 
 ITEM = np.dtype(np.int64).itemsize  # bytes per token id in a key
+
+# NumPy twins of the integer dtypes `check_token_ids` accepts.
+_TOKEN_DTYPES = frozenset(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64, np.uint8))
+
+
+def token_array(input_ids: torch.Tensor) -> np.ndarray:
+    """``input_ids`` as int64 NumPy (a view when it is int64 already), checked as
+    `check_token_ids` checks, through the cheapest route for the common case."""
+    try:
+        ids = input_ids.numpy()  # only a CPU tensor gets past here
+    except (AttributeError, TypeError, RuntimeError):
+        ids = None
+    if ids is None or ids.ndim != 1 or ids.dtype not in _TOKEN_DTYPES:
+        check_token_ids(input_ids)  # raises with the standard message
+        raise TypeError(f"input_ids must be a 1-D integer tensor on the CPU, got {input_ids!r}")
+    return ids if ids.dtype == np.int64 else ids.astype(np.int64)
+
+
+def slot_array(indices: torch.Tensor, device: torch.device) -> np.ndarray:
+    """``indices`` as int32 NumPy on the host, checked as `check_indices` checks."""
+    if device.type != "cpu":
+        return check_indices(indices, device).cpu().numpy()
+    try:
+        slots = indices.numpy()
+    except (AttributeError, TypeError, RuntimeError):
+        slots = None
+    if slots is None or slots.ndim != 1 or slots.dtype != np.int32:
+        check_indices(indices, device)
+        raise TypeError(f"indices must be a 1-D torch.int32 tensor on {device}, got {indices!r}")
+    return slots
+
+
+def common_tokens(key_bytes: bytes, ids: np.ndarray, pos: int) -> int:
+    """How many leading tokens of ``key_bytes`` equal ``ids[pos:]``."""
+    key = np.frombuffer(key_bytes, dtype=np.int64)
+    m = min(len(key), len(ids) - pos)
+    differ = key[:m] != ids[pos:pos + m]
+    return int(differ.argmax()) if differ.any() else m
 
 
 def key_reader(page_size: int) -> Callable[[bytes, int], Hashable]:
@@ -60,7 +100,7 @@ class RadixTreeNode:
 
     __slots__ = (
         "children", "_parent", "ref_count", "uuid", "timestamp", "insert_time",
-        "_kb", "_value", "_in_tree", "_heap_priority", "_tree",
+        "_kb", "_value", "_in_tree", "_tree",
     )
 
     def __init__(self, uuid: int, key_bytes: bytes, value: np.ndarray, timestamp: int,
@@ -74,7 +114,6 @@ class RadixTreeNode:
         self._kb = key_bytes  # int64 token ids, native byte order
         self._value = value  # int32 slots on the host, one per token
         self._in_tree = True
-        self._heap_priority: object = None  # the priority of the node's live heap entry
         self._tree = tree
 
     @property
@@ -138,3 +177,27 @@ class RadixCacheHandle(BaseCacheHandle):
     """The matched prefix ends at the end of ``node``; ``cached_len`` is the path's length."""
 
     node: RadixTreeNode
+
+
+def check_child(node: RadixTreeNode, key: Hashable, child: RadixTreeNode, page_size: int,
+                key_of: Callable[[bytes, int], Hashable]) -> None:
+    """Raise ``RuntimeError`` if ``child``, filed under ``key`` in ``node.children``, is malformed."""
+    where = f"node {child.uuid}"
+    if child._parent is not node:
+        raise RuntimeError(f"{where}: parent link does not point to the node that files it")
+    if child.length == 0 or not child._kb:
+        raise RuntimeError(f"{where}: empty node")
+    if len(child._kb) != child.length * ITEM:
+        raise RuntimeError(f"{where}: {len(child._kb) // ITEM} tokens but {child.length} indices")
+    if child.length % page_size:
+        raise RuntimeError(f"{where}: length {child.length} is not whole pages of {page_size}")
+    if key_of(child._kb, 0) != key:
+        raise RuntimeError(f"{where}: filed under {key!r} but starts with {key_of(child._kb, 0)!r}")
+    if child.ref_count < 0:
+        raise RuntimeError(f"{where}: negative ref_count {child.ref_count}")
+    if not node.is_root() and node.ref_count < child.ref_count:
+        raise RuntimeError(f"{where}: ref_count {child.ref_count} exceeds its parent's {node.ref_count}")
+    if not node.is_root() and node.timestamp < child.timestamp:
+        raise RuntimeError(f"{where}: used at {child.timestamp}, after its parent ({node.timestamp})")
+    if not child._in_tree:
+        raise RuntimeError(f"{where}: marked evicted but still in the tree")

@@ -1,8 +1,10 @@
 """`SlotOwners`: which pages a prefix tree holds, so an insert can refuse a slot it cannot hold.
 
-A flag per page in a NumPy array that grows to the largest page seen; one sort of the new
-pages finds a negative slot, the largest page and a page listed twice at once: a handful of
-array operations over the *new* part of an insert, never over the pool or the tree.
+A stamp per page in a NumPy array that grows to the largest page seen (0: free). Checking and
+holding the new pages of an insert is a handful of array operations over those pages only,
+never over the pool or the tree: one ``max`` (of the pages seen as uint32, so a negative one
+shows as huge), one gather to find pages already held, and a scatter of each page's position
+read back to find a page listed twice (it keeps only one of its positions).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ class SlotOwners:
         self.clear()
 
     def clear(self) -> None:
-        self._held = np.zeros(1024, dtype=np.bool_)
+        self._owner = np.zeros(1024, dtype=np.int32)  # per page: 0 free, else held
+        self._stamps = np.arange(1, 1025, dtype=np.int32)
         self._count = 0
 
     @property
@@ -32,16 +35,16 @@ class SlotOwners:
     def held(self, pages: np.ndarray) -> np.ndarray:
         """Which of ``pages`` (non-negative) are held, as a bool array."""
         out = np.zeros(len(pages), dtype=np.bool_)
-        inside = pages < len(self._held)
-        out[inside] = self._held[pages[inside]]
+        inside = pages < len(self._owner)
+        out[inside] = self._owner[pages[inside]] != 0
         return out
 
-    def pages_of(self, slots: np.ndarray, name: str = "indices") -> np.ndarray:
-        """Check ``slots`` (1-D int32, a multiple of ``page_size`` long) and return their pages.
+    def claim_new(self, slots: np.ndarray, name: str = "indices") -> None:
+        """Hold the pages of ``slots`` (1-D int32, a multiple of ``page_size`` long), or refuse.
 
-        Raises ``ValueError`` naming the value when a slot is negative, a page is not
-        ``page_size`` consecutive slots starting at a multiple of ``page_size``, a page is
-        already held, or a page appears twice. Changes nothing.
+        Raises ``ValueError`` naming the value, holding nothing, when a slot is negative, a page
+        is not ``page_size`` consecutive slots starting at a multiple of ``page_size``, a page is
+        already held, or a page appears twice.
         """
         ps = self.page_size
         if ps == 1:
@@ -54,38 +57,38 @@ class SlotOwners:
                     f"with page_size={ps} every {ps} {name} must be the consecutive slots of one "
                     f"page (first slot a multiple of {ps}); got {slots.tolist()}"
                 )
-        if len(pages) == 0:
-            return pages
-        # One sort gives the smallest, the largest and any repeat (timsort: runs stay cheap).
-        ordered = np.sort(pages, kind="stable")
-        lo, hi = int(ordered[0]), int(ordered[-1])
-        if lo < 0:
-            raise ValueError(f"{name} must be >= 0, got {lo * ps}")
-        if len(ordered) > 1 and (ordered[1:] == ordered[:-1]).any():
-            twice = np.unique(ordered[1:][ordered[1:] == ordered[:-1]])
-            raise ValueError(f"{name} lists the same slot more than once: {(twice * ps).tolist()[:8]}")
-        if hi >= len(self._held):
+        n = len(pages)
+        if n == 0:
+            return
+        # Seen as uint32 a negative page is huge: one max finds both it and the size to grow to.
+        hi = int(pages.view(np.uint32).max())
+        if hi >= 2**31:
+            raise ValueError(f"{name} must be >= 0, got {int(slots.min())}")
+        if hi >= len(self._owner):
             self._grow(hi + 1)
-        taken = self._held[pages]
-        if taken.any():
-            bad = (pages[taken] * ps).tolist()[:8]
-            raise ValueError(f"{name} holds slots the cache already holds (pages starting at {bad}); "
-                             "a slot can hold one token's K/V only")
-        return pages
+        owner = self._owner
+        if owner[pages].any():
+            bad = pages[owner[pages] != 0]
+            raise ValueError(f"{name} holds slots the cache already holds (pages starting at "
+                             f"{(bad * ps).tolist()[:8]}); a slot can hold one token's K/V only")
+        # Stamp each page with its position (from 1): a page listed twice keeps one stamp only.
+        if len(self._stamps) < n:
+            self._stamps = np.arange(1, 2 * n + 1, dtype=np.int32)
+        stamps = self._stamps[:n]
+        owner[pages] = stamps
+        twice = owner[pages] != stamps
+        if twice.any():
+            owner[pages] = 0
+            raise ValueError(f"{name} lists the same slot more than once: {(pages[twice] * ps).tolist()[:8]}")
+        self._count += n
 
     def _grow(self, size: int) -> None:
-        size = max(size, 2 * len(self._held))
-        held = np.zeros(size, dtype=np.bool_)
-        held[: len(self._held)] = self._held
-        self._held = held
-
-    def claim(self, pages: np.ndarray) -> None:
-        """Mark ``pages`` (checked by `pages_of`) as held."""
-        self._held[pages] = True
-        self._count += len(pages)
+        owner = np.zeros(max(size, 2 * len(self._owner)), dtype=np.int32)
+        owner[: len(self._owner)] = self._owner
+        self._owner = owner
 
     def release(self, slots: np.ndarray) -> None:
         """Mark the pages of ``slots`` (whole pages the tree held) as free again."""
         pages = slots[:: self.page_size] // self.page_size if self.page_size > 1 else slots
-        self._held[pages] = False
+        self._owner[pages] = 0
         self._count -= len(pages)
