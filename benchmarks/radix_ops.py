@@ -6,6 +6,8 @@
    ``--page-size``. Reported twice: for the whole flow (allocator and request bookkeeping
    included, the same code for every manager) and for the time spent inside the manager's own
    calls.
+   Times are CPU seconds of the thread (robust on a shared machine); the manager's are those
+   of its calls alone, recorded from the flow and replayed without a timer around each call.
 2. Traces (``--traces``): three request shapes a server sees, each at page sizes 1 and 16 —
    chat (880 requests, 110 conversations of 8 turns), few-shot (800 requests on 2-8k-token
    shared prefixes) and agent (800 branching multi-turn requests) — the time inside manager
@@ -54,32 +56,48 @@ TRACES: Dict[str, Callable[[], tuple]] = {
 }
 
 
-class TimedCalls:
-    """Forwards everything to ``manager``, adding up the seconds spent in its public methods.
+class RecordedCalls:
+    """Forwards everything to ``manager`` and records its public calls, to replay them later.
 
-    Unlike `kvcache.workloads.TimedManager` it times every public method (``insert_and_match``
-    and ``handle_indices`` included), whichever the flow calls.
+    The manager's time is then measured by `replay_calls` alone, with no timer around each call
+    (a timer call costs about as much as a small manager call on a busy machine) and in CPU
+    time of the thread, which a machine shared with other jobs does not inflate.
     """
 
     def __init__(self, manager: BaseCacheManager) -> None:
         self.manager = manager
-        self.seconds = 0.0
-        self.calls = 0
+        self.calls: List[tuple] = []  # (method, args) with handles as ("handle", call number)
+        self._handles: Dict[int, int] = {}
 
     def __getattr__(self, name: str):
         attr = getattr(self.manager, name)
         if name.startswith("_") or not callable(attr):
             return attr
 
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return attr(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - t0
-                self.calls += 1
+        def recorded(*args, **kwargs):
+            saved = [("handle", self._handles[id(a)]) if id(a) in self._handles
+                     else a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+            out = attr(*args, **kwargs)
+            handle = out[0] if name == "match_prefix" else getattr(out, "handle", None)
+            if handle is not None:
+                self._handles[id(handle)] = len(self.calls)
+            self.calls.append((name, saved, kwargs))
+            return out
 
-        return timed
+        return recorded
+
+
+def replay_calls(calls: List[tuple], manager: BaseCacheManager) -> float:
+    """CPU seconds of the thread to make ``calls`` (from `RecordedCalls`) on ``manager``."""
+    handles: Dict[int, object] = {}
+    t0 = time.thread_time()
+    for k, (name, args, kwargs) in enumerate(calls):
+        out = getattr(manager, name)(*[handles[a[1]] if type(a) is tuple else a for a in args], **kwargs)
+        if name == "match_prefix":
+            handles[k] = out[0]
+        elif name == "insert_and_match":
+            handles[k] = out.handle
+    return time.thread_time() - t0
 
 
 def machine() -> Dict[str, str]:
@@ -90,15 +108,20 @@ def machine() -> Dict[str, str]:
 
 def run(jobs: List[Job], make: Callable[[], BaseCacheManager], num_slots: int, page_size: int,
         repeats: int) -> Dict[str, float]:
-    """Best of ``repeats`` replays: the whole flow's seconds, and the seconds inside manager calls."""
+    """Best of ``repeats``: CPU seconds of the whole flow, and of the manager's calls alone.
+
+    The flow runs with the bare manager; its manager calls are recorded in one more run and
+    replayed on a fresh manager for the manager's time (`replay_calls`).
+    """
     flow_s, manager_s = [], []
+    recorder = RecordedCalls(make())
+    replay(RequestFlow(recorder, PageAllocator(num_slots // page_size, page_size)), jobs)  # type: ignore[arg-type]
     for _ in range(repeats):
-        timed = TimedCalls(make())
-        flow = RequestFlow(timed, PageAllocator(num_slots // page_size, page_size))  # type: ignore[arg-type]
-        t0 = time.perf_counter()
+        flow = RequestFlow(make(), PageAllocator(num_slots // page_size, page_size))
+        t0 = time.thread_time()
         replay(flow, jobs)
-        flow_s.append(time.perf_counter() - t0)
-        manager_s.append(timed.seconds)
+        flow_s.append(time.thread_time() - t0)
+        manager_s.append(replay_calls(recorder.calls, make()))
     n = len(jobs)
     return {"flow_seconds": min(flow_s), "manager_seconds": min(manager_s),
             "requests_per_s": n / min(flow_s), "manager_requests_per_s": n / min(manager_s),
@@ -137,17 +160,21 @@ def traces(page_sizes: List[int], repeats: int) -> Dict[str, Dict[str, Dict[str,
 
 
 def evict_one_leaf(num_leaves: int, make: Callable[[], BaseCacheManager], calls: int) -> float:
-    """Median seconds of ``evict(1)`` on a tree of ``num_leaves`` one-token leaves under 256 parents."""
+    """Median CPU seconds of ``evict(1)`` on a tree of ``num_leaves`` one-token leaves under 256 parents.
+
+    Each sample times up to 20 calls in a row (a CPU-clock read costs about as much as a call)."""
     m = make()
     parents = 256
     for i in range(num_leaves):
         m.insert_prefix(torch.tensor([i % parents, 1000 + i // parents]),
                         torch.tensor([2 * i, 2 * i + 1], dtype=torch.int32))
+    group = min(20, calls)
     times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        m.evict(1)
-        times.append(time.perf_counter() - t0)
+    for _ in range(max(1, calls // group)):
+        t0 = time.thread_time()
+        for _ in range(group):
+            m.evict(1)
+        times.append((time.thread_time() - t0) / group)
     return statistics.median(times)
 
 
@@ -203,8 +230,8 @@ def main(argv: List[str] | None = None) -> Dict[str, object]:
         print_traces(tr)
         result["traces"] = tr
 
-    ev = {n: evict_one_leaf(n, RadixCacheManager, 200) for n in (1_000, 100_000)}
-    ev_base = {n: evict_one_leaf(n, SourceRadixCacheManager, 5 if n > 10_000 else 50) for n in (1_000, 100_000)}
+    ev = {n: evict_one_leaf(n, RadixCacheManager, 400) for n in (1_000, 100_000)}
+    ev_base = {n: evict_one_leaf(n, SourceRadixCacheManager, 5 if n > 10_000 else 100) for n in (1_000, 100_000)}
     print("\nevict(1), median seconds per call:")
     for n in ev:
         print(f"  {n:>7,} leaves: RadixCacheManager {ev[n] * 1e6:8.1f} µs   source design {ev_base[n] * 1e6:10.1f} µs")
