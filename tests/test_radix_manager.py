@@ -330,3 +330,24 @@ def test_every_method_works_on_a_chain_1100_nodes_deep(page_size):
     m.insert_prefix(ids, slots)
     m.reset()
     m.check_integrity()
+
+
+@pytest.mark.parametrize("make", ["naive", "radix1", "radix4"])
+@pytest.mark.parametrize("bad", [torch.tensor([1.0, 2.0]), torch.tensor([True, False]),
+                                 torch.tensor([1 + 0j]), torch.tensor([[1, 2]]), [1, 2], np.array([1, 2])])
+def test_token_ids_and_counts_must_be_real_integers(make, bad):
+    """Issue 9 item 5 for the managers: never truncate a float, never read a bool as a token."""
+    from kvcache import NaiveCacheManager
+
+    m = {"naive": NaiveCacheManager, "radix1": RadixCacheManager,
+         "radix4": lambda: RadixCacheManager(page_size=4)}[make]()
+    m.insert_prefix(torch.arange(8), torch.arange(8, dtype=torch.int32))
+    before = (m.size_info, [n.ref_count for n in m.nodes()] if make != "naive" else None)
+    with pytest.raises((TypeError, ValueError), match="input_ids"):
+        m.match_prefix(bad)
+    with pytest.raises((TypeError, ValueError), match="input_ids"):
+        m.insert_prefix(bad, torch.zeros(2, dtype=torch.int32))
+    for size in (True, 1.0, 2.5, 1 + 0j, "1"):
+        with pytest.raises(TypeError, match="size"):
+            m.evict(size)
+    assert before == (m.size_info, [n.ref_count for n in m.nodes()] if make != "naive" else None)
