@@ -351,3 +351,19 @@ def test_token_ids_and_counts_must_be_real_integers(make, bad):
         with pytest.raises(TypeError, match="size"):
             m.evict(size)
     assert before == (m.size_info, [n.ref_count for n in m.nodes()] if make != "naive" else None)
+
+
+def test_a_handle_made_by_hand_with_the_wrong_length_is_refused():
+    from kvcache import RadixCacheHandle
+
+    m = RadixCacheManager()
+    m.insert_prefix(t(1, 2, 3), s(0, 1, 2))
+    h, _ = m.match_prefix(t(1, 2, 3))
+    forged = RadixCacheHandle(2, h.node)
+    before = state(m)
+    with pytest.raises(RuntimeError, match="cached_len=2 but its path holds 3"):
+        m.lock_handle(forged)
+    with pytest.raises(RuntimeError, match="cached_len=2 but its path holds 3"):
+        m.handle_indices(forged)
+    assert state(m) == before and m.num_locked_handles == 0
+    m.check_integrity()

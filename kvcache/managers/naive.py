@@ -7,7 +7,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from .._validate import check_indices, check_size, check_token_ids
+from .._validate import check_indices, check_positive_int, check_size, check_token_ids
 from .base import BaseCacheHandle, BaseCacheManager, SizeInfo
 
 __all__ = ["NaiveCacheHandle", "NaiveCacheManager"]
@@ -25,8 +25,11 @@ class NaiveCacheManager(BaseCacheManager):
     duplicates it allocated frees all of them: allocate, use, free at once, and no leak.
     """
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(self, device: torch.device | str = "cpu", page_size: int = 1) -> None:
+        """``page_size`` only says which pools it serves (``RequestFlow`` checks that it matches
+        the allocator's): caching nothing, it works the same at every page size."""
         self.device = torch.device(device)
+        self.page_size = check_positive_int(page_size, "page_size")
         self.empty_tensor = torch.empty(0, dtype=torch.int32, device=self.device)
         self._locks: Dict[int, List] = {}  # id(handle) -> [handle, times locked]
 

@@ -59,8 +59,7 @@ class RadixCacheManager(BaseCacheManager):
         self._key_of = key_reader(page_size)
         self._unpack = struct.Struct(f"={page_size}q").unpack_from
         self._owners = SlotOwners(page_size)
-        self._uuid = 0
-        self._clock = 0
+        self._uuid = self._clock = 0
         self._init_tree()
 
     # ------------------------------------------------------------------ state
@@ -69,8 +68,7 @@ class RadixCacheManager(BaseCacheManager):
         self.root_node = RadixTreeNode(self._next_uuid(), b"", np.empty(0, dtype=np.int32),
                                        self._clock, self._clock, self._tree)
         self.root_node.ref_count = 1  # the root is never evicted
-        self._evictable_size = 0
-        self._protected_size = 0
+        self._evictable_size = self._protected_size = 0
         self._num_nodes = 0  # excluding the root
         self._leaves.clear()
         self._locks: Dict[int, List] = {}  # id(handle) -> [handle, times locked]
@@ -247,7 +245,10 @@ class RadixCacheManager(BaseCacheManager):
         return InsertResult(prefix_len, RadixCacheHandle(n, new))
 
     def _checked_path_end(self, handle: BaseCacheHandle) -> RadixTreeNode:
-        """``handle.node`` after proving the handle names a live prefix of this tree (read-only)."""
+        """``handle.node`` after proving it is a live node of this tree (read-only, O(1)).
+
+        The callers check ``handle.cached_len`` against the path in the walk they make anyway.
+        """
         if not isinstance(handle, RadixCacheHandle):
             raise TypeError(f"handle must be a RadixCacheHandle, got {type(handle).__name__}")
         node = handle.node
@@ -257,12 +258,6 @@ class RadixCacheManager(BaseCacheManager):
             raise RuntimeError(f"handle's node {node.uuid} was evicted (or the tree reset); match the prefix again")
         if node._tree is not self._tree:
             raise RuntimeError("handle belongs to another manager")
-        length, walker = 0, node
-        while walker._parent is not None:
-            length += len(walker._value)
-            walker = walker._parent
-        if length != handle.cached_len:
-            raise RuntimeError(f"handle says cached_len={handle.cached_len} but its path holds {length} tokens")
         return node
 
     def eviction_priority(self, node: RadixTreeNode) -> Tuple[int, ...]:
@@ -271,23 +266,22 @@ class RadixCacheManager(BaseCacheManager):
 
     def handle_indices(self, handle: BaseCacheHandle) -> torch.Tensor:
         """The slots of the prefix behind ``handle`` (read-only: no split, no timestamp change)."""
-        node = self._checked_path_end(handle)
-        values = []
+        node, values = self._checked_path_end(handle), []
         while node._parent is not None:
             values.append(node._value)
             node = node._parent
-        if not values:
-            return self.empty_tensor
         values.reverse()
-        return self._out(np.concatenate(values))
+        out = np.concatenate(values) if values else np.empty(0, dtype=np.int32)
+        if len(out) != handle.cached_len:
+            raise RuntimeError(f"handle says cached_len={handle.cached_len} but its path holds {len(out)} tokens")
+        return self._out(out) if values else self.empty_tensor
 
     def lock_handle(self, handle: BaseCacheHandle, unlock: bool = False) -> None:
         """Lock (``ref_count += 1``) or unlock every node from ``handle.node`` up to the root.
 
-        Locks are counted per handle object: unlocking a handle that this manager has not
-        locked (more often than unlocked) raises ``RuntimeError`` and changes nothing, even when
-        an equal handle or an ancestor is locked. A handle of length 0 (the root) protects
-        nothing, but its locks are counted all the same.
+        Locks are counted per handle object: unlocking a handle not locked now raises
+        ``RuntimeError``, changing nothing, even when an equal handle or an ancestor is locked.
+        An empty (root) handle protects nothing, but its locks are counted all the same.
         """
         entry = self._locks.get(id(handle))
         if unlock:
@@ -311,17 +305,25 @@ class RadixCacheManager(BaseCacheManager):
             if leaf.ref_count == 0 and not leaf.children and leaf._parent is not None:
                 self._leaves.file(leaf)
             return
-        node = handle.node if entry is not None else self._checked_path_end(handle)  # type: ignore[attr-defined]
+        node = end = handle.node if entry is not None else self._checked_path_end(handle)  # type: ignore[attr-defined]
+        taken = length = 0
+        while node._parent is not None:
+            n = len(node._value)
+            length += n
+            if node.ref_count == 0:
+                taken += n
+            node.ref_count += 1
+            node = node._parent
+        if length != handle.cached_len:  # a handle made by hand: undo, then refuse
+            node = end
+            while node._parent is not None:
+                node.ref_count -= 1
+                node = node._parent
+            raise RuntimeError(f"handle says cached_len={handle.cached_len} but its path holds {length} tokens")
         if entry is None:
             self._locks[id(handle)] = [handle, 1]
         else:
             entry[1] += 1
-        taken = 0
-        while node._parent is not None:
-            if node.ref_count == 0:
-                taken += len(node._value)
-            node.ref_count += 1
-            node = node._parent
         self._evictable_size -= taken
         self._protected_size += taken
 
@@ -340,8 +342,7 @@ class RadixCacheManager(BaseCacheManager):
                 f"({self._protected_size} are locked)"
             )
         evicted: List[np.ndarray] = []
-        freed = 0
-        key_of = self._key_of
+        freed, key_of = 0, self._key_of
         while freed < size:
             node = self._leaves.pop(self._is_evictable_leaf)
             evicted.append(node._value)
