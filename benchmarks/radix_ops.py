@@ -2,12 +2,22 @@
 
 1. Throughput: a seeded shared-prefix workload (system prompts of a few hundred tokens,
    few-shot tasks, multi-turn chats, branching prompts, random one-offs) driven through
-   `RequestFlow` with a pool small enough that eviction happens, once per manager. Reported
-   twice: for the whole flow (allocator and request bookkeeping included, the same code for
-   both managers) and for the time spent inside the manager's own calls.
-2. Evict scaling: the time of ``evict`` of one leaf on trees of 1,000 and 100,000 leaves.
+   `RequestFlow` with a pool small enough that eviction happens, once per manager, at
+   ``--page-size``. Reported twice: for the whole flow (allocator and request bookkeeping
+   included, the same code for every manager) and for the time spent inside the manager's own
+   calls.
+   Times are CPU seconds of the thread (robust on a shared machine); the manager's are those
+   of its calls alone, recorded from the flow and replayed without a timer around each call.
+2. Traces (``--traces``): three request shapes a server sees, each at page sizes 1 and 16 —
+   chat (880 requests, 110 conversations of 8 turns), few-shot (800 requests on 2-8k-token
+   shared prefixes) and agent (800 branching multi-turn requests) — the time inside manager
+   calls for `RadixCacheManager`, the source design (page size 1 only) and its page-aware
+   variant, and the whole flow against the manager calls. Every manager must make the same
+   cache decisions (reused and evicted tokens), or the comparison is void.
+3. Evict scaling: the time of ``evict`` of one leaf on trees of 1,000 and 100,000 leaves.
 
-Run: ``python benchmarks/radix_ops.py [--requests N] [--json PATH]``. Prints what it ran on.
+Run: ``python benchmarks/radix_ops.py [--page-size P] [--requests N] [--traces] [--json PATH]``.
+Prints what it ran on.
 """
 
 from __future__ import annotations
@@ -26,15 +36,68 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from source_radix import SourceRadixCacheManager  # noqa: E402
+from source_radix_paged import PagedSourceRadixCacheManager  # noqa: E402
 
-from kvcache import PageAllocator, RadixCacheManager, RequestFlow  # noqa: E402
-from kvcache import BaseCacheManager  # noqa: E402
-from kvcache.serving.workloads import TimedManager, mixed, replay  # noqa: E402
+from kvcache import BaseCacheManager, PageAllocator, RadixCacheManager, RequestFlow  # noqa: E402
+from kvcache.serving.workloads import Job, agent, long_few_shot, mixed, multi_turn_chat, replay  # noqa: E402
 
-MANAGERS: Dict[str, Callable[[], BaseCacheManager]] = {
-    "source design": SourceRadixCacheManager,
-    "RadixCacheManager": RadixCacheManager,
+# name -> factory(page_size); None where the manager has no such page size.
+MANAGERS: Dict[str, Callable[[int], BaseCacheManager | None]] = {
+    "source design": lambda ps: SourceRadixCacheManager() if ps == 1 else None,
+    "page-aware source": lambda ps: PagedSourceRadixCacheManager(page_size=ps),
+    "RadixCacheManager": lambda ps: RadixCacheManager(page_size=ps),
 }
+
+# name -> (jobs, pool size in tokens: small enough that every trace evicts)
+TRACES: Dict[str, Callable[[], tuple]] = {
+    "chat": lambda: (multi_turn_chat(110, 8, seed=0), 40_000),
+    "few-shot": lambda: (long_few_shot(800, seed=0), 60_000),
+    "agent": lambda: (agent(800, seed=0), 60_000),
+}
+
+
+class RecordedCalls:
+    """Forwards everything to ``manager`` and records its public calls, to replay them later.
+
+    The manager's time is then measured by `replay_calls` alone, with no timer around each call
+    (a timer call costs about as much as a small manager call on a busy machine) and in CPU
+    time of the thread, which a machine shared with other jobs does not inflate.
+    """
+
+    def __init__(self, manager: BaseCacheManager) -> None:
+        self.manager = manager
+        self.calls: List[tuple] = []  # (method, args) with handles as ("handle", call number)
+        self._handles: Dict[int, int] = {}
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.manager, name)
+        if name.startswith("_") or not callable(attr):
+            return attr
+
+        def recorded(*args, **kwargs):
+            saved = [("handle", self._handles[id(a)]) if id(a) in self._handles
+                     else a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+            out = attr(*args, **kwargs)
+            handle = out[0] if name == "match_prefix" else getattr(out, "handle", None)
+            if handle is not None:
+                self._handles[id(handle)] = len(self.calls)
+            self.calls.append((name, saved, kwargs))
+            return out
+
+        return recorded
+
+
+def replay_calls(calls: List[tuple], manager: BaseCacheManager) -> float:
+    """CPU seconds of the thread to make ``calls`` (from `RecordedCalls`) on ``manager``."""
+    handles: Dict[int, object] = {}
+    t0 = time.thread_time()
+    for k, (name, args, kwargs) in enumerate(calls):
+        out = getattr(manager, name)(*[handles[a[1]] if type(a) is tuple else a for a in args], **kwargs)
+        if name == "match_prefix":
+            handles[k] = out[0]
+        elif name == "insert_and_match":
+            handles[k] = out.handle
+    return time.thread_time() - t0
 
 
 def machine() -> Dict[str, str]:
@@ -43,41 +106,75 @@ def machine() -> Dict[str, str]:
             "date": time.strftime("%Y-%m-%d")}
 
 
-def throughput(num_requests: int, num_pages: int, repeats: int) -> Dict[str, Dict[str, float]]:
-    """Best of ``repeats`` runs: the whole flow's time, and the time inside manager calls."""
+def run(jobs: List[Job], make: Callable[[], BaseCacheManager], num_slots: int, page_size: int,
+        repeats: int) -> Dict[str, float]:
+    """Best of ``repeats``: CPU seconds of the whole flow, and of the manager's calls alone.
+
+    The flow runs with the bare manager; its manager calls are recorded in one more run and
+    replayed on a fresh manager for the manager's time (`replay_calls`).
+    """
+    flow_s, manager_s = [], []
+    recorder = RecordedCalls(make())
+    replay(RequestFlow(recorder, PageAllocator(num_slots // page_size, page_size)), jobs)  # type: ignore[arg-type]
+    for _ in range(repeats):
+        flow = RequestFlow(make(), PageAllocator(num_slots // page_size, page_size))
+        t0 = time.thread_time()
+        replay(flow, jobs)
+        flow_s.append(time.thread_time() - t0)
+        manager_s.append(replay_calls(recorder.calls, make()))
+    n = len(jobs)
+    return {"flow_seconds": min(flow_s), "manager_seconds": min(manager_s),
+            "requests_per_s": n / min(flow_s), "manager_requests_per_s": n / min(manager_s),
+            "reused_tokens": flow.stats.reused_tokens, "evicted_tokens": flow.stats.evicted_tokens,
+            "evictions": flow.stats.evictions}
+
+
+def throughput(num_requests: int, num_slots: int, repeats: int, page_size: int = 1) -> Dict[str, Dict[str, float]]:
+    """The mixed workload through every manager that has ``page_size``."""
     jobs = mixed(num_requests, seed=0)
     tokens = sum(len(j.prompt) + len(j.output) for j in jobs)
     out: Dict[str, Dict[str, float]] = {}
     for name, make in MANAGERS.items():
-        flow_s, manager_s = [], []
-        for _ in range(repeats):
-            timed = TimedManager(make())
-            flow = RequestFlow(timed, PageAllocator(num_pages))  # type: ignore[arg-type]
-            t0 = time.perf_counter()
-            replay(flow, jobs)
-            flow_s.append(time.perf_counter() - t0)
-            manager_s.append(timed.total_seconds)
-        out[name] = {"flow_seconds": min(flow_s), "manager_seconds": min(manager_s),
-                     "requests_per_s": num_requests / min(flow_s),
-                     "manager_requests_per_s": num_requests / min(manager_s),
-                     "tokens_per_s": tokens / min(flow_s),
-                     "reused_tokens": flow.stats.reused_tokens, "evicted_tokens": flow.stats.evicted_tokens,
-                     "evictions": flow.stats.evictions}
+        if make(page_size) is None:
+            continue
+        r = run(jobs, lambda: make(page_size), num_slots, page_size, repeats)  # type: ignore[arg-type, return-value]
+        r["tokens_per_s"] = tokens / r["flow_seconds"]
+        out[name] = r
+    return out
+
+
+def traces(page_sizes: List[int], repeats: int) -> Dict[str, Dict[str, Dict[str, Dict[str, float]]]]:
+    """``result[trace][page_size][manager]``, each as `run` returns it."""
+    out: Dict[str, Dict[str, Dict[str, Dict[str, float]]]] = {}
+    for trace, build in TRACES.items():
+        jobs, num_slots = build()
+        out[trace] = {}
+        for ps in page_sizes:
+            res = {name: run(jobs, lambda: make(ps), num_slots, ps, repeats)  # type: ignore[arg-type, return-value]
+                   for name, make in MANAGERS.items() if make(ps) is not None}
+            decisions = {(r["reused_tokens"], r["evicted_tokens"]) for r in res.values()}
+            if len(decisions) != 1:
+                raise SystemExit(f"{trace}, page size {ps}: managers made different cache decisions {res}")
+            out[trace][str(ps)] = res
     return out
 
 
 def evict_one_leaf(num_leaves: int, make: Callable[[], BaseCacheManager], calls: int) -> float:
-    """Median seconds of ``evict(1)`` on a tree of ``num_leaves`` one-token leaves under 256 parents."""
+    """Median CPU seconds of ``evict(1)`` on a tree of ``num_leaves`` one-token leaves under 256 parents.
+
+    Each sample times up to 20 calls in a row (a CPU-clock read costs about as much as a call)."""
     m = make()
     parents = 256
     for i in range(num_leaves):
         m.insert_prefix(torch.tensor([i % parents, 1000 + i // parents]),
                         torch.tensor([2 * i, 2 * i + 1], dtype=torch.int32))
+    group = min(20, calls)
     times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        m.evict(1)
-        times.append(time.perf_counter() - t0)
+    for _ in range(max(1, calls // group)):
+        t0 = time.thread_time()
+        for _ in range(group):
+            m.evict(1)
+        times.append((time.thread_time() - t0) / group)
     return statistics.median(times)
 
 
@@ -90,11 +187,26 @@ def block_hash_rows(num_requests: int, pool_tokens: int) -> Dict[str, Dict[str, 
     return rows
 
 
+def print_traces(tr: Dict[str, Dict[str, Dict[str, Dict[str, float]]]]) -> None:
+    print("\ntraces: milliseconds inside manager calls (speed-up of RadixCacheManager), and its whole flow")
+    for trace, by_ps in tr.items():
+        for ps, res in by_ps.items():
+            ours = res["RadixCacheManager"]
+            cells = [f"{name} {r['manager_seconds'] * 1e3:7.1f} ms ({r['manager_seconds'] / ours['manager_seconds']:5.1f}x)"
+                     for name, r in res.items() if name != "RadixCacheManager"]
+            print(f"  {trace:9s} page {ps:>2s}: ours {ours['manager_seconds'] * 1e3:6.1f} ms | " + " | ".join(cells)
+                  + f" | flow {ours['flow_seconds'] * 1e3:6.1f} ms = {ours['flow_seconds'] / ours['manager_seconds']:.1f}x"
+                  f" manager ({ours['evictions']} evictions)")
+
+
 def main(argv: List[str] | None = None) -> Dict[str, object]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=3000)
-    ap.add_argument("--pages", type=int, default=100_000, help="pool size in tokens (page_size 1)")
+    ap.add_argument("--pages", type=int, default=100_000, help="pool size in token slots")
+    ap.add_argument("--page-size", type=int, default=1, help="tokens per page for the mixed workload")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--traces", action="store_true", help="also run the chat, few-shot and agent traces")
+    ap.add_argument("--trace-page-sizes", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -103,12 +215,14 @@ def main(argv: List[str] | None = None) -> Dict[str, object]:
 
     info = machine()
     print(f"ran on: {info}")
-    tp = throughput(args.requests, args.pages, args.repeats)
-    base, ours = tp["source design"], tp["RadixCacheManager"]
-    if base["reused_tokens"] != ours["reused_tokens"]:
-        raise SystemExit("both managers must cache the same prefixes; the comparison is void")
-    print(f"\nworkload: {args.requests} mixed requests through RequestFlow, pool of {args.pages} token slots "
-          f"({ours['evictions']} evict calls, {ours['evicted_tokens']} tokens evicted, "
+    ps = args.page_size
+    tp = throughput(args.requests, args.pages, args.repeats, ps)
+    ours = tp["RadixCacheManager"]
+    base = tp["source design"] if "source design" in tp else tp["page-aware source"]
+    if any(r["reused_tokens"] != ours["reused_tokens"] for r in tp.values()):
+        raise SystemExit("every manager must cache the same prefixes; the comparison is void")
+    print(f"\nworkload: {args.requests} mixed requests through RequestFlow, pool of {args.pages} token slots, "
+          f"page size {ps} ({ours['evictions']} evict calls, {ours['evicted_tokens']} tokens evicted, "
           f"{ours['reused_tokens']} reused)")
     print(f"  {'':18s} {'whole flow':>14s} {'manager calls only':>20s}")
     for name, r in tp.items():
@@ -116,21 +230,26 @@ def main(argv: List[str] | None = None) -> Dict[str, object]:
     ratio = ours["requests_per_s"] / base["requests_per_s"]
     manager_ratio = ours["manager_requests_per_s"] / base["manager_requests_per_s"]
     print(f"  {'speed-up':18s} {ratio:12.1f}x {manager_ratio:18.1f}x")
+    print(f"  RadixCacheManager whole flow / manager calls: {ours['flow_seconds'] / ours['manager_seconds']:.2f}x")
     block_hash = block_hash_rows(args.requests, args.pages)  # block-hash manager, page sizes 1 and 16
 
-    ev = {}
-    for n, calls in ((1_000, 200), (100_000, 200)):
-        ev[n] = evict_one_leaf(n, RadixCacheManager, calls)
-    ev_base = {n: evict_one_leaf(n, SourceRadixCacheManager, 5 if n > 10_000 else 50) for n in (1_000, 100_000)}
+    result: Dict[str, object] = {"machine": info, "page_size": ps, "throughput": tp, "speedup": ratio,
+                                 "manager_speedup": manager_ratio}
+    if args.traces:
+        tr = traces(args.trace_page_sizes, args.repeats)
+        print_traces(tr)
+        result["traces"] = tr
+
+    ev = {n: evict_one_leaf(n, RadixCacheManager, 400) for n in (1_000, 100_000)}
+    ev_base = {n: evict_one_leaf(n, SourceRadixCacheManager, 5 if n > 10_000 else 100) for n in (1_000, 100_000)}
     print("\nevict(1), median seconds per call:")
     for n in ev:
         print(f"  {n:>7,} leaves: RadixCacheManager {ev[n] * 1e6:8.1f} µs   source design {ev_base[n] * 1e6:10.1f} µs")
     scale = ev[100_000] / ev[1_000]
     print(f"  RadixCacheManager 100k / 1k leaves: {scale:.2f}x (source design: {ev_base[100_000] / ev_base[1_000]:.0f}x)")
-
-    result = {"machine": info, "throughput": tp, "block_hash": block_hash, "speedup": ratio, "manager_speedup": manager_ratio,
-              "evict_seconds": {str(k): v for k, v in ev.items()},
-              "evict_seconds_source": {str(k): v for k, v in ev_base.items()}, "evict_scaling": scale}
+    result.update({"evict_seconds": {str(k): v for k, v in ev.items()},
+                   "evict_seconds_source": {str(k): v for k, v in ev_base.items()}, "evict_scaling": scale})
+    result["block_hash"] = block_hash
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import pytest
 import torch
 
@@ -93,16 +95,14 @@ def test_evict_cost_does_not_grow_with_tree_size():
     m = RadixCacheManager()
     for i in range(2000):
         m.insert_prefix(t(i // 256, i % 256), s(2 * i, 2 * i + 1))
-    calls = {"n": 0}
-    orig = m._child_key
 
-    def counting(ids, pos=0):
-        calls["n"] += 1
-        return orig(ids, pos)
+    def no_scan():
+        raise AssertionError("evict walked the whole tree")
 
-    m._child_key = counting
-    m.evict(2)
-    assert calls["n"] <= 4  # one leaf removed: a constant number of key computations
+    m.nodes = no_scan
+    assert len(m.evict(2)) == 2
+    del m.nodes
+    m.check_integrity()
 
 
 # ----------------------------------------------------------------------------- integrity
@@ -127,13 +127,15 @@ CORRUPTIONS = {
     "sizes disagree": (lambda m: setattr(m, "_evictable_size", m._evictable_size + 1), "sizes disagree"),
     "negative ref count": (lambda m: setattr(node(m, 1, 4), "ref_count", -1), "negative ref_count"),
     "ref count below a child's": (lambda m: setattr(node(m, 1), "ref_count", 0), "exceeds its parent"),
-    "empty node": (lambda m: (setattr(node(m, 1, 4), "_key", np.empty(0, np.int64)),
-                              setattr(node(m, 1, 4), "_value", s())), "empty node"),
+    "empty node": (lambda m: (setattr(node(m, 1, 4), "_kb", b""),
+                              setattr(node(m, 1, 4), "_value", np.empty(0, np.int32))), "empty node"),
     "filed under wrong token": (lambda m: node(m, 1).children.__setitem__(5, node(m, 1).children.pop(4)), "filed under 5"),
     "wrong parent link": (lambda m: setattr(node(m, 1, 4), "_parent", node(m, 1, 3)), "parent link"),
-    "index twice": (lambda m: setattr(node(m, 1, 4), "_value", s(0)), "more than once"),
-    "key/value lengths differ": (lambda m: setattr(node(m, 1, 4), "_value", s(3, 9)), "1 tokens but 2 indices"),
-    "evictable leaf not filed": (lambda m: m._heap.clear(), "missing from the eviction heap"),
+    "index twice": (lambda m: setattr(node(m, 1, 4), "_value", np.array([0], np.int32)), "more than once"),
+    "key/value lengths differ": (lambda m: setattr(node(m, 1, 4), "_value", np.array([3, 9], np.int32)),
+                                 "1 tokens but 2 indices"),
+    "held-slot record wrong": (lambda m: setattr(node(m, 1, 4), "_value", np.array([7], np.int32)), "held slots"),
+    "evictable leaf not filed": (lambda m: m._leaves.clear(), "missing from the eviction heap"),
 }
 
 
@@ -144,3 +146,224 @@ def test_check_integrity_catches(name):
     corrupt(m)
     with pytest.raises(RuntimeError, match=message):
         m.check_integrity()
+
+
+# ----------------------------------------------------------------------------- misuse
+def state(m):
+    """Everything a refused call must leave as it was."""
+    nodes = [(n.uuid, n.ref_count, n.timestamp, n.length, tuple(n.value.tolist())) for n in m.nodes()]
+    return m.size_info, m.clock, m.num_nodes, nodes
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_unlocking_a_handle_never_locked_is_refused_while_an_ancestor_is_locked(page_size):
+    """Issue 9 item 3: the unlock used to pass (the ancestor's ref count was positive) and
+    corrupt the counts."""
+    ps = page_size
+    m = RadixCacheManager(page_size=ps)
+    m.insert_prefix(torch.arange(4 * ps), torch.arange(4 * ps, dtype=torch.int32))
+    short, _ = m.match_prefix(torch.arange(2 * ps))
+    long, _ = m.match_prefix(torch.arange(4 * ps))
+    copy, _ = m.match_prefix(torch.arange(4 * ps))  # equal to `long`, but not locked itself
+    assert copy == long
+    m.lock_handle(long)  # locks the short prefix's node too, through the long handle
+    before = state(m)
+    for never in (short, copy):
+        with pytest.raises(RuntimeError, match="not locked"):
+            m.lock_handle(never, unlock=True)
+    assert state(m) == before
+    m.lock_handle(long, unlock=True)
+    with pytest.raises(RuntimeError, match="not locked"):
+        m.lock_handle(long, unlock=True)  # once locked, once unlocked: no more
+    m.check_integrity()
+    assert m.size_info == SizeInfo(4 * ps, 0)
+
+
+def test_locks_are_counted_per_handle():
+    m = RadixCacheManager()
+    m.insert_prefix(t(1, 2), s(0, 1))
+    h, _ = m.match_prefix(t(1, 2))
+    m.lock_handle(h)
+    m.lock_handle(h)
+    m.lock_handle(h, unlock=True)
+    assert m.size_info == SizeInfo(0, 2) and m.num_locked_handles == 1
+    m.lock_handle(h, unlock=True)
+    assert m.size_info == SizeInfo(2, 0) and m.num_locked_handles == 0
+    root = m.match_prefix(t(9))[0]  # an empty handle: its locks are counted too
+    with pytest.raises(RuntimeError, match="not locked"):
+        m.lock_handle(root, unlock=True)
+    m.lock_handle(root)
+    m.lock_handle(root, unlock=True)
+    m.check_integrity()
+
+
+def test_naive_manager_refuses_unlocking_a_handle_never_locked():
+    from kvcache import NaiveCacheManager
+
+    m = NaiveCacheManager()
+    a, _ = m.match_prefix(t(1, 2))
+    b, _ = m.match_prefix(t(1, 2))
+    m.lock_handle(a)
+    with pytest.raises(RuntimeError, match="not locked"):
+        m.lock_handle(b, unlock=True)
+    m.lock_handle(a, unlock=True)
+    with pytest.raises(RuntimeError, match="not locked"):
+        m.lock_handle(a, unlock=True)
+
+
+def test_a_handle_made_invalid_is_refused_clearly():
+    m = RadixCacheManager()
+    m.insert_prefix(t(1, 2), s(0, 1))
+    h, _ = m.match_prefix(t(1, 2))
+    m.evict(2)
+    before = state(m)
+    with pytest.raises(RuntimeError, match="evicted"):
+        m.lock_handle(h)
+    with pytest.raises(RuntimeError, match="evicted"):
+        m.handle_indices(h)
+    with pytest.raises(RuntimeError, match="not locked"):
+        m.lock_handle(h, unlock=True)
+    m.insert_prefix(t(3), s(5))
+    old, _ = m.match_prefix(t(3))
+    m.reset()
+    with pytest.raises(RuntimeError, match="reset"):
+        m.lock_handle(old)
+    m.insert_prefix(t(3), s(5))
+    live, _ = m.match_prefix(t(3))
+    with pytest.raises(RuntimeError, match="another manager"):
+        RadixCacheManager().lock_handle(live)
+    assert state(m)[0] == SizeInfo(1, 0) and before[0] == SizeInfo(0, 0)
+    m.check_integrity()
+
+
+@pytest.mark.parametrize("page_size", [1, 2])
+@pytest.mark.parametrize("case", ["held", "twice", "negative", "misaligned", "bool", "float", "complex", "int64"])
+def test_insert_refuses_slots_it_cannot_hold(page_size, case):
+    """Issue 9 item 4: a slot held twice would be freed by one eviction while another prefix
+    still serves it."""
+    ps = page_size
+    m = RadixCacheManager(page_size=ps)
+    m.insert_prefix(torch.arange(2 * ps), torch.arange(2 * ps, dtype=torch.int32))
+    m.insert_prefix(t(*([7] * ps)), torch.arange(10 * ps, 11 * ps, dtype=torch.int32))
+    ids = torch.arange(6 * ps)  # the first two pages are cached: only pages 3..6 are new
+    good = torch.arange(20 * ps, 26 * ps, dtype=torch.int32)
+    bad = {
+        "held": good.clone().index_fill_(0, torch.tensor([3 * ps]), 10 * ps),
+        "twice": torch.cat([good[: 4 * ps], good[2 * ps: 4 * ps]]),
+        "negative": torch.cat([good[: 5 * ps], torch.arange(-ps, 0, dtype=torch.int32)]),
+        "misaligned": good + 1,
+        "bool": good.to(torch.bool), "float": good.float(), "complex": good.to(torch.complex64),
+        "int64": good.long(),
+    }[case]
+    if case == "misaligned" and ps == 1:
+        bad = good.clone().index_fill_(0, torch.tensor([4]), 1)  # held: no alignment at page size 1
+    before = state(m)
+    error = TypeError if case in ("bool", "float", "complex", "int64") else ValueError
+    with pytest.raises(error, match="indices"):
+        m.insert_prefix(ids, bad)
+    assert state(m) == before
+    m.check_integrity()
+    # The cached part is not the caller's to give: it may hold anything, even held slots.
+    assert m.insert_prefix(ids, torch.cat([torch.zeros(2 * ps, dtype=torch.int32), good[2 * ps:]])) == 2 * ps
+    m.check_integrity()
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(ops=st.lists(st.tuples(st.lists(st.integers(0, 2), min_size=1, max_size=6),
+                              st.lists(st.integers(-1, 9), min_size=6, max_size=6),
+                              st.booleans()), max_size=12))
+def test_insert_accepts_exactly_the_slots_it_can_hold(ops):
+    """Against a model: an insert is refused iff a slot entering the tree is negative, held, or
+    listed twice; a refused insert changes nothing; evicting frees slots for reuse."""
+    m = RadixCacheManager()
+    cached = {}  # prefix tuple -> slot of its last token
+    for seq, slots, evict in ops:
+        seq = tuple(seq)
+        k = 0
+        while k < len(seq) and seq[: k + 1] in cached:
+            k += 1
+        new = slots[k:len(seq)]
+        ok = all(x >= 0 for x in new) and len(set(new)) == len(new) and not set(new) & set(cached.values())
+        before = state(m)
+        try:
+            got = m.insert_prefix(torch.tensor(seq), torch.tensor(slots[: len(seq)], dtype=torch.int32))
+        except ValueError:
+            assert not ok and state(m) == before
+        else:
+            assert ok and got == k
+            cached.update({seq[: i + 1]: slots[i] for i in range(k, len(seq))})
+        m.check_integrity()
+        assert sorted(m.cached_indices().tolist()) == sorted(cached.values())
+        if evict and m.size_info.evictable_size:
+            for x in m.evict(1).tolist():
+                cached = {p: v for p, v in cached.items() if v != x}
+            m.check_integrity()
+
+
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_every_method_works_on_a_chain_1100_nodes_deep(page_size):
+    """Issue 9 item 9: a request cached after every decode token makes a chain as deep as its
+    length; nothing may recurse over depth."""
+    ps, depth = page_size, 1100
+    m = RadixCacheManager(page_size=ps)
+    ids = torch.arange(depth * ps)
+    slots = torch.arange(depth * ps, dtype=torch.int32)
+    for d in range(1, depth + 1):
+        res = m.insert_and_match(ids[: d * ps], slots[: d * ps])
+        assert res.cached_len == (d - 1) * ps and res.handle.cached_len == d * ps
+    assert m.num_nodes == depth
+    m.check_integrity()
+    h, idx = m.match_prefix(ids)
+    assert torch.equal(idx, slots) and torch.equal(m.handle_indices(h), slots)
+    m.lock_handle(h)
+    assert m.size_info == SizeInfo(0, depth * ps)
+    m.check_integrity()
+    assert len(list(m.nodes())) == depth + 1 and len(m.cached_indices()) == depth * ps
+    assert m.eviction_priority(h.node) == (h.node.timestamp, h.node.uuid)
+    repr(h)
+    assert h == m.match_prefix(ids)[0] and hash(h) == hash(m.match_prefix(ids)[0])
+    m.lock_handle(h, unlock=True)
+    half, _ = m.match_prefix(ids[: depth // 2 * ps])  # no split: a node boundary
+    assert m.num_nodes == depth
+    assert sorted(m.evict(depth * ps).tolist()) == slots.tolist()  # one leaf after another
+    m.check_integrity()
+    m.insert_prefix(ids, slots)
+    m.reset()
+    m.check_integrity()
+
+
+@pytest.mark.parametrize("make", ["naive", "radix1", "radix4"])
+@pytest.mark.parametrize("bad", [torch.tensor([1.0, 2.0]), torch.tensor([True, False]),
+                                 torch.tensor([1 + 0j]), torch.tensor([[1, 2]]), [1, 2], np.array([1, 2])])
+def test_token_ids_and_counts_must_be_real_integers(make, bad):
+    """Issue 9 item 5 for the managers: never truncate a float, never read a bool as a token."""
+    from kvcache import NaiveCacheManager
+
+    m = {"naive": NaiveCacheManager, "radix1": RadixCacheManager,
+         "radix4": lambda: RadixCacheManager(page_size=4)}[make]()
+    m.insert_prefix(torch.arange(8), torch.arange(8, dtype=torch.int32))
+    before = (m.size_info, [n.ref_count for n in m.nodes()] if make != "naive" else None)
+    with pytest.raises((TypeError, ValueError), match="input_ids"):
+        m.match_prefix(bad)
+    with pytest.raises((TypeError, ValueError), match="input_ids"):
+        m.insert_prefix(bad, torch.zeros(2, dtype=torch.int32))
+    for size in (True, 1.0, 2.5, 1 + 0j, "1"):
+        with pytest.raises(TypeError, match="size"):
+            m.evict(size)
+    assert before == (m.size_info, [n.ref_count for n in m.nodes()] if make != "naive" else None)
+
+
+def test_a_handle_made_by_hand_with_the_wrong_length_is_refused():
+    from kvcache import RadixCacheHandle
+
+    m = RadixCacheManager()
+    m.insert_prefix(t(1, 2, 3), s(0, 1, 2))
+    h, _ = m.match_prefix(t(1, 2, 3))
+    forged = RadixCacheHandle(2, h.node)
+    before = state(m)
+    with pytest.raises(RuntimeError, match="cached_len=2 but its path holds 3"):
+        m.lock_handle(forged)
+    with pytest.raises(RuntimeError, match="cached_len=2 but its path holds 3"):
+        m.handle_indices(forged)
+    assert state(m) == before and m.num_locked_handles == 0
+    m.check_integrity()

@@ -42,6 +42,48 @@ def make_machine(page_size: int, policy: str):
             got = self.m.insert_prefix(torch.tensor(seq), torch.tensor(slots, dtype=torch.int32))
             assert got == self.ref.insert(seq, slots)
 
+        @rule(seq=seqs, via_result=st.booleans())
+        def insert_and_match(self, seq: tuple, via_result: bool) -> None:
+            """The fused call: the same length as `insert_prefix`, and the handle of the whole
+            aligned prefix, equal to what a match right after would give."""
+            slots = self.fresh_slots(len(seq))
+            res = self.m.insert_and_match(torch.tensor(seq), torch.tensor(slots, dtype=torch.int32))
+            assert res.cached_len == self.ref.insert(seq, slots)
+            k = len(seq) // page_size * page_size
+            assert res.handle.cached_len == k
+            assert self.m.handle_indices(res.handle).tolist() == self.ref.slots(seq, k)
+            self.matched.append((res.handle, seq[:k]))
+
+        @precondition(lambda self: self.ref.entries)
+        @rule(seq=seqs, pick=st.integers(0, 10**6), where=st.integers(0, 10**6))
+        def insert_held_slot(self, seq: tuple, pick: int, where: int) -> None:
+            """A slot the tree holds, placed in the new part of an insert: refused, nothing changes."""
+            k = self.ref.longest(seq)
+            aligned = len(seq) // page_size * page_size
+            if k == aligned:
+                return  # nothing new: the slots are not looked at
+            slots = self.fresh_slots(len(seq))
+            held = sorted(self.ref.owner_of_slots())
+            page = held[pick % len(held)] // page_size
+            at = k + (where % ((aligned - k) // page_size)) * page_size
+            slots[at:at + page_size] = range(page * page_size, page * page_size + page_size)
+            before = (self.m.size_info, self.m.clock, sorted(self.m.cached_indices().tolist()))
+            with pytest.raises(ValueError, match="already holds"):
+                self.m.insert_prefix(torch.tensor(seq), torch.tensor(slots, dtype=torch.int32))
+            assert (self.m.size_info, self.m.clock, sorted(self.m.cached_indices().tolist())) == before
+
+        @precondition(lambda self: self.matched)
+        @rule(i=st.integers(0, 1000))
+        def unlock_unlocked(self, i: int) -> None:
+            """A handle not locked now (as an object) cannot be unlocked, whatever else is locked."""
+            handle, _ = self.matched[i % len(self.matched)]
+            if any(h is handle for h, _ in self.handles):
+                return
+            before = (self.m.size_info, [n.ref_count for n in self.m.nodes()])
+            with pytest.raises(RuntimeError, match="not locked"):
+                self.m.lock_handle(handle, unlock=True)
+            assert (self.m.size_info, [n.ref_count for n in self.m.nodes()]) == before
+
         @rule(seq=seqs)
         def match(self, seq: tuple) -> None:
             handle, idx = self.m.match_prefix(torch.tensor(seq))
@@ -60,18 +102,19 @@ def make_machine(page_size: int, policy: str):
                     self.m.lock_handle(handle)
                 return
             self.m.lock_handle(handle)
+            self.handles.append((handle, prefix))  # empty (root) handles too: their locks count
             if prefix:
                 self.ref.locks[prefix] = self.ref.locks.get(prefix, 0) + 1
-                self.handles.append((handle, prefix))
 
         @precondition(lambda self: self.handles)
         @rule(i=st.integers(0, 1000))
         def unlock(self, i: int) -> None:
             handle, prefix = self.handles.pop(i % len(self.handles))
             self.m.lock_handle(handle, unlock=True)
-            self.ref.locks[prefix] -= 1
-            if not self.ref.locks[prefix]:
-                del self.ref.locks[prefix]
+            if prefix:
+                self.ref.locks[prefix] -= 1
+                if not self.ref.locks[prefix]:
+                    del self.ref.locks[prefix]
 
         @rule(size=st.integers(0, 20))
         def evict(self, size: int) -> None:
@@ -106,10 +149,11 @@ def make_machine(page_size: int, policy: str):
                     remaining = [prio(p) for p in self.ref.leaves() if not self.ref.locked(p)]
                     assert all(oldest_evicted <= r for r in remaining), "evicted a newer leaf before an older one"
 
-        @precondition(lambda self: not self.handles)
+        @precondition(lambda self: not any(prefix for _, prefix in self.handles))
         @rule()
         def reset(self) -> None:
-            self.m.reset()
+            self.m.reset()  # forgets the locks of empty handles with everything else
+            self.handles.clear()
             self.ref = ReferenceCache(page_size)
             self.matched.clear()
             self.stale.clear()

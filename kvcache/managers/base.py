@@ -72,7 +72,12 @@ class BaseCacheManager(ABC):
 
     @abstractmethod
     def lock_handle(self, handle: BaseCacheHandle, unlock: bool = False) -> None:
-        """Protect (or release) the prefix behind ``handle`` from eviction."""
+        """Protect (or release) the prefix behind ``handle`` from eviction.
+
+        Locks are counted per handle object: unlocking a handle that is not locked (never
+        locked, or unlocked as often as locked) raises ``RuntimeError`` and changes nothing,
+        whatever else is locked.
+        """
 
     @abstractmethod
     def insert_prefix(self, input_ids: torch.Tensor, indices: torch.Tensor) -> int:

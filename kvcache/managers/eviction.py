@@ -3,13 +3,19 @@
 A policy maps an evictable leaf to a sortable priority; the leaf with the smallest priority is
 evicted first. The manager keeps the evictable leaves in a heap keyed by this priority, so the
 priority of a node may only change when the manager is told (it re-pushes the node then).
+
+A policy may also offer ``flat_priority(node) -> int``, ordered exactly as ``priority``: the
+heap then compares plain ints (the built-in policies pack ``(time, uuid)`` as
+``time << 64 | uuid``), which keeps the hot path free of tuple building.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Protocol, Tuple, Type
+import heapq
+from typing import Callable, Dict, List, Protocol, Tuple, Type
 
-__all__ = ["EvictableNode", "EvictionPolicy", "LRUPolicy", "FIFOPolicy", "EVICTION_POLICIES", "register_eviction_policy"]
+__all__ = ["EvictableNode", "EvictionPolicy", "LRUPolicy", "FIFOPolicy", "EVICTION_POLICIES",
+           "register_eviction_policy", "LeafHeap"]
 
 
 class EvictableNode(Protocol):
@@ -23,8 +29,9 @@ class EvictableNode(Protocol):
 class EvictionPolicy(Protocol):
     name: str
 
-    def priority(self, node: EvictableNode) -> Tuple[int, int]:
-        """Smaller goes first. Must be a pure function of the node's fields."""
+    def priority(self, node: EvictableNode) -> Tuple[int, ...]:
+        """Smaller goes first. A pure function of the node's fields that never decreases while
+        the node is in the tree (`LeafHeap` relies on it)."""
         ...
 
 
@@ -53,6 +60,9 @@ class LRUPolicy:
     def priority(self, node: EvictableNode) -> Tuple[int, int]:
         return (node.timestamp, node.uuid)
 
+    def flat_priority(self, node: EvictableNode) -> int:
+        return node.timestamp << 64 | node.uuid
+
 
 @register_eviction_policy("fifo")
 class FIFOPolicy:
@@ -62,3 +72,59 @@ class FIFOPolicy:
 
     def priority(self, node: EvictableNode) -> Tuple[int, int]:
         return (node.insert_time, node.uuid)
+
+    def flat_priority(self, node: EvictableNode) -> int:
+        return node.insert_time << 64 | node.uuid
+
+
+class LeafHeap:
+    """The evictable leaves of a tree, smallest priority first, at most one entry per node.
+
+    Lazy by design: a node's entry may hold a priority older (smaller) than the node's current
+    one, because a match only stamps times and never touches the heap. `pop` files such an
+    entry again under the current priority instead of returning it, so what it returns is the
+    true minimum as long as priorities only grow while a node is in the tree (as the times of
+    the built-in policies do). A node with no entry must be filed (`file`) when it becomes an
+    evictable leaf; an entry for a node that is no longer one is dropped when popped.
+    """
+
+    def __init__(self, key: Callable[[EvictableNode], object]) -> None:
+        self._key = key
+        self.clear()
+
+    def clear(self) -> None:
+        self._heap: List[Tuple[object, int, EvictableNode]] = []
+        self._filed: Dict[int, object] = {}  # uuid -> priority of the node's entry
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def file(self, node: EvictableNode) -> None:
+        """Give ``node`` an entry under its current priority, unless it has one."""
+        if node.uuid not in self._filed:
+            priority = self._key(node)
+            self._filed[node.uuid] = priority
+            heapq.heappush(self._heap, (priority, node.uuid, node))
+
+    def pop(self, evictable: Callable[[EvictableNode], bool]) -> EvictableNode:
+        """Remove and return the evictable node with the smallest current priority.
+
+        Raises ``RuntimeError`` when no filed node is evictable (the caller's sizes are wrong).
+        """
+        heap, filed, key = self._heap, self._filed, self._key
+        while heap:
+            priority, uuid, node = heapq.heappop(heap)
+            del filed[uuid]
+            if not evictable(node):
+                continue  # it gained a child or a lock since: filed again when a leaf again
+            current = key(node)
+            if current == priority:
+                return node
+            filed[uuid] = current  # used since it was filed: file it under its new priority
+            heapq.heappush(heap, (current, uuid, node))
+        raise RuntimeError("internal error: no evictable leaf is filed")
+
+    def is_filed(self, node: EvictableNode) -> bool:
+        """Whether ``node`` has an entry no newer than its current priority (what `pop` needs)."""
+        priority = self._filed.get(node.uuid)
+        return priority is not None and not self._key(node) < priority  # type: ignore[operator]

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
-from .._validate import check_indices, check_size, check_token_ids
+from .._validate import check_indices, check_positive_int, check_size, check_token_ids
 from .base import BaseCacheHandle, BaseCacheManager, SizeInfo
 
 __all__ = ["NaiveCacheHandle", "NaiveCacheManager"]
@@ -25,17 +25,35 @@ class NaiveCacheManager(BaseCacheManager):
     duplicates it allocated frees all of them: allocate, use, free at once, and no leak.
     """
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(self, device: torch.device | str = "cpu", page_size: int = 1) -> None:
+        """``page_size`` only says which pools it serves (``RequestFlow`` checks that it matches
+        the allocator's): caching nothing, it works the same at every page size."""
         self.device = torch.device(device)
+        self.page_size = check_positive_int(page_size, "page_size")
         self.empty_tensor = torch.empty(0, dtype=torch.int32, device=self.device)
+        self._locks: Dict[int, List] = {}  # id(handle) -> [handle, times locked]
 
     def match_prefix(self, input_ids: torch.Tensor) -> Tuple[NaiveCacheHandle, torch.Tensor]:
         check_token_ids(input_ids)
         return NaiveCacheHandle(0), self.empty_tensor
 
     def lock_handle(self, handle: BaseCacheHandle, unlock: bool = False) -> None:
+        """Protects nothing, but keeps the contract: unlocking a handle (object) that is not
+        locked raises ``RuntimeError``, as with every manager, so misuse shows here too."""
         if not isinstance(handle, BaseCacheHandle):
             raise TypeError(f"handle must be a BaseCacheHandle, got {type(handle).__name__}")
+        entry = self._locks.get(id(handle))
+        if not unlock:
+            if entry is None:
+                self._locks[id(handle)] = [handle, 1]
+            else:
+                entry[1] += 1
+        elif entry is None:
+            raise RuntimeError("cannot unlock a handle that is not locked")
+        elif entry[1] == 1:
+            del self._locks[id(handle)]
+        else:
+            entry[1] -= 1
 
     def insert_prefix(self, input_ids: torch.Tensor, indices: torch.Tensor) -> int:
         check_token_ids(input_ids)

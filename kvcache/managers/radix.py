@@ -5,101 +5,33 @@ the path from the root to a node spells a cached prefix. With ``page_size > 1`` 
 whole number of pages and children are filed under their first page, so matching, splitting and
 eviction all happen at page boundaries.
 
-Costs. Keys are numpy arrays compared a node at a time (one vectorised comparison per node, no
-Python work per token). Evictable leaves live in a heap keyed by the eviction policy and kept up
-to date as the tree changes, so evicting ``k`` leaves costs ``O(k log n)``; stale heap entries
-are skipped when popped and the heap is compacted when they outnumber the live ones.
+Costs (measured in ``benchmarks/radix_ops.py``): a few C calls per node on the path, never
+Python work per token. Keys are int64 bytes: a node matches with one ``bytes.startswith`` and
+the next child is one unpack and one dict probe away. Slots live on the host as NumPy int32. An
+insert walks without changing anything, checks only the *new* slots (`SlotOwners`), then changes
+the tree, so a refused call leaves no trace. Evictable leaves sit in a lazy heap of flat integer
+priorities (`LeafHeap`): a match never touches it, evicting ``k`` leaves costs ``O(k log n)``.
+No method recurses over the tree's depth.
 """
 
 from __future__ import annotations
 
-import heapq
-from dataclasses import dataclass
-from typing import Dict, Hashable, Iterator, List, Optional, Tuple
+import struct
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
 
-from .._validate import check_indices, check_positive_int, check_size, check_token_ids
-from .base import BaseCacheHandle, BaseCacheManager, SizeInfo
-from .eviction import EVICTION_POLICIES, EvictionPolicy
+from .._validate import check_positive_int, check_size
+from .base import BaseCacheHandle, BaseCacheManager, InsertResult, SizeInfo
+from .eviction import EVICTION_POLICIES, EvictionPolicy, LeafHeap
+from .radix_node import (ITEM, RadixCacheHandle, RadixTreeNode, TreeInfo, check_child, common_tokens,
+                         key_reader, slot_array, token_array)
+from .slot_owners import SlotOwners
 
 __all__ = ["RadixTreeNode", "RadixCacheHandle", "RadixCacheManager"]
 
-_Priority = Tuple[int, int]
-_ITEM = np.dtype(np.int64).itemsize  # bytes per token id in a key
-
-
-class RadixTreeNode:
-    """One edge of the tree: a run of tokens and the KV slots holding them.
-
-    ``children`` maps a child's first token (``page_size == 1``) or first page, as a tuple of
-    token ids (``page_size > 1``), to the child. ``ref_count`` counts the locked handles whose
-    path runs through this node; a node with ``ref_count > 0`` is protected. ``timestamp`` is the
-    manager's logical clock at the node's last match or insert; ``insert_time`` when its tokens
-    were inserted.
-    """
-
-    __slots__ = (
-        "children", "_parent", "ref_count", "uuid", "timestamp", "insert_time",
-        "_key", "_kb", "_value", "_in_tree", "_heap_priority",
-    )
-
-    def __init__(self, uuid: int, key: np.ndarray, value: torch.Tensor, timestamp: int,
-                 insert_time: int) -> None:
-        self.children: Dict[Hashable, RadixTreeNode] = {}
-        self._parent: Optional[RadixTreeNode] = None
-        self.ref_count = 0
-        self.uuid = uuid
-        self.timestamp = timestamp
-        self.insert_time = insert_time
-        self._key = key
-        self._kb = key.tobytes()  # the same tokens as bytes: whole-node matches are one memcmp
-        self._value = value
-        self._in_tree = True
-        self._heap_priority: Optional[_Priority] = None
-
-    @property
-    def parent(self) -> Optional["RadixTreeNode"]:
-        return self._parent
-
-    @property
-    def key(self) -> torch.Tensor:
-        """The node's token ids, shape ``(length,)``, int64 (a view; do not write to it)."""
-        return torch.from_numpy(self._key)
-
-    @property
-    def value(self) -> torch.Tensor:
-        """The KV slots of the node's tokens, shape ``(length,)``, int32 on the manager's device."""
-        return self._value
-
-    @property
-    def length(self) -> int:
-        return len(self._key)
-
-    @property
-    def in_tree(self) -> bool:
-        """False once the node was evicted (or the tree reset): its handle can no longer be locked."""
-        return self._in_tree
-
-    def is_root(self) -> bool:
-        return self._parent is None
-
-    def is_leaf(self) -> bool:
-        return not self.children
-
-    def __repr__(self) -> str:
-        keys = self._key.tolist()
-        shown = keys if len(keys) <= 8 else keys[:4] + ["..."] + keys[-2:]
-        return (f"RadixTreeNode(uuid={self.uuid}, key={shown}, ref_count={self.ref_count}, "
-                f"timestamp={self.timestamp})")
-
-
-@dataclass(frozen=True)
-class RadixCacheHandle(BaseCacheHandle):
-    """The matched prefix ends at the end of ``node``; ``cached_len`` is the path's length."""
-
-    node: RadixTreeNode
+_Walk = Tuple[List[RadixTreeNode], int, Optional[RadixTreeNode], int]
 
 
 class RadixCacheManager(BaseCacheManager):
@@ -116,27 +48,31 @@ class RadixCacheManager(BaseCacheManager):
                  eviction_policy: str = "lru") -> None:
         check_positive_int(page_size, "page_size")
         if eviction_policy not in EVICTION_POLICIES:
-            raise ValueError(
-                f"eviction_policy must be one of {sorted(EVICTION_POLICIES)}, got {eviction_policy!r}"
-            )
+            raise ValueError(f"eviction_policy must be one of {sorted(EVICTION_POLICIES)}, got {eviction_policy!r}")
         self.device = torch.device(device)
         self.page_size = page_size
         self.eviction_policy = eviction_policy
         self._policy: EvictionPolicy = EVICTION_POLICIES[eviction_policy]()
+        self._leaves = LeafHeap(getattr(self._policy, "flat_priority", None) or self._policy.priority)
         self.empty_tensor = torch.empty(0, dtype=torch.int32, device=self.device)
-        self._uuid = 0
-        self._clock = 0
+        self._on_cpu = self.device.type == "cpu"
+        self._key_of = key_reader(page_size)
+        self._unpack = struct.Struct(f"={page_size}q").unpack_from
+        self._owners = SlotOwners(page_size)
+        self._uuid = self._clock = 0
         self._init_tree()
 
     # ------------------------------------------------------------------ state
     def _init_tree(self) -> None:
-        self.root_node = RadixTreeNode(self._next_uuid(), np.empty(0, dtype=np.int64),
-                                       self.empty_tensor, self._clock, self._clock)
+        self._tree = TreeInfo(self.device)
+        self.root_node = RadixTreeNode(self._next_uuid(), b"", np.empty(0, dtype=np.int32),
+                                       self._clock, self._clock, self._tree)
         self.root_node.ref_count = 1  # the root is never evicted
-        self._evictable_size = 0
-        self._protected_size = 0
+        self._evictable_size = self._protected_size = 0
         self._num_nodes = 0  # excluding the root
-        self._heap: List[Tuple[_Priority, RadixTreeNode]] = []
+        self._leaves.clear()
+        self._locks: Dict[int, List] = {}  # id(handle) -> [handle, times locked]
+        self._owners.clear()
 
     def _next_uuid(self) -> int:
         self._uuid += 1
@@ -145,11 +81,6 @@ class RadixCacheManager(BaseCacheManager):
     def _tick(self) -> int:
         self._clock += 1
         return self._clock
-
-    def _child_key(self, ids: np.ndarray, pos: int = 0) -> Hashable:
-        if self.page_size == 1:
-            return int(ids[pos])
-        return tuple(ids[pos:pos + self.page_size].tolist())
 
     @property
     def size_info(self) -> SizeInfo:
@@ -165,6 +96,11 @@ class RadixCacheManager(BaseCacheManager):
         """The logical clock: incremented by every ``match_prefix`` and ``insert_prefix``."""
         return self._clock
 
+    @property
+    def num_locked_handles(self) -> int:
+        """Distinct handles locked now (each counted once however often it was locked)."""
+        return len(self._locks)
+
     def nodes(self) -> Iterator[RadixTreeNode]:
         """Every node, the root first, depth first, children in insertion order."""
         stack = [self.root_node]
@@ -174,67 +110,24 @@ class RadixCacheManager(BaseCacheManager):
             stack.extend(reversed(list(node.children.values())))
 
     def cached_indices(self) -> torch.Tensor:
-        values = [n.value for n in self.nodes() if not n.is_root()]
-        return torch.cat(values) if values else self.empty_tensor
+        values = [n.value_array for n in self.nodes() if not n.is_root()]
+        return self._out(np.concatenate(values)) if values else self.empty_tensor
 
     def reset(self) -> None:
+        """Forget every prefix. Locks on empty (root) handles are forgotten with them."""
         if self._protected_size > 0:
-            raise RuntimeError(
-                f"cannot reset while {self._protected_size} tokens are locked; unlock every handle first"
-            )
+            raise RuntimeError(f"cannot reset while {self._protected_size} tokens are locked; unlock every handle first")
         for node in self.nodes():
             node._in_tree = False
         self._init_tree()
 
-    # ----------------------------------------------------------- arguments
-    def _token_array(self, input_ids: torch.Tensor) -> np.ndarray:
-        check_token_ids(input_ids)
-        return (input_ids if input_ids.dtype == torch.int64 else input_ids.to(torch.int64)).numpy()
+    # ----------------------------------------------------------- helpers
+    def _out(self, values: np.ndarray) -> torch.Tensor:
+        out = torch.from_numpy(values)
+        return out if self._on_cpu else out.to(self.device)
 
-    def _check_page_aligned(self, indices: torch.Tensor, n: int) -> None:
-        """Each page of ``indices[:n]`` must be ``page_size`` consecutive slots of one page."""
-        ps = self.page_size
-        if ps == 1 or n == 0:
-            return
-        pages = indices[:n].view(-1, ps)
-        offsets = pages - pages[:, :1]
-        expected = torch.arange(ps, dtype=torch.int32, device=indices.device)
-        if bool(((pages[:, 0] % ps) != 0).any()) or not bool((offsets == expected).all()):
-            raise ValueError(
-                f"with page_size={ps} every {ps} indices must be the consecutive slots of one page "
-                f"(first slot a multiple of {ps}); got {indices[:n].tolist()}"
-            )
-
-    # --------------------------------------------------------------- heap
     def _is_evictable_leaf(self, node: RadixTreeNode) -> bool:
-        return node._in_tree and node.ref_count == 0 and not node.children and not node.is_root()
-
-    def _push(self, node: RadixTreeNode) -> None:
-        priority = self._policy.priority(node)
-        node._heap_priority = priority
-        heapq.heappush(self._heap, (priority, node))
-        if len(self._heap) > 2 * self._num_nodes + 64:
-            self._compact_heap()
-
-    def _entry_is_live(self, priority: _Priority, node: RadixTreeNode) -> bool:
-        return self._is_evictable_leaf(node) and node._heap_priority == priority
-
-    def _compact_heap(self) -> None:
-        live = []
-        for priority, node in self._heap:
-            if node._heap_priority != priority:
-                continue  # superseded by a newer entry for the same node
-            if self._is_evictable_leaf(node):
-                live.append((priority, node))
-            else:
-                node._heap_priority = None  # its entry is dropped: it must be pushed again
-        self._heap = live
-        heapq.heapify(self._heap)
-
-    def _refresh(self, node: RadixTreeNode) -> None:
-        """Re-file ``node`` in the heap if it is an evictable leaf whose priority changed."""
-        if self._is_evictable_leaf(node) and node._heap_priority != self._policy.priority(node):
-            self._push(node)
+        return node._in_tree and node.ref_count == 0 and not node.children and node._parent is not None
 
     # --------------------------------------------------------------- tree
     def _split_at(self, node: RadixTreeNode, pos: int) -> RadixTreeNode:
@@ -244,46 +137,54 @@ class RadixCacheManager(BaseCacheManager):
         first part), ``timestamp`` and ``insert_time``. Sizes do not change.
         """
         parent = node._parent
-        assert parent is not None and 0 < pos < node.length and pos % self.page_size == 0
-        new = RadixTreeNode(self._next_uuid(), node._key[:pos], node._value[:pos],
-                            node.timestamp, node.insert_time)
+        cut = pos * ITEM
+        new = RadixTreeNode(self._next_uuid(), node._kb[:cut], node._value[:pos],
+                            node.timestamp, node.insert_time, self._tree)
         new.ref_count = node.ref_count
         new._parent = parent
-        parent.children[self._child_key(node._key)] = new
-        node._key = node._key[pos:]
-        node._kb = node._kb[pos * _ITEM:]
+        parent.children[self._key_of(node._kb, 0)] = new  # type: ignore[union-attr]
+        node._kb = node._kb[cut:]
         node._value = node._value[pos:]
         node._parent = new
-        new.children[self._child_key(node._key)] = node
+        new.children[self._key_of(node._kb, 0)] = node
         self._num_nodes += 1
         return new
 
-    def _walk(self, ids: np.ndarray, tic: int) -> Tuple[RadixTreeNode, int]:
-        """Follow ``ids`` (page-aligned length) down the tree; split where a node half-matches.
+    def _walk(self, ids_b: bytes, ids: np.ndarray) -> _Walk:
+        """Follow ``ids_b`` (whole pages of int64 token bytes) down the tree; change nothing.
 
-        Every node on the matched path, the split-off part included, gets timestamp ``tic``:
-        the whole matched prefix was just used.
+        Returns ``(path, matched_bytes, partial, cut)``: the nodes matched whole (root excluded),
+        and the node after them matching only its first ``cut`` tokens (whole pages), or ``None``.
         """
-        node, pos, n = self.root_node, 0, len(ids)
-        ids_b = ids.tobytes()
+        node, pos, n = self.root_node, 0, len(ids_b)
+        path: List[RadixTreeNode] = []
+        append, startswith = path.append, ids_b.startswith  # bound once: this loop is the hot path
+        # The filing key of the page at byte ``pos``: the token (``ids.item``) or a tuple of them.
+        one, item, unpack = self.page_size == 1, ids.item, self._unpack
         while pos < n:
-            child = node.children.get(self._child_key(ids, pos))
+            child = node.children.get(item(pos >> 3) if one else unpack(ids_b, pos))
             if child is None:
                 break
-            key = child._key
-            m = min(len(key), n - pos)
-            kb = child._kb if m == len(key) else child._kb[: m * _ITEM]
-            if kb != ids_b[pos * _ITEM:(pos + m) * _ITEM]:
-                m = int((key[:m] != ids[pos:pos + m]).argmax()) // self.page_size * self.page_size
-            pos += m
-            if m < child.length:
-                child = self._split_at(child, m)
-            child.timestamp = tic
+            kb = child._kb
+            if not startswith(kb, pos):  # the whole node matches: one memcmp
+                ps = self.page_size
+                cut = common_tokens(kb, ids, pos // ITEM) // ps * ps
+                return path, pos + cut * ITEM, child, cut
+            append(child)
+            pos += len(kb)
             node = child
-            if m < len(key):
-                break
-        self._refresh(node)
-        return node, pos
+        return path, pos, None, 0
+
+    def _commit(self, walk: _Walk, tic: int) -> RadixTreeNode:
+        """Apply a walk: stamp the matched path with ``tic``, split the partial node; return the end."""
+        path, _, partial, cut = walk
+        for node in path:
+            node.timestamp = tic
+        if partial is not None:
+            end = self._split_at(partial, cut)
+            end.timestamp = tic
+            return end
+        return path[-1] if path else self.root_node
 
     # ------------------------------------------------------------- public
     def match_prefix(self, input_ids: torch.Tensor) -> Tuple[RadixCacheHandle, torch.Tensor]:
@@ -292,61 +193,72 @@ class RadixCacheManager(BaseCacheManager):
         Not read-only: a node matched only in part is split so that the handle can point at the
         end of the match, and the matched path's timestamps are refreshed.
         """
-        ids = self._token_array(input_ids)
-        ids = ids[: len(ids) // self.page_size * self.page_size]
-        node, prefix_len = self._walk(ids, self._tick())
-        if prefix_len == 0:
+        ids = token_array(input_ids)
+        n = len(ids) // self.page_size * self.page_size
+        walk = self._walk(ids[:n].tobytes(), ids)
+        node = self._commit(walk, self._tick())
+        if walk[1] == 0:
             return RadixCacheHandle(0, self.root_node), self.empty_tensor
-        values: List[torch.Tensor] = []
-        handle = RadixCacheHandle(prefix_len, node)
-        while not node.is_root():
+        values = [p._value for p in walk[0]]
+        if walk[2] is not None:
             values.append(node._value)
-            node = node._parent  # type: ignore[assignment]
-        values.reverse()
-        return handle, torch.cat(values)
+        out = values[0].copy() if len(values) == 1 else np.concatenate(values)
+        return RadixCacheHandle(walk[1] // ITEM, node), self._out(out)
 
     def insert_prefix(self, input_ids: torch.Tensor, indices: torch.Tensor) -> int:
         """Cache the whole-page part of ``input_ids`` with ``indices``; return the length already cached.
 
         Only ``indices[returned:aligned]`` enter the tree (copied); ``indices[:returned]`` and the
-        tail past the last whole page stay the caller's, to free or keep.
+        tail past the last whole page stay the caller's, to free or keep. Raises ``ValueError``
+        (changing nothing) when a slot that would enter is negative, already held by the tree,
+        listed twice, or (``page_size > 1``) not part of a whole aligned page.
         """
-        ids = self._token_array(input_ids)
-        check_indices(indices, self.device)
-        if indices.shape[0] != len(ids):
-            raise ValueError(f"len(indices) ({indices.shape[0]}) must equal len(input_ids) ({len(ids)})")
-        n = len(ids) // self.page_size * self.page_size
-        self._check_page_aligned(indices, n)
-        tic = self._tick()
-        node, prefix_len = self._walk(ids[:n], tic)
-        if prefix_len < n:
-            new = RadixTreeNode(self._next_uuid(), ids[prefix_len:n].copy(),
-                                indices[prefix_len:n].clone(), tic, tic)
-            new._parent = node
-            node.children[self._child_key(new._key)] = new
-            self._num_nodes += 1
-            self._evictable_size += new.length
-            self._push(new)
-        return prefix_len
+        return self._insert(input_ids, indices).cached_len
 
-    def _path(self, handle: BaseCacheHandle) -> List[RadixTreeNode]:
-        """Nodes from ``handle.node`` up to (not including) the root, after checking the handle."""
+    def insert_and_match(self, input_ids: torch.Tensor, indices: torch.Tensor) -> InsertResult:
+        """`insert_prefix` and the (unlocked) handle of the whole inserted prefix, in one walk."""
+        return self._insert(input_ids, indices)
+
+    def _insert(self, input_ids: torch.Tensor, indices: torch.Tensor) -> InsertResult:
+        ids = token_array(input_ids)
+        all_slots = slot_array(indices, self.device)
+        if len(all_slots) != len(ids):
+            raise ValueError(f"len(indices) ({len(all_slots)}) must equal len(input_ids) ({len(ids)})")
+        n = len(ids) // self.page_size * self.page_size
+        ids_b = ids[:n].tobytes()
+        walk = self._walk(ids_b, ids)
+        pos = walk[1]
+        prefix_len = pos // ITEM
+        if prefix_len < n:  # check what would enter before anything changes
+            slots = all_slots[prefix_len:n]
+            self._owners.claim_new(slots)  # the last check: it holds the pages when it passes
+        tic = self._tick()
+        node = self._commit(walk, tic)
+        if prefix_len == n:
+            return InsertResult(prefix_len, RadixCacheHandle(n, node))
+        new = RadixTreeNode(self._next_uuid(), ids_b[pos:], slots.copy(), tic, tic, self._tree)
+        new._parent = node
+        node.children[self._key_of(ids_b, pos)] = new
+        self._num_nodes += 1
+        self._evictable_size += n - prefix_len
+        self._leaves.file(new)
+        return InsertResult(prefix_len, RadixCacheHandle(n, new))
+
+    def _checked_path_end(self, handle: BaseCacheHandle) -> RadixTreeNode:
+        """``handle.node`` after proving it is a live node of this tree (read-only, O(1)).
+
+        The callers check ``handle.cached_len`` against the path in the walk they make anyway.
+        """
         if not isinstance(handle, RadixCacheHandle):
             raise TypeError(f"handle must be a RadixCacheHandle, got {type(handle).__name__}")
-        path: List[RadixTreeNode] = []
         node = handle.node
-        length = 0
-        while not node.is_root():
-            if not node._in_tree:
-                raise RuntimeError(f"handle's node {node.uuid} was evicted; match the prefix again")
-            path.append(node)
-            length += node.length
-            node = node._parent  # type: ignore[assignment]
-        if node is not self.root_node:
-            raise RuntimeError("handle belongs to another manager, or to a tree that was reset")
-        if length != handle.cached_len:
-            raise RuntimeError(f"handle says cached_len={handle.cached_len} but its path holds {length} tokens")
-        return path
+        if not isinstance(node, RadixTreeNode):
+            raise TypeError(f"handle.node must be a RadixTreeNode, got {type(node).__name__}")
+        if not node._in_tree:
+            raise RuntimeError(f"handle's node {node.uuid} was evicted (or the tree reset); match the prefix again")
+        if node._tree is not self._tree:
+            raise RuntimeError("handle belongs to another manager")
+        return node
 
     def eviction_priority(self, node: RadixTreeNode) -> Tuple[int, ...]:
         """``node``'s key under this manager's policy: the evictable leaf with the smallest goes first."""
@@ -354,32 +266,66 @@ class RadixCacheManager(BaseCacheManager):
 
     def handle_indices(self, handle: BaseCacheHandle) -> torch.Tensor:
         """The slots of the prefix behind ``handle`` (read-only: no split, no timestamp change)."""
-        path = self._path(handle)
-        return torch.cat([n._value for n in reversed(path)]) if path else self.empty_tensor
+        node, values = self._checked_path_end(handle), []
+        while node._parent is not None:
+            values.append(node._value)
+            node = node._parent
+        values.reverse()
+        out = np.concatenate(values) if values else np.empty(0, dtype=np.int32)
+        if len(out) != handle.cached_len:
+            raise RuntimeError(f"handle says cached_len={handle.cached_len} but its path holds {len(out)} tokens")
+        return self._out(out) if values else self.empty_tensor
 
     def lock_handle(self, handle: BaseCacheHandle, unlock: bool = False) -> None:
         """Lock (``ref_count += 1``) or unlock every node from ``handle.node`` up to the root.
 
-        A handle of length 0 (the root) needs no protection: locking and unlocking it do nothing.
+        Locks are counted per handle object: unlocking a handle not locked now raises
+        ``RuntimeError``, changing nothing, even when an equal handle or an ancestor is locked.
+        An empty (root) handle protects nothing, but its locks are counted all the same.
         """
-        path = self._path(handle)
-        if not path:
-            return
+        entry = self._locks.get(id(handle))
         if unlock:
-            if path[0].ref_count <= 0:
-                raise RuntimeError(f"cannot unlock a handle that is not locked (node {path[0].uuid})")
-            for node in path:
+            if entry is None:
+                if not isinstance(handle, RadixCacheHandle):
+                    raise TypeError(f"handle must be a RadixCacheHandle, got {type(handle).__name__}")
+                raise RuntimeError(f"cannot unlock a handle that is not locked (cached_len={handle.cached_len})")
+            if entry[1] == 1:
+                del self._locks[id(handle)]
+            else:
+                entry[1] -= 1
+            node = leaf = handle.node  # type: ignore[attr-defined]
+            freed = 0
+            while node._parent is not None:
                 node.ref_count -= 1
                 if node.ref_count == 0:
-                    self._evictable_size += node.length
-                    self._protected_size -= node.length
-            self._refresh(path[0])
+                    freed += len(node._value)
+                node = node._parent
+            self._evictable_size += freed
+            self._protected_size -= freed
+            if leaf.ref_count == 0 and not leaf.children and leaf._parent is not None:
+                self._leaves.file(leaf)
+            return
+        node = end = handle.node if entry is not None else self._checked_path_end(handle)  # type: ignore[attr-defined]
+        taken = length = 0
+        while node._parent is not None:
+            n = len(node._value)
+            length += n
+            if node.ref_count == 0:
+                taken += n
+            node.ref_count += 1
+            node = node._parent
+        if length != handle.cached_len:  # a handle made by hand: undo, then refuse
+            node = end
+            while node._parent is not None:
+                node.ref_count -= 1
+                node = node._parent
+            raise RuntimeError(f"handle says cached_len={handle.cached_len} but its path holds {length} tokens")
+        if entry is None:
+            self._locks[id(handle)] = [handle, 1]
         else:
-            for node in path:
-                if node.ref_count == 0:
-                    self._evictable_size -= node.length
-                    self._protected_size += node.length
-                node.ref_count += 1
+            entry[1] += 1
+        self._evictable_size -= taken
+        self._protected_size += taken
 
     def evict(self, size: int) -> torch.Tensor:
         """Evict unlocked leaves in policy order until at least ``size`` tokens are freed.
@@ -395,69 +341,40 @@ class RadixCacheManager(BaseCacheManager):
                 f"cannot evict {size} tokens: only {self._evictable_size} are evictable "
                 f"({self._protected_size} are locked)"
             )
-        evicted: List[torch.Tensor] = []
-        freed = 0
+        evicted: List[np.ndarray] = []
+        freed, key_of = 0, self._key_of
         while freed < size:
-            node = self._pop_leaf()
+            node = self._leaves.pop(self._is_evictable_leaf)
             evicted.append(node._value)
-            freed += node.length
-            self._evictable_size -= node.length
-            self._num_nodes -= 1
+            freed += len(node._value)
             parent = node._parent
-            assert parent is not None
-            del parent.children[self._child_key(node._key)]
+            del parent.children[key_of(node._kb, 0)]  # type: ignore[union-attr]
             node._in_tree = False
-            self._refresh(parent)
-        return torch.cat(evicted)
-
-    def _pop_leaf(self) -> RadixTreeNode:
-        while self._heap:
-            priority, node = heapq.heappop(self._heap)
-            if node._heap_priority != priority:
-                continue  # superseded by a newer entry for the same node
-            # This was the node's entry; it is gone now, so a node that is not evictable at
-            # the moment must be pushed again when it becomes an evictable leaf.
-            node._heap_priority = None
-            if self._is_evictable_leaf(node):
-                return node
-        raise RuntimeError("internal error: evictable size is positive but no evictable leaf is filed")
+            self._num_nodes -= 1
+            if not parent.children and parent.ref_count == 0 and parent._parent is not None:  # type: ignore[union-attr]
+                self._leaves.file(parent)  # type: ignore[arg-type]
+        self._evictable_size -= freed
+        out = evicted[0] if len(evicted) == 1 else np.concatenate(evicted)
+        self._owners.release(out)
+        return self._out(out)
 
     # ---------------------------------------------------------- integrity
     def check_integrity(self) -> None:
-        """Walk the whole tree and raise ``RuntimeError`` on the first inconsistency found."""
+        """Walk the whole tree (no recursion) and raise ``RuntimeError`` on the first inconsistency."""
         root = self.root_node
         if root.ref_count != 1 or root.length != 0 or root._parent is not None:
             raise RuntimeError("root must be empty, parentless and hold ref_count 1")
-        live = {id(n) for p, n in self._heap if self._entry_is_live(p, n)}
         evictable = protected = count = 0
-        values: List[torch.Tensor] = []
+        values: List[np.ndarray] = []
         stack = [root]
         while stack:
             node = stack.pop()
             for key, child in node.children.items():
-                where = f"node {child.uuid}"
-                if child._parent is not node:
-                    raise RuntimeError(f"{where}: parent link does not point to the node that files it")
-                if child.length == 0:
-                    raise RuntimeError(f"{where}: empty node")
-                if child._kb != child._key.tobytes():
-                    raise RuntimeError(f"{where}: key bytes disagree with the key")
-                if len(child._value) != child.length:
-                    raise RuntimeError(f"{where}: {child.length} tokens but {len(child._value)} indices")
-                if child.length % self.page_size:
-                    raise RuntimeError(f"{where}: length {child.length} is not whole pages of {self.page_size}")
-                if self._child_key(child._key) != key:
-                    raise RuntimeError(f"{where}: filed under {key!r} but starts with {self._child_key(child._key)!r}")
-                if child.ref_count < 0:
-                    raise RuntimeError(f"{where}: negative ref_count {child.ref_count}")
-                if not node.is_root() and node.ref_count < child.ref_count:
-                    raise RuntimeError(f"{where}: ref_count {child.ref_count} exceeds its parent's {node.ref_count}")
-                if not node.is_root() and node.timestamp < child.timestamp:
-                    raise RuntimeError(f"{where}: used at {child.timestamp}, after its parent ({node.timestamp})")
-                if not child._in_tree:
-                    raise RuntimeError(f"{where}: marked evicted but still in the tree")
-                if self._is_evictable_leaf(child) and id(child) not in live:
-                    raise RuntimeError(f"{where}: evictable leaf missing from the eviction heap")
+                check_child(node, key, child, self.page_size, self._key_of)
+                if child._tree is not self._tree:
+                    raise RuntimeError(f"node {child.uuid}: from another tree, or from before a reset")
+                if self._is_evictable_leaf(child) and not self._leaves.is_filed(child):
+                    raise RuntimeError(f"node {child.uuid}: evictable leaf missing from the eviction heap")
                 if child.ref_count == 0:
                     evictable += child.length
                 else:
@@ -472,9 +389,11 @@ class RadixCacheManager(BaseCacheManager):
             )
         if count != self._num_nodes:
             raise RuntimeError(f"recorded {self._num_nodes} nodes, counted {count}")
-        if values:
-            allv = torch.cat(values)
-            uniq, counts = torch.unique(allv, return_counts=True)
-            if len(uniq) != len(allv):
-                dup = uniq[counts > 1][:8].tolist()
-                raise RuntimeError(f"indices appear more than once in the tree: {dup}")
+        allv = np.concatenate(values) if values else np.empty(0, dtype=np.int32)
+        uniq, counts = np.unique(allv, return_counts=True)
+        if len(uniq) != len(allv):
+            raise RuntimeError(f"indices appear more than once in the tree: {uniq[counts > 1][:8].tolist()}")
+        ps = self.page_size
+        pages = allv[::ps] // ps if ps > 1 else allv
+        if self._owners.count != len(pages) or not self._owners.held(pages.astype(np.int64)).all():
+            raise RuntimeError("the record of held slots disagrees with the slots in the tree")

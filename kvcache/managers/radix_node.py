@@ -1,0 +1,203 @@
+"""The radix tree's pieces: `RadixTreeNode`, `RadixCacheHandle`, and how keys are stored and filed.
+
+A node's tokens are kept as the bytes of their int64 values (``key_bytes``): a whole-node match
+is then one ``bytes.startswith`` (a memcmp, no Python work per token), and the child a walk
+needs next is found with one ``struct`` unpack and one dict probe per node. Children stay filed
+under what a reader expects (API.md and the book): the first token id (an ``int``) with
+``page_size == 1``, the first page as a tuple of token ids with ``page_size > 1``.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Callable, Dict, Hashable, Optional
+
+import numpy as np
+import torch
+
+from .._validate import check_indices, check_token_ids
+from .base import BaseCacheHandle
+
+__all__ = ["RadixTreeNode", "RadixCacheHandle", "TreeInfo", "key_reader", "token_array", "slot_array",
+           "common_tokens", "check_child", "ITEM"]
+
+ITEM = np.dtype(np.int64).itemsize  # bytes per token id in a key
+
+# NumPy twins of the integer dtypes `check_token_ids` accepts.
+_TOKEN_DTYPES = frozenset(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64, np.uint8))
+
+
+def token_array(input_ids: torch.Tensor) -> np.ndarray:
+    """``input_ids`` as int64 NumPy (a view when it is int64 already), checked as
+    `check_token_ids` checks, through the cheapest route for the common case."""
+    try:
+        ids = input_ids.numpy()  # only a CPU tensor gets past here
+    except (AttributeError, TypeError, RuntimeError):
+        ids = None
+    if ids is None or ids.ndim != 1 or ids.dtype not in _TOKEN_DTYPES:
+        check_token_ids(input_ids)  # raises with the standard message
+        raise TypeError(f"input_ids must be a 1-D integer tensor on the CPU, got {input_ids!r}")
+    return ids if ids.dtype == np.int64 else ids.astype(np.int64)
+
+
+def slot_array(indices: torch.Tensor, device: torch.device) -> np.ndarray:
+    """``indices`` as int32 NumPy on the host, checked as `check_indices` checks."""
+    if device.type != "cpu":
+        return check_indices(indices, device).cpu().numpy()
+    try:
+        slots = indices.numpy()
+    except (AttributeError, TypeError, RuntimeError):
+        slots = None
+    if slots is None or slots.ndim != 1 or slots.dtype != np.int32:
+        check_indices(indices, device)
+        raise TypeError(f"indices must be a 1-D torch.int32 tensor on {device}, got {indices!r}")
+    return slots
+
+
+def common_tokens(key_bytes: bytes, ids: np.ndarray, pos: int) -> int:
+    """How many leading tokens of ``key_bytes`` equal ``ids[pos:]``."""
+    key = np.frombuffer(key_bytes, dtype=np.int64)
+    m = min(len(key), len(ids) - pos)
+    differ = key[:m] != ids[pos:pos + m]
+    return int(differ.argmax()) if differ.any() else m
+
+
+def key_reader(page_size: int) -> Callable[[bytes, int], Hashable]:
+    """``read(buf, offset)``: the filing key of the page that starts at byte ``offset`` of ``buf``.
+
+    ``buf`` holds native-order int64 token ids; the key is an ``int`` for ``page_size == 1`` and a
+    tuple of ``page_size`` ints otherwise (one C call either way).
+    """
+    if page_size == 1:
+        unpack1 = struct.Struct("=q").unpack_from
+        return lambda buf, offset: unpack1(buf, offset)[0]
+    return struct.Struct(f"={page_size}q").unpack_from
+
+
+class TreeInfo:
+    """What every node of one tree shares: the device its indices are returned on.
+
+    A new `TreeInfo` is made at every reset, so a node (and a handle) from before a reset or
+    from another manager is recognised by ``node.tree is not manager's``.
+    """
+
+    __slots__ = ("device",)
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+
+class RadixTreeNode:
+    """One edge of the tree: a run of tokens and the KV slots holding them.
+
+    ``children`` maps a child's first token (``page_size == 1``) or first page, as a tuple of
+    token ids (``page_size > 1``), to the child. ``ref_count`` counts the locked handles whose
+    path runs through this node; a node with ``ref_count > 0`` is protected. ``timestamp`` is the
+    manager's logical clock at the node's last match or insert; ``insert_time`` when its tokens
+    were inserted.
+    """
+
+    __slots__ = (
+        "children", "_parent", "ref_count", "uuid", "timestamp", "insert_time",
+        "_kb", "_value", "_in_tree", "_tree",
+    )
+
+    def __init__(self, uuid: int, key_bytes: bytes, value: np.ndarray, timestamp: int,
+                 insert_time: int, tree: TreeInfo) -> None:
+        self.children: Dict[Hashable, RadixTreeNode] = {}
+        self._parent: Optional[RadixTreeNode] = None
+        self.ref_count = 0
+        self.uuid = uuid
+        self.timestamp = timestamp
+        self.insert_time = insert_time
+        self._kb = key_bytes  # int64 token ids, native byte order
+        self._value = value  # int32 slots on the host, one per token
+        self._in_tree = True
+        self._tree = tree
+
+    @property
+    def parent(self) -> Optional["RadixTreeNode"]:
+        return self._parent
+
+    @property
+    def key_bytes(self) -> bytes:
+        """The node's token ids as native-order int64 bytes (``8 * length`` of them)."""
+        return self._kb
+
+    @property
+    def key(self) -> torch.Tensor:
+        """The node's token ids, shape ``(length,)``, int64 on the CPU (a copy)."""
+        return torch.from_numpy(np.frombuffer(self._kb, dtype=np.int64).copy())
+
+    @property
+    def value(self) -> torch.Tensor:
+        """The KV slots of the node's tokens, shape ``(length,)``, int32 on the manager's device.
+
+        On the CPU this shares memory with the node: read it, do not write to it.
+        """
+        out = torch.from_numpy(self._value)
+        device = self._tree.device
+        return out if device.type == "cpu" else out.to(device)
+
+    @property
+    def value_array(self) -> np.ndarray:
+        """The KV slots as the host array the tree keeps (read-only use)."""
+        return self._value
+
+    @property
+    def length(self) -> int:
+        return len(self._value)
+
+    @property
+    def in_tree(self) -> bool:
+        """False once the node was evicted (or the tree reset): its handle can no longer be locked."""
+        return self._in_tree
+
+    @property
+    def tree(self) -> TreeInfo:
+        """The tree this node was made for (a new one after every reset)."""
+        return self._tree
+
+    def is_root(self) -> bool:
+        return self._parent is None
+
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    def __repr__(self) -> str:
+        keys = np.frombuffer(self._kb, dtype=np.int64).tolist()
+        shown = keys if len(keys) <= 8 else keys[:4] + ["..."] + keys[-2:]
+        return (f"RadixTreeNode(uuid={self.uuid}, key={shown}, ref_count={self.ref_count}, "
+                f"timestamp={self.timestamp})")
+
+
+@dataclass(frozen=True)
+class RadixCacheHandle(BaseCacheHandle):
+    """The matched prefix ends at the end of ``node``; ``cached_len`` is the path's length."""
+
+    node: RadixTreeNode
+
+
+def check_child(node: RadixTreeNode, key: Hashable, child: RadixTreeNode, page_size: int,
+                key_of: Callable[[bytes, int], Hashable]) -> None:
+    """Raise ``RuntimeError`` if ``child``, filed under ``key`` in ``node.children``, is malformed."""
+    where = f"node {child.uuid}"
+    if child._parent is not node:
+        raise RuntimeError(f"{where}: parent link does not point to the node that files it")
+    if child.length == 0 or not child._kb:
+        raise RuntimeError(f"{where}: empty node")
+    if len(child._kb) != child.length * ITEM:
+        raise RuntimeError(f"{where}: {len(child._kb) // ITEM} tokens but {child.length} indices")
+    if child.length % page_size:
+        raise RuntimeError(f"{where}: length {child.length} is not whole pages of {page_size}")
+    if key_of(child._kb, 0) != key:
+        raise RuntimeError(f"{where}: filed under {key!r} but starts with {key_of(child._kb, 0)!r}")
+    if child.ref_count < 0:
+        raise RuntimeError(f"{where}: negative ref_count {child.ref_count}")
+    if not node.is_root() and node.ref_count < child.ref_count:
+        raise RuntimeError(f"{where}: ref_count {child.ref_count} exceeds its parent's {node.ref_count}")
+    if not node.is_root() and node.timestamp < child.timestamp:
+        raise RuntimeError(f"{where}: used at {child.timestamp}, after its parent ({node.timestamp})")
+    if not child._in_tree:
+        raise RuntimeError(f"{where}: marked evicted but still in the tree")
