@@ -41,15 +41,22 @@ from .managers import (
     register_eviction_policy,
 )
 from .serving import (
+    LLAMA3_8B_H100,
     ByteTokenizer,
+    CostModel,
     Engine,
     FlowEvent,
     FlowStats,
     PageAllocator,
     Request,
     RequestFlow,
+    SchedRequest,
+    Scheduler,
+    ServeReport,
+    StepRecord,
     TinyLlama,
     TinyLlamaConfig,
+    model_runner,
 )
 from .storage import (
     BaseKVCache,
@@ -113,6 +120,8 @@ __all__ = [
     "paged_attention", "paged_decode_attention", "paged_decode_backend", "gather_kv",
     "TPConfig", "TPResult", "run_tp_attention", "run_single_process",
     "TinyLlama", "TinyLlamaConfig", "Engine", "ByteTokenizer",
+    "Scheduler", "SchedRequest", "StepRecord", "model_runner", "CostModel", "LLAMA3_8B_H100",
+    "ServeReport",
     "Explorer", "StepPlayer", "step_player", "TreeRecorder", "draw_tree", "draw_sequence",
     "tree_text", "snapshot", "predict_evict",
     "DistributedInfo", "set_tp_info", "get_tp_info", "try_get_tp_info", "reset_tp_info", "divide_even",

@@ -6,12 +6,16 @@ only in the pool), the `ByteTokenizer`, and seeded `workloads`.
 """
 
 from .allocator import PageAllocator
+from .cost_model import LLAMA3_8B_H100, CostModel, ServeReport
 from .engine import Engine
 from .model import TinyLlama, TinyLlamaConfig
 from .request_flow import FlowEvent, FlowStats, Request, RequestFlow
+from .scheduler import SchedRequest, Scheduler, StepRecord, model_runner
 from .tokenizer import ByteTokenizer
 
 __all__ = [
     "PageAllocator", "RequestFlow", "Request", "FlowStats", "FlowEvent",
     "TinyLlama", "TinyLlamaConfig", "Engine", "ByteTokenizer",
+    "Scheduler", "SchedRequest", "StepRecord", "model_runner", "CostModel", "LLAMA3_8B_H100",
+    "ServeReport",
 ]

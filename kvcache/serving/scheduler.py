@@ -1,0 +1,395 @@
+"""`Scheduler`: many requests at once on one `RequestFlow`: continuous batching over a paged pool.
+
+Each :meth:`Scheduler.step` builds one batch, in this order (as vLLM's and SGLang's do):
+
+1. **decode**: every running request whose prompt is computed gets one token (its last sampled
+   one, appended with ``flow.extend``). When the pool cannot give those tokens their pages, a
+   running request is **preempted**: its computed whole pages go to the cache (``flow.cache``),
+   the rest is freed (``flow.abort``), and it returns to the front of the waiting queue, to be
+   recomputed on readmission from whatever of it the cache still holds.
+2. **chunked prefill**: running requests still prefilling get the next chunk of their prompt,
+   within the step's token budget; the computed part is cached after every chunk, so another
+   request can reuse a prefix that is still being computed.
+3. **admission** (only in a step without preemption, as vLLM does): waiting requests, in policy
+   order, start (``flow.begin``: match, lock, allocate) while the batch size, the token budget
+   and the pool allow.
+
+Victim policy. ``"newest"`` (default) preempts the request admitted last, as vLLM's scheduler
+does with FCFS (``self.running.pop()``; with priorities, the lowest priority, latest arrival):
+the oldest request is never the victim while others run, so it always progresses.
+``"fewest_decoded"`` follows SGLang's ``retract_decode``: the request with the fewest output
+tokens goes first (ties: the longest prompt), which loses the least decode work. Both recompute
+on readmission (vLLM's default since V1, SGLang's only mode); nothing is swapped out.
+
+Admission policy. ``"fcfs"``: arrival order, stop at the first request that does not fit (no
+overtaking). ``"lpm"``: longest cached prefix first (SGLang's LPM), so requests that share a
+prefix run while it is cached; like SGLang it falls back to FCFS when more than
+``lpm_queue_limit`` (128) requests wait, as matching every one each step would cost too much.
+A request that has waited ``starvation_bound`` steps goes first whatever the policy, and while it
+does not fit nobody overtakes it, so no request waits for ever.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .._validate import check_positive_int, check_token_ids
+from .cost_model import LLAMA3_8B_H100, CostModel, ServeReport, percentile
+from .request_flow import Request, RequestFlow
+
+__all__ = ["SchedRequest", "StepRecord", "Scheduler", "Runner", "model_runner",
+           "ADMISSION_POLICIES", "VICTIM_POLICIES"]
+
+ADMISSION_POLICIES = ("fcfs", "lpm")
+VICTIM_POLICIES = ("newest", "fewest_decoded")
+
+#: Runs a batch: ``(request, q_len)`` items, each running ``input_ids[num_computed:+q_len]``;
+#: returns logits ``(B, vocab)`` of each item's last token run, or ``None`` (no model).
+Runner = Callable[[Sequence[Tuple[Request, int]]], Optional[torch.Tensor]]
+
+
+@dataclass
+class SchedRequest:
+    """A request as the scheduler sees it. ``status``: waiting, running, finished or aborted.
+
+    ``output`` holds the tokens sampled so far; the flow's request (``flow_req``, while
+    running) holds ``prompt + output[:-1]`` once decoding, the last sampled token being the
+    next one to run.
+    """
+
+    sid: int
+    prompt: torch.Tensor
+    max_new_tokens: int
+    forced: Optional[torch.Tensor]
+    arrival_step: int
+    arrival_time: float
+    status: str = "waiting"
+    output: List[int] = field(default_factory=list)
+    flow_req: Optional[Request] = None
+    enqueued_step: int = 0
+    admitted_at: int = -1
+    preemptions: int = 0
+    high_water: int = 0
+    first_token_time: Optional[float] = None
+    finish_time: Optional[float] = None
+    max_wait: int = 0
+
+    def tokens(self) -> torch.Tensor:
+        """What (re)admission runs: the prompt and every token sampled so far."""
+        if not self.output:
+            return self.prompt
+        return torch.cat([self.prompt, torch.tensor(self.output, dtype=torch.int64)])
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one step did. ``prefill``: ``(sid, tokens)`` chunks; the rest are sids."""
+
+    step: int
+    time: float
+    prefill: Tuple[Tuple[int, int], ...]
+    decode: Tuple[int, ...]
+    admitted: Tuple[int, ...]
+    preempted: Tuple[int, ...]
+    finished: Tuple[int, ...]
+    waiting: int
+    pages_held: int
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.prefill) + len(self.decode)
+
+
+class Scheduler:
+    """Continuous batching over ``flow`` (any manager); see the module docstring for the policies.
+
+    Args:
+        flow: the request flow; the scheduler must be the only one starting requests on it.
+        token_budget: the most tokens one step runs (prefill chunks + decode tokens), >= 1.
+        max_batch: the most requests running at once, >= 1.
+        policy: ``"fcfs"`` or ``"lpm"``; victim: ``"newest"`` or ``"fewest_decoded"``.
+        starvation_bound: steps a request may wait before it goes first, >= 1.
+        runner: runs each batch (e.g. `model_runner`); ``None`` simulates (forced tokens only).
+        cost_model: simulated seconds per step.
+    """
+
+    def __init__(self, flow: RequestFlow, *, token_budget: int = 512, max_batch: int = 64,
+                 policy: str = "fcfs", victim: str = "newest", starvation_bound: int = 64,
+                 lpm_queue_limit: int = 128, runner: Optional[Runner] = None,
+                 cost_model: CostModel = LLAMA3_8B_H100) -> None:
+        if not isinstance(flow, RequestFlow):
+            raise TypeError(f"flow must be a RequestFlow, got {type(flow).__name__}")
+        self.token_budget = check_positive_int(token_budget, "token_budget")
+        self.max_batch = check_positive_int(max_batch, "max_batch")
+        self.starvation_bound = check_positive_int(starvation_bound, "starvation_bound")
+        self.lpm_queue_limit = check_positive_int(lpm_queue_limit, "lpm_queue_limit")
+        if policy not in ADMISSION_POLICIES:
+            raise ValueError(f"policy must be one of {ADMISSION_POLICIES}, got {policy!r}")
+        if victim not in VICTIM_POLICIES:
+            raise ValueError(f"victim must be one of {VICTIM_POLICIES}, got {victim!r}")
+        if not isinstance(cost_model, CostModel):
+            raise TypeError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
+        self.flow, self.policy, self.victim, self.runner = flow, policy, victim, runner
+        self.cost_model = cost_model
+        self.waiting: List[SchedRequest] = []
+        self.running: List[SchedRequest] = []  # in admission order
+        self.done: List[SchedRequest] = []
+        self.requests: Dict[int, SchedRequest] = {}
+        self.history: List[StepRecord] = []
+        self.clock = 0.0
+        self.steps = 0
+        self.prompt_tokens = self.reused_tokens = self.computed_tokens = 0
+        self.recomputed_tokens = self.preemptions = self.peak_pages = 0
+        self._sids = itertools.count()
+        self._admissions = itertools.count()
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, prompt: torch.Tensor, max_new_tokens: int,
+               forced: Optional[torch.Tensor] = None) -> int:
+        """Queue a request; returns its id. ``forced``: tokens to emit instead of sampling.
+
+        Refused (``ValueError``) when its longest stored sequence, ``len(prompt) +
+        max_new_tokens - 1`` tokens, needs more pages than the pool has: it could never run.
+        """
+        check_token_ids(prompt, "prompt")
+        if len(prompt) == 0:
+            raise ValueError("prompt must hold at least one token")
+        check_positive_int(max_new_tokens, "max_new_tokens")
+        if forced is not None:
+            check_token_ids(forced, "forced")
+            if len(forced) < max_new_tokens:
+                raise ValueError(f"forced holds {len(forced)} tokens, fewer than max_new_tokens={max_new_tokens}")
+        elif self.runner is None:
+            raise ValueError("without a runner there are no logits to sample: pass forced tokens")
+        ps, pages = self.flow.page_size, self.flow.allocator.num_pages
+        need = -(-(len(prompt) + max_new_tokens - 1) // ps)
+        if need > pages:
+            raise ValueError(f"request needs up to {need} pages ({len(prompt)} prompt + {max_new_tokens} "
+                             f"new tokens, page size {ps}); the pool has {pages}: it can never fit")
+        sreq = SchedRequest(next(self._sids), prompt.to(torch.int64, copy=True), max_new_tokens,
+                            None if forced is None else forced.to(torch.int64, copy=True),
+                            self.steps, self.clock, enqueued_step=self.steps)
+        self.requests[sreq.sid] = sreq
+        self.waiting.append(sreq)
+        return sreq.sid
+
+    def abort(self, sid: int) -> None:
+        """Drop a waiting or running request (its pages are freed, nothing is cached)."""
+        sreq = self.requests.get(sid)
+        if sreq is None or sreq.status not in ("waiting", "running"):
+            raise RuntimeError(f"request {sid} is not waiting or running")
+        if sreq.status == "running":
+            self.flow.abort(sreq.flow_req)
+            self.running.remove(sreq)
+            sreq.flow_req = None
+        else:
+            self.waiting.remove(sreq)
+        sreq.status = "aborted"
+        self.done.append(sreq)
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    # ------------------------------------------------------------------ policies
+    def _admission_order(self) -> List[SchedRequest]:
+        """Waiting requests in the order admission tries them (starving ones first)."""
+        starving = [s for s in self.waiting if self.steps - s.enqueued_step >= self.starvation_bound]
+        starving.sort(key=lambda s: s.enqueued_step)
+        rest = [s for s in self.waiting if self.steps - s.enqueued_step < self.starvation_bound]
+        if self.policy == "lpm" and len(self.waiting) <= self.lpm_queue_limit:
+            # SGLang matches every waiting request too; matching only refreshes LRU and splits.
+            matched = {s.sid: self.flow.manager.match_prefix(s.tokens()[:-1])[0].cached_len for s in rest}
+            rest.sort(key=lambda s: -matched[s.sid])  # stable: arrival order among ties
+        return starving + rest
+
+    def _pick_victim(self) -> SchedRequest:
+        if self.victim == "newest":
+            return max(self.running, key=lambda s: s.admitted_at)
+        return min(self.running, key=lambda s: (len(s.output), -len(s.prompt), -s.admitted_at))
+
+    def _requeue(self, sreq: SchedRequest) -> None:
+        """Back to the front of the queue (vLLM prepends preempted requests)."""
+        self.running.remove(sreq)
+        sreq.flow_req, sreq.status, sreq.enqueued_step = None, "waiting", self.steps
+        self.waiting.insert(0, sreq)
+
+    def _preempt(self, sreq: SchedRequest) -> None:
+        req = sreq.flow_req
+        if req.num_computed // self.flow.page_size * self.flow.page_size > req.tree_len:
+            self.flow.cache(req)  # keep its computed pages in the cache for the readmission
+        self.flow.abort(req)
+        sreq.preemptions += 1
+        self.preemptions += 1
+        self._requeue(sreq)
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> StepRecord:
+        """Build and run one batch (decode, chunked prefill, admission); see the module docstring.
+
+        If running the batch raises, every request of the batch is returned to the waiting
+        queue without caching what this step stored, no page leaks, and the error propagates.
+        """
+        ps, budget = self.flow.page_size, self.token_budget
+        preempted: List[int] = []
+        decoders = [s for s in self.running if s.flow_req.num_computed == len(s.flow_req)][:budget]
+        while sum(len(s.flow_req) % ps == 0 for s in decoders) > self.flow.available_pages():
+            victim = self._pick_victim()
+            self._preempt(victim)
+            preempted.append(victim.sid)
+            if victim in decoders:
+                decoders.remove(victim)
+        prefilling = [s for s in self.running if s.flow_req.num_computed < len(s.flow_req)]
+        items: List[Tuple[SchedRequest, int]] = []
+        admitted: List[int] = []
+        try:
+            for s in decoders:
+                self.flow.extend(s.flow_req, torch.tensor([s.output[-1]], dtype=torch.int64))
+                items.append((s, 1))
+            budget -= len(decoders)
+            for s in prefilling:
+                if budget:
+                    items.append((s, min(len(s.flow_req) - s.flow_req.num_computed, budget)))
+                    budget -= items[-1][1]
+            if not preempted:
+                admitted = self._admit(items, budget)
+            logits = self._execute(items)
+        except BaseException:
+            for s, _ in items:
+                self.flow.abort(s.flow_req)
+                self._requeue(s)
+            raise
+        finished = self._advance(items, logits)
+        return self._record(items, decoders, admitted, preempted, finished)
+
+    def _admit(self, items: List[Tuple[SchedRequest, int]], budget: int) -> List[int]:
+        admitted: List[int] = []
+        for s in self._admission_order():
+            if budget == 0 or len(self.running) >= self.max_batch:
+                break
+            ids = s.tokens()
+            try:
+                req = self.flow.begin(ids, compute_last=True)
+            except RuntimeError:
+                break  # out of pages: nobody overtakes (FCFS, and the starvation bound)
+            self.waiting.remove(s)
+            s.max_wait = max(s.max_wait, self.steps - s.enqueued_step)
+            s.flow_req, s.status, s.admitted_at = req, "running", next(self._admissions)
+            self.running.append(s)
+            self.prompt_tokens += len(ids)
+            self.reused_tokens += req.reused_len
+            items.append((s, min(len(req) - req.num_computed, budget)))
+            budget -= items[-1][1]
+            admitted.append(s.sid)
+        return admitted
+
+    def _execute(self, items: List[Tuple[SchedRequest, int]]) -> Optional[torch.Tensor]:
+        if not items or self.runner is None:
+            return None
+        return self.runner([(s.flow_req, q) for s, q in items])
+
+    def _advance(self, items: List[Tuple[SchedRequest, int]], logits: Optional[torch.Tensor]) -> List[int]:
+        """Mark the tokens computed, cache prefill progress, sample, finish; returns finished sids."""
+        ps = self.flow.page_size
+        self.clock += self.cost_model.step_seconds(sum(q for _, q in items))
+        finished: List[int] = []
+        for row, (s, q) in enumerate(items):
+            req = s.flow_req
+            start, end = req.num_computed, req.num_computed + q
+            self.computed_tokens += q
+            self.recomputed_tokens += max(0, min(end, s.high_water) - start)
+            s.high_water = max(s.high_water, end)
+            self.flow.mark_computed(req, end)
+            if end < len(req):
+                if end // ps * ps > req.tree_len:
+                    self.flow.cache(req)  # others may reuse the prefix while it is computed
+                continue
+            if s.forced is not None:
+                token = int(s.forced[len(s.output)])
+            else:
+                token = int(logits[row].argmax())
+            s.output.append(token)
+            if s.first_token_time is None:
+                s.first_token_time = self.clock
+            if len(s.output) == s.max_new_tokens:
+                self.flow.finish(req)
+                self.running.remove(s)
+                s.flow_req, s.status, s.finish_time = None, "finished", self.clock
+                self.done.append(s)
+                finished.append(s.sid)
+        return finished
+
+    def _record(self, items, decoders, admitted, preempted, finished) -> StepRecord:
+        flow = self.flow
+        held = flow.allocator.num_pages - flow.available_pages()
+        self.peak_pages = max(self.peak_pages, held)
+        dec = {s.sid for s in decoders}
+        rec = StepRecord(self.steps, self.clock,
+                         tuple((s.sid, q) for s, q in items if s.sid not in dec),
+                         tuple(s.sid for s in decoders), tuple(admitted), tuple(preempted),
+                         tuple(finished), len(self.waiting), held)
+        self.history.append(rec)
+        self.steps += 1
+        return rec
+
+    # ------------------------------------------------------------------ runs
+    def run(self, max_steps: int = 1_000_000) -> ServeReport:
+        """Step until every request finished; ``RuntimeError`` after ``max_steps`` steps."""
+        check_positive_int(max_steps, "max_steps")
+        for _ in range(max_steps):
+            if self.idle:
+                return self.report()
+            if self.step().num_tokens == 0 and not self.running:
+                raise RuntimeError(f"no progress: {len(self.waiting)} requests wait and none can start")
+        if not self.idle:
+            raise RuntimeError(f"not done after {max_steps} steps: {len(self.waiting)} waiting, "
+                               f"{len(self.running)} running")
+        return self.report()
+
+    def report(self) -> ServeReport:
+        done = [s for s in self.done if s.status == "finished"]
+        ttft = [s.first_token_time - s.arrival_time for s in done]
+        waits = [s.max_wait for s in self.requests.values()]
+        return ServeReport(
+            requests=len(done), steps=self.steps, seconds=self.clock,
+            output_tokens=sum(len(s.output) for s in done), prompt_tokens=self.prompt_tokens,
+            reused_tokens=self.reused_tokens, computed_tokens=self.computed_tokens,
+            recomputed_tokens=self.recomputed_tokens, preemptions=self.preemptions,
+            peak_pages=self.peak_pages, ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99),
+            max_wait_steps=max(waits, default=0))
+
+    def check_integrity(self) -> None:
+        """The flow's page partition, and: no request both waiting and running, each once."""
+        self.flow.check_integrity()
+        waiting = [s.sid for s in self.waiting]
+        running = [s.sid for s in self.running]
+        if len(set(waiting)) != len(waiting) or len(set(running)) != len(running):
+            raise RuntimeError("a request is listed twice in a queue")
+        if set(waiting) & set(running):
+            raise RuntimeError(f"requests both waiting and running: {set(waiting) & set(running)}")
+        for s in self.running:
+            if s.status != "running" or self.flow.running.get(s.flow_req.rid) is not s.flow_req:
+                raise RuntimeError(f"request {s.sid} runs in the scheduler but not in the flow")
+        for s in self.waiting:
+            if s.status != "waiting" or s.flow_req is not None:
+                raise RuntimeError(f"waiting request {s.sid} still holds a flow request")
+
+
+def model_runner(engine: object) -> Runner:
+    """A `Runner` for an `Engine`: its model runs each item's tokens on its pool (real K/V).
+
+    Item ``(req, q)`` runs ``req.input_ids[num_computed:num_computed + q]`` at slots
+    ``req.indices[num_computed:num_computed + q]``, attending over ``req.indices[:num_computed + q]``.
+    """
+    model, kv_cache = engine.model, engine.kv_cache
+
+    def run(items: Sequence[Tuple[Request, int]]) -> torch.Tensor:
+        ids = torch.cat([r.input_ids[r.num_computed:r.num_computed + q] for r, q in items])
+        slots = [r.indices[:r.num_computed + q] for r, q in items]
+        return model(ids, slots, [q for _, q in items], kv_cache, last_only=True)
+
+    return run
