@@ -111,6 +111,8 @@ class Scheduler:
         flow: the request flow; the scheduler must be the only one starting requests on it.
         token_budget: the most tokens one step runs (prefill chunks + decode tokens), >= 1.
         max_batch: the most requests running at once, >= 1.
+        chunk_size: the most prompt tokens one request runs in a step (default: the budget),
+            so that a long prompt leaves room for others (vLLM's ``long_prefill_token_threshold``).
         policy: ``"fcfs"`` or ``"lpm"``; victim: ``"newest"`` or ``"fewest_decoded"``.
         starvation_bound: steps a request may wait before it goes first, >= 1.
         runner: runs each batch (e.g. `model_runner`); ``None`` simulates (forced tokens only).
@@ -118,13 +120,15 @@ class Scheduler:
     """
 
     def __init__(self, flow: RequestFlow, *, token_budget: int = 512, max_batch: int = 64,
-                 policy: str = "fcfs", victim: str = "newest", starvation_bound: int = 64,
+                 chunk_size: Optional[int] = None, policy: str = "fcfs", victim: str = "newest",
+                 starvation_bound: int = 64,
                  lpm_queue_limit: int = 128, runner: Optional[Runner] = None,
                  cost_model: CostModel = LLAMA3_8B_H100) -> None:
         if not isinstance(flow, RequestFlow):
             raise TypeError(f"flow must be a RequestFlow, got {type(flow).__name__}")
         self.token_budget = check_positive_int(token_budget, "token_budget")
         self.max_batch = check_positive_int(max_batch, "max_batch")
+        self.chunk_size = self.token_budget if chunk_size is None else check_positive_int(chunk_size, "chunk_size")
         self.starvation_bound = check_positive_int(starvation_bound, "starvation_bound")
         self.lpm_queue_limit = check_positive_int(lpm_queue_limit, "lpm_queue_limit")
         if policy not in ADMISSION_POLICIES:
@@ -253,7 +257,8 @@ class Scheduler:
             budget -= len(decoders)
             for s in prefilling:
                 if budget:
-                    items.append((s, min(len(s.flow_req) - s.flow_req.num_computed, budget)))
+                    left = len(s.flow_req) - s.flow_req.num_computed
+                    items.append((s, min(left, budget, self.chunk_size)))
                     budget -= items[-1][1]
             if not preempted:
                 admitted = self._admit(items, budget)
@@ -282,7 +287,7 @@ class Scheduler:
             self.running.append(s)
             self.prompt_tokens += len(ids)
             self.reused_tokens += req.reused_len
-            items.append((s, min(len(req) - req.num_computed, budget)))
+            items.append((s, min(len(req) - req.num_computed, budget, self.chunk_size)))
             budget -= items[-1][1]
             admitted.append(s.sid)
         return admitted
