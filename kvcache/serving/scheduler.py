@@ -52,7 +52,7 @@ VICTIM_POLICIES = ("newest", "fewest_decoded")
 Runner = Callable[[Sequence[Tuple[Request, int]]], Optional[torch.Tensor]]
 
 
-@dataclass
+@dataclass(eq=False)  # identity: queues hold each request once
 class SchedRequest:
     """A request as the scheduler sees it. ``status``: waiting, running, finished or aborted.
 
