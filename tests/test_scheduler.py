@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -10,6 +13,9 @@ from kvcache import (
     TinyLlama, TinyLlamaConfig, model_runner,
 )
 from kvcache.serving.workloads import mixed
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import scheduler_steps  # noqa: E402
 
 TOL = 1e-4
 
@@ -262,3 +268,14 @@ def test_reports_are_deterministic():
     assert first == run("lpm") and first.requests == 60
     assert first.throughput > 0 and 0 < first.hit_rate < 1
     assert first.ttft_p50_s <= first.ttft_p99_s <= first.seconds
+
+
+def test_benchmark_runs(tmp_path):
+    threads = torch.get_num_threads()
+    try:
+        results = scheduler_steps.main(["--requests", "40", "--json", str(tmp_path / "r.json")])
+    finally:
+        torch.set_num_threads(threads)
+    assert (tmp_path / "r.json").exists()
+    for r in results.values():
+        assert r["steps"] > 0 and 0 < r["manager_share"] <= r["flow_share"] <= 1

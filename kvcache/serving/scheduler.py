@@ -64,7 +64,7 @@ class SchedRequest:
     sid: int
     prompt: torch.Tensor
     max_new_tokens: int
-    forced: Optional[torch.Tensor]
+    forced: Optional[List[int]]
     arrival_step: int
     arrival_time: float
     status: str = "waiting"
@@ -175,7 +175,7 @@ class Scheduler:
             raise ValueError(f"request needs up to {need} pages ({len(prompt)} prompt + {max_new_tokens} "
                              f"new tokens, page size {ps}); the pool has {pages}: it can never fit")
         sreq = SchedRequest(next(self._sids), prompt.to(torch.int64, copy=True), max_new_tokens,
-                            None if forced is None else forced.to(torch.int64, copy=True),
+                            None if forced is None else forced.tolist(),
                             self.steps, self.clock, enqueued_step=self.steps)
         self.requests[sreq.sid] = sreq
         self.waiting.append(sreq)
@@ -314,7 +314,7 @@ class Scheduler:
                     self.flow.cache(req)  # others may reuse the prefix while it is computed
                 continue
             if s.forced is not None:
-                token = int(s.forced[len(s.output)])
+                token = s.forced[len(s.output)]
             else:
                 token = int(logits[row].argmax())
             s.output.append(token)
