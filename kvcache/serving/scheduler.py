@@ -2,11 +2,11 @@
 
 Each :meth:`Scheduler.step` builds one batch, in this order (as vLLM's and SGLang's do):
 
-1. **decode**: every running request whose prompt is computed gets one token (its last sampled
-   one, appended with ``flow.extend``). When the pool cannot give those tokens their pages, a
-   running request is **preempted**: its computed whole pages go to the cache (``flow.cache``),
-   the rest is freed (``flow.abort``), and it returns to the front of the waiting queue, to be
-   recomputed on readmission from whatever of it the cache still holds.
+1. **decode**: every running request whose prompt is computed runs its last sampled token
+   (``flow.extend``). When the pool cannot give those tokens pages, a running request is
+   **preempted**: its computed whole pages go to the cache (``flow.cache``), the rest is freed
+   (``flow.abort``), and it goes back to the front of the queue, to be recomputed on
+   readmission from whatever of it the cache still holds.
 2. **chunked prefill**: running requests still prefilling get the next chunk of their prompt,
    within the step's token budget; the computed part is cached after every chunk, so another
    request can reuse a prefix that is still being computed.
@@ -17,9 +17,8 @@ Each :meth:`Scheduler.step` builds one batch, in this order (as vLLM's and SGLan
 Victim policy. ``"newest"`` (default) preempts the request admitted last, as vLLM's scheduler
 does with FCFS (``self.running.pop()``; with priorities, the lowest priority, latest arrival):
 the oldest request is never the victim while others run, so it always progresses.
-``"fewest_decoded"`` follows SGLang's ``retract_decode``: the request with the fewest output
-tokens goes first (ties: the longest prompt), which loses the least decode work. Both recompute
-on readmission (vLLM's default since V1, SGLang's only mode); nothing is swapped out.
+``"fewest_decoded"`` follows SGLang's ``retract_decode``: fewest output tokens first (ties: the
+longest prompt), losing the least decode work. Both recompute on readmission; nothing is swapped.
 
 Admission policy. ``"fcfs"``: arrival order, stop at the first request that does not fit (no
 overtaking). ``"lpm"``: longest cached prefix first (SGLang's LPM), so requests that share a
@@ -273,6 +272,8 @@ class Scheduler:
 
     def _admit(self, items: List[Tuple[SchedRequest, int]], budget: int) -> List[int]:
         admitted: List[int] = []
+        if budget == 0 or len(self.running) >= self.max_batch or not self.waiting:
+            return admitted  # nothing can start: spare LPM its matches
         for s in self._admission_order():
             if budget == 0 or len(self.running) >= self.max_batch:
                 break
@@ -293,9 +294,8 @@ class Scheduler:
         return admitted
 
     def _execute(self, items: List[Tuple[SchedRequest, int]]) -> Optional[torch.Tensor]:
-        if not items or self.runner is None:
-            return None
-        return self.runner([(s.flow_req, q) for s, q in items])
+        run = items and self.runner is not None
+        return self.runner([(s.flow_req, q) for s, q in items]) if run else None
 
     def _advance(self, items: List[Tuple[SchedRequest, int]], logits: Optional[torch.Tensor]) -> List[int]:
         """Mark the tokens computed, cache prefill progress, sample, finish; returns finished sids."""
