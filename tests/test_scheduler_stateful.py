@@ -57,8 +57,8 @@ SYSTEMS = [[7] * 9, [3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]]
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    @initialize(num_pages=st.sampled_from([6, 10, 24]), page_size=st.sampled_from([1, 2, 4]),
-                budget=st.sampled_from([1, 3, 16]), max_batch=st.sampled_from([1, 2, 5]),
+    @initialize(num_pages=st.sampled_from([6, 10, 16]), page_size=st.sampled_from([1, 2, 4]),
+                budget=st.sampled_from([1, 3, 16]), max_batch=st.sampled_from([1, 3, 5]),
                 policy=st.sampled_from(["fcfs", "lpm"]), victim=st.sampled_from(["newest", "fewest_decoded"]),
                 bound=st.sampled_from([1, 4, 50]))
     def setup(self, num_pages, page_size, budget, max_batch, policy, victim, bound):
@@ -92,7 +92,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.forced[sid] = (forced, new)
         self.status[sid] = "waiting"
 
-    @rule(system=st.integers(0, len(SYSTEMS) - 1), new=st.integers(2, 6))
+    @rule(system=st.integers(0, len(SYSTEMS) - 1), new=st.integers(2, 10))
     def burst(self, system, new):
         """Three requests behind one system prompt at once: they share it, and crowd the pool."""
         for i in range(3):
@@ -158,7 +158,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 SchedulerMachine.TestCase.settings = settings(
-    max_examples=40, stateful_step_count=30, deadline=None, derandomize=True,
+    max_examples=30, stateful_step_count=30, deadline=None, derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestSchedulerMachine = SchedulerMachine.TestCase
