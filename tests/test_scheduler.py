@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kvcache import (
-    LLAMA3_8B_H100, CostModel, Engine, PageAllocator, RadixCacheManager, RequestFlow, Scheduler,
-    TinyLlama, TinyLlamaConfig, model_runner,
+    LLAMA3_8B_H100, BlockHashCacheManager, CostModel, Engine, NaiveCacheManager, PageAllocator,
+    RadixCacheManager, RequestFlow, Scheduler, TinyLlama, TinyLlamaConfig, model_runner,
 )
 from kvcache.serving.workloads import mixed
 
@@ -279,3 +279,22 @@ def test_benchmark_runs(tmp_path):
     assert (tmp_path / "r.json").exists()
     for r in results.values():
         assert r["steps"] > 0 and 0 < r["manager_share"] <= r["flow_share"] <= 1
+
+
+@pytest.mark.parametrize("manager", ["naive", "block_hash", "radix"])
+def test_any_manager_under_pressure(manager):
+    page_size, pages = (1, 1000) if manager == "naive" else (4, 250)
+    make = {"naive": NaiveCacheManager, "block_hash": BlockHashCacheManager, "radix": RadixCacheManager}
+    m = make[manager]() if manager == "naive" else make[manager](page_size=page_size)
+    flow = RequestFlow(m, PageAllocator(pages, page_size))
+    sched = Scheduler(flow, token_budget=128, chunk_size=48, max_batch=8, policy="lpm")
+    jobs = mixed(40, vocab=300, seed=2)
+    for job in jobs:
+        out = job.output if len(job.output) else forced(1)
+        sched.submit(job.prompt, len(out), forced=out)
+    while not sched.idle:
+        sched.step()
+        sched.check_integrity()
+    report = sched.report()
+    assert report.requests == 40 and report.preemptions > 0
+    assert (report.hit_rate == 0) == (manager == "naive")
