@@ -2,8 +2,11 @@
 #   make book     build the website into _build/html (warnings are errors)
 #   make test     build the book, then run every test and re-execute every chapter (nbval)
 #   make refresh  re-execute every chapter in place (after changing the package)
+#   make lab      open the chapters in JupyterLab (the venv's python3 kernel, live widgets)
+#   make lint     ruff (lint + format check) over the code and chapters, mypy --strict on kvcache/
 #   make setup    install system tools and the .venv (the targets above do it first)
 #   make clean    remove the build and caches (keeps .venv; `make distclean` removes it too)
+#   make gpu-record  on a CUDA machine: GPU tests, kernel benchmarks -> book/data/*_gpu.json
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -17,20 +20,24 @@ STAMP  := $(VENV)/.kvcache-installed
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 NOTEBOOKS  := $(sort $(wildcard book/*.ipynb))
 
-# Chapters run on the CPU through Triton's interpreter; the kernel picks the env up.
+# Triton's CPU interpreter (TRITON_INTERPRET=1) only where torch sees no CUDA device: on a GPU the
+# kernels run for real (with the variable set, Triton would interpret CUDA launches too). Asked
+# of the .venv's torch once, when a recipe first needs it; `make TRITON_INTERPRET=0|1` (or the
+# environment) overrides it.
+TRITON_INTERPRET ?= $(eval TRITON_INTERPRET := $$(shell $(PY) -c 'import torch; print(int(not torch.cuda.is_available()))' 2>/dev/null || echo 1))$(TRITON_INTERPRET)
 # JUPYTER_PREFER_ENV_PATH: the "python3" kernel is the .venv's, whatever ~/.local holds.
 # PYTHONHASHSEED: set/dict orders of strings are the same in every run.
-RUN_ENV := TRITON_INTERPRET=1 JUPYTER_PREFER_ENV_PATH=1 PYTHONHASHSEED=0
+RUN_ENV = TRITON_INTERPRET=$(TRITON_INTERPRET) JUPYTER_PREFER_ENV_PATH=1 PYTHONHASHSEED=0
 # Every check a caller can trigger must survive `python -O`, which strips asserts.
 OPT_TESTS := tests/test_misuse.py tests/test_mha_pool.py tests/test_store_cache.py \
              tests/test_distributed.py tests/test_block_manager.py
 NBVAL_FLAGS := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
                --nbval-cell-timeout=1200
 
-.PHONY: help setup system-deps book test refresh clean distclean
+.PHONY: help setup system-deps book test refresh clean distclean gpu-record
 
 help:
-	@sed -n '2,7p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '2,10p' Makefile | sed 's/^# \{0,1\}//'
 
 # --------------------------------------------------------------------------- set-up
 setup: system-deps $(STAMP)
@@ -67,6 +74,29 @@ refresh: setup
 	  $(RUN_ENV) $(VENV)/bin/jupyter execute --inplace --kernel_name=python3 "$$nb"; \
 	done
 
+# --------------------------------------------------------------------------- interactive
+# JupyterLab (book extra) on the repository, opened at book/, with RUN_ENV: the "python3"
+# kernel is the venv's and runs the chapters as `make refresh` does; ipywidgets' Lab extension
+# makes the explorer live. Extra server options: make lab LAB_ARGS="--no-browser --port=8890".
+# tests/test_jupyter.py starts the same server headless.
+LAB_ARGS ?=
+.PHONY: lab
+lab: setup
+	$(RUN_ENV) $(VENV)/bin/jupyter lab --ServerApp.root_dir="$(CURDIR)" \
+	  --LabApp.default_url=/lab/tree/book $(if $(filter 0,$(shell id -u)),--allow-root,) $(LAB_ARGS)
+
+# --------------------------------------------------------------------------- lint
+# Rules and their reasons: [tool.ruff] and [tool.mypy] in pyproject.toml. All three run; the
+# target fails if any failed. `ruff check --fix` and `ruff format` apply the fixable ones.
+LINT_PATHS := kvcache tests benchmarks scripts book
+.PHONY: lint
+lint: setup
+	@rc=0; \
+	$(VENV)/bin/ruff check $(LINT_PATHS) || rc=$$?; \
+	$(VENV)/bin/ruff format --check $(LINT_PATHS) || rc=$$?; \
+	$(VENV)/bin/mypy || rc=$$?; \
+	exit $$rc
+
 # --------------------------------------------------------------------------- tests
 # Package tests (and the website test on the book just built), then every chapter under
 # nbval. Both always run; the target fails if either failed.
@@ -82,9 +112,29 @@ test: setup book
 	fi; \
 	exit $$rc
 
+# --------------------------------------------------------------------------- GPU record
+# One prepared run on a CUDA machine (about 2-3 minutes on one GPU, each step under a timeout):
+# the GPU tests (kernels compiled for the device, no interpreter), then the store and the
+# paged-decode benchmarks, each writing device-labelled JSON (device, versions, date, the
+# copy bandwidth measured in the same run) that chapter 6 plots. Without CUDA it says so and
+# fails at once, before installing anything.
+GPU_DATA := book/data
+gpu-record:
+	@command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 || \
+	  { echo "make gpu-record needs a CUDA GPU: nvidia-smi sees none here; nothing recorded" >&2; exit 1; }
+	@$(MAKE) --no-print-directory setup
+	@$(PY) -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "make gpu-record: torch " + torch.__version__ + " sees no CUDA device; nothing recorded")'
+	env -u TRITON_INTERPRET PYTHONHASHSEED=0 timeout 100 $(PY) -m pytest -q -m gpu -p no:cacheprovider \
+	  tests/test_store_cache.py tests/test_attention.py tests/test_kernel_views.py
+	env -u TRITON_INTERPRET timeout 120 $(PY) benchmarks/store_kv.py --dtypes bfloat16 \
+	  --out $(GPU_DATA)/store_kv_gpu.json
+	env -u TRITON_INTERPRET timeout 60 $(PY) benchmarks/paged_decode.py \
+	  --out $(GPU_DATA)/paged_decode_gpu.json
+	@echo "recorded $(GPU_DATA)/store_kv_gpu.json and $(GPU_DATA)/paged_decode_gpu.json: commit them, then make refresh"
+
 # --------------------------------------------------------------------------- cleaning
 clean:
-	rm -rf _build .pytest_cache .hypothesis build *.egg-info
+	rm -rf _build .pytest_cache .hypothesis build dist *.egg-info .ruff_cache .mypy_cache
 	find . -path ./$(VENV) -prune -o -type d \( -name __pycache__ -o -name .ipynb_checkpoints \) -print0 | xargs -0 -r rm -rf
 
 distclean: clean

@@ -13,7 +13,14 @@ Methods, per row (one pool layer, ``n`` tokens at random distinct slots):
 * ``index_put``: ``k_cache[page, offset] = k`` (advanced-index assignment), same for ``v``.
 * ``index_copy_``: ``k_cache.view(num_slots, H, D).index_copy_(0, slots, k)``; only where the layer
   view flattens without a copy (not PageFirst with ``page_size > 1``).
-* ``store_cache(no bounds check)`` (CUDA only): without the host read-back of min/max indices.
+* ``store_cache(no bounds check)``: ``check_bounds=False``, the variant a CUDA graph can capture:
+  no host read-back of min/max indices, only the kernel's device-side guard (on CUDA, and on the
+  CPU with ``--interpreter``).
+
+Which bounds check a row's time includes is in its ``bounds_check`` field: ``"host"`` (the
+default ``store_cache``: ``aminmax`` of the indices read back to the host, a sync, then the
+launch), ``"device-guard"`` (``check_bounds=False``: the kernel masks out-of-range rows) or
+``"none"`` (plain torch indexing, which checks inside the op).
 
 Bandwidth = (bytes of k and v read + bytes written + index bytes) / time. On CUDA each row also
 gives the fraction of a measured device-to-device copy's bandwidth. Timing: median of
@@ -24,27 +31,34 @@ file with the device name, versions and date.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import os
-import platform
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
 
 
-def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument("--full", action="store_true", help="batch sizes up to 32768 tokens")
-    p.add_argument("--max-tokens", type=int, default=None, help="largest batch (default 4096 CPU, 32768 CUDA)")
-    p.add_argument("--interpreter", action="store_true",
-                   help="CPU only: time the Triton kernel under TRITON_INTERPRET=1 (slow; caps tokens at 256)")
-    p.add_argument("--heads", nargs="+", default=["8x128"], help="KV-head layouts HxD, e.g. 8x128 2x64")
+    p.add_argument(
+        "--max-tokens", type=int, default=None, help="largest batch (default 4096 CPU, 32768 CUDA)"
+    )
+    p.add_argument(
+        "--interpreter",
+        action="store_true",
+        help="CPU only: time the Triton kernel under TRITON_INTERPRET=1 (slow; caps tokens at 256)",
+    )
+    p.add_argument(
+        "--heads", nargs="+", default=["8x128"], help="KV-head layouts HxD, e.g. 8x128 2x64"
+    )
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16"])
     p.add_argument("--page-sizes", nargs="+", type=int, default=[1, 16])
     p.add_argument("--min-run-time", type=float, default=0.05, help="CPU: seconds per timing")
-    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/store_kv-<device>.json)")
+    p.add_argument(
+        "--out", default=None, help="JSON path (default benchmarks/results/store_kv-<device>.json)"
+    )
     return p.parse_args(argv)
 
 
@@ -55,44 +69,43 @@ if ARGS is not None and ARGS.interpreter:
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernel_bench import copy_bandwidth, device_label, time_fn  # noqa: E402
+
 from kvcache import KVCacheLayout  # noqa: E402
 from kvcache.kernels import store_cache, store_cache_backend, store_cache_torch, store_cache_triton  # noqa: E402
 from kvcache.storage.mha_pool import MHAKVCache  # noqa: E402
 
-
-def time_fn(fn: Callable[[], None], device: torch.device, min_run_time: float) -> float:
-    """Median seconds per call."""
-    if device.type == "cuda":
-        import triton.testing
-
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3
-    from torch.utils import benchmark
-
-    fn()  # warm-up
-    return benchmark.Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time).median
-
-
-def copy_bandwidth(device: torch.device) -> Optional[float]:
-    """Bytes/s of a large device-to-device copy (read + write), the ceiling for a scatter."""
-    if device.type != "cuda":
-        return None
-    src = torch.empty(256 * 2**20, dtype=torch.float32, device=device)  # 1 GiB
-    dst = torch.empty_like(src)
-    t = time_fn(lambda: dst.copy_(src), device, 0)
-    return 2 * src.numel() * src.element_size() / t
+#: Which bounds check each method's time includes (see the module docstring).
+BOUNDS_CHECK = {
+    "store_cache[triton]": "host",
+    "store_cache[triton](no bounds check)": "device-guard",
+    "store_cache[triton-interpreter]": "host",
+    "store_cache[triton-interpreter](no bounds check)": "device-guard",
+    "store_cache[torch]": "host",
+    "index_put": "none",
+    "index_copy_": "none",
+}
 
 
-def methods(pool: MHAKVCache, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor, interpreter: bool) -> Dict[str, Callable[[], None]]:
+def methods(
+    pool: MHAKVCache, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor, interpreter: bool
+) -> dict[str, Callable[[], None]]:
     kc, vc = pool.k_cache(0), pool.v_cache(0)
     dev = pool.device
     idx64 = idx.long()
     page, off = idx64 // pool.page_size, idx64 % pool.page_size
-    out: Dict[str, Callable[[], None]] = {}
+    out: dict[str, Callable[[], None]] = {}
     if dev.type == "cuda":
         out["store_cache[triton]"] = lambda: store_cache(kc, vc, idx, k, v)
-        out["store_cache[triton](no bounds check)"] = lambda: store_cache(kc, vc, idx, k, v, check_bounds=False)
+        out["store_cache[triton](no bounds check)"] = lambda: store_cache(
+            kc, vc, idx, k, v, check_bounds=False
+        )
     elif interpreter:
         out["store_cache[triton-interpreter]"] = lambda: store_cache_triton(kc, vc, idx, k, v)
+        out["store_cache[triton-interpreter](no bounds check)"] = lambda: store_cache_triton(
+            kc, vc, idx, k, v, check_bounds=False
+        )
     else:
         out["store_cache[torch]"] = lambda: store_cache_torch(kc, vc, idx, k, v)
 
@@ -102,7 +115,10 @@ def methods(pool: MHAKVCache, idx: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
     out["index_put"] = index_put
     try:
-        kf, vf = kc.view(pool.num_slots, pool.local_kv_heads, pool.head_dim), vc.view(pool.num_slots, pool.local_kv_heads, pool.head_dim)
+        kf, vf = (
+            kc.view(pool.num_slots, pool.local_kv_heads, pool.head_dim),
+            vc.view(pool.num_slots, pool.local_kv_heads, pool.head_dim),
+        )
     except RuntimeError:  # PageFirst with page_size > 1: the layer view is not flattenable
         pass
     else:
@@ -110,7 +126,7 @@ def methods(pool: MHAKVCache, idx: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return out
 
 
-def main(args: argparse.Namespace) -> None:
+def main(args: argparse.Namespace) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.interpreter and device.type != "cpu":
         raise SystemExit("--interpreter is for the CPU")
@@ -122,25 +138,22 @@ def main(args: argparse.Namespace) -> None:
         sizes.append(max_n)
     torch.manual_seed(0)
     bw_copy = copy_bandwidth(device)
-    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
-
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
+    label = device_label(device)
     note = {
         "cuda": "store_cache runs the Triton kernel",
-        "cpu": ("store_cache timed as the Triton kernel in the interpreter (measures Python, not memory)"
-                if args.interpreter else
-                "store_cache timed on its torch backend: what it dispatches to on the CPU without TRITON_INTERPRET"),
+        "cpu": (
+            "store_cache timed as the Triton kernel in the interpreter (measures Python, not memory)"
+            if args.interpreter
+            else "store_cache timed on its torch backend: what it dispatches to on the CPU without TRITON_INTERPRET"
+        ),
     }[device.type]
-    print(f"# device: {device} ({dev_name}); torch {torch.__version__}, triton {triton_version}")
+    print(
+        f"# device: {device} ({label['device_name']}); torch {label['torch']}, triton {label['triton']}"
+    )
     print(f"# store_cache backend here: {store_cache_backend(device)}; {note}")
     if bw_copy:
         print(f"# device-to-device copy bandwidth: {bw_copy / 1e9:.1f} GB/s")
-    header = f"{'layout':<10} {'ps':>3} {'HxD':>6} {'dtype':<9} {'tokens':>6}  {'method':<38} {'time us':>10} {'GB/s':>8}"
+    header = f"{'layout':<10} {'ps':>3} {'HxD':>6} {'dtype':<9} {'tokens':>6}  {'method':<48} {'time us':>10} {'GB/s':>8}"
     print(header + ("  %copy" if bw_copy else ""))
 
     rows = []
@@ -156,30 +169,59 @@ def main(args: argparse.Namespace) -> None:
                         idx = torch.randperm(pool.num_slots, device=device)[:n].to(torch.int32)
                         k = torch.randn(n, heads, dim, device=device).to(dtype)
                         v = torch.randn(n, heads, dim, device=device).to(dtype)
-                        moved = 2 * 2 * k.numel() * k.element_size() + idx.numel() * idx.element_size()
+                        moved = (
+                            2 * 2 * k.numel() * k.element_size() + idx.numel() * idx.element_size()
+                        )
                         for name, fn in methods(pool, idx, k, v, args.interpreter).items():
                             t = time_fn(fn, device, args.min_run_time)
-                            row = dict(layout=layout.name, page_size=ps, heads=heads, head_dim=dim, dtype=dtype_name,
-                                       tokens=n, method=name, time_s=t, bytes=moved, bandwidth_Bps=moved / t)
+                            row = dict(
+                                layout=layout.name,
+                                page_size=ps,
+                                heads=heads,
+                                head_dim=dim,
+                                dtype=dtype_name,
+                                tokens=n,
+                                method=name,
+                                bounds_check=BOUNDS_CHECK[name],
+                                time_s=t,
+                                bytes=moved,
+                                bandwidth_Bps=moved / t,
+                            )
                             if bw_copy:
                                 row["fraction_of_copy_bw"] = moved / t / bw_copy
                             rows.append(row)
-                            line = (f"{layout.name:<10} {ps:>3} {hd:>6} {dtype_name:<9} {n:>6}  {name:<38} "
-                                    f"{t * 1e6:>10.1f} {moved / t / 1e9:>8.2f}")
-                            print(line + (f"  {row['fraction_of_copy_bw']:>5.1%}" if bw_copy else ""), flush=True)
+                            line = (
+                                f"{layout.name:<10} {ps:>3} {hd:>6} {dtype_name:<9} {n:>6}  {name:<48} "
+                                f"{t * 1e6:>10.1f} {moved / t / 1e9:>8.2f}"
+                            )
+                            print(
+                                line + (f"  {row['fraction_of_copy_bw']:>5.1%}" if bw_copy else ""),
+                                flush=True,
+                            )
                     del pool
 
     result = dict(
-        device=str(device), device_name=dev_name, torch=torch.__version__, triton=triton_version,
-        python=platform.python_version(), date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        cpu_threads=torch.get_num_threads(), store_cache_backend=store_cache_backend(device),
-        interpreter=bool(args.interpreter), note=note, copy_bandwidth_Bps=bw_copy,
-        index_distribution="random distinct slots (torch.randperm)", rows=rows,
+        benchmark="store_kv",
+        **label,
+        store_cache_backend=store_cache_backend(device),
+        interpreter=bool(args.interpreter),
+        note=note,
+        copy_bandwidth_Bps=bw_copy,
+        bounds_check_meaning={
+            "host": "aminmax of the indices read back to the host, then the launch",
+            "device-guard": "check_bounds=False: no host sync, the kernel masks out-of-range rows",
+            "none": "torch indexing, checked inside the op",
+        },
+        index_distribution="random distinct slots (torch.randperm)",
+        rows=rows,
     )
-    out = Path(args.out or Path(__file__).resolve().parent / "results" / f"store_kv-{device.type}.json")
+    out = Path(
+        args.out or Path(__file__).resolve().parent / "results" / f"store_kv-{device.type}.json"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"# wrote {out}")
+    return result
 
 
 if __name__ == "__main__":

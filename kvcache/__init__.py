@@ -22,6 +22,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+#: The package's version, its one source: pyproject.toml reads it (``[tool.setuptools.dynamic]``).
+__version__ = "0.1.0"
+
 from .kernels.attention import gather_kv, paged_attention, paged_decode_attention, paged_decode_backend
 from .kernels.store import store_cache, store_cache_backend, store_cache_torch, store_cache_triton
 from .managers import (

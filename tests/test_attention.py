@@ -6,20 +6,25 @@ slot, page, stride or GQA-grouping mistake on the paged side shows up as a misma
 
 from __future__ import annotations
 
-import math
-from typing import List, Tuple
-
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvcache.kernels.attention import gather_kv, paged_attention, paged_decode_attention, paged_decode_backend
 from kvcache import KVCacheLayout
 from kvcache.kernels import TRITON_INTERPRET
+from kvcache.kernels.attention import (
+    gather_kv,
+    paged_attention,
+    paged_decode_attention,
+    paged_decode_backend,
+)
 from kvcache.storage.mha_pool import MHAKVCache
 
-needs_interpreter = pytest.mark.skipif(not TRITON_INTERPRET, reason="needs TRITON_INTERPRET=1 before import")
+needs_interpreter = pytest.mark.skipif(
+    not TRITON_INTERPRET, reason="needs TRITON_INTERPRET=1 before import"
+)
 LAYER = 1
 
 
@@ -28,8 +33,12 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale=Non
     ql, t = q.shape[0], k.shape[0]
     mask = torch.ones(ql, t, dtype=torch.bool).tril(diagonal=t - ql)
     out = F.scaled_dot_product_attention(
-        q.float().transpose(0, 1)[None], k.float().transpose(0, 1)[None], v.float().transpose(0, 1)[None],
-        attn_mask=mask, enable_gqa=True, scale=scale,
+        q.float().transpose(0, 1)[None],
+        k.float().transpose(0, 1)[None],
+        v.float().transpose(0, 1)[None],
+        attn_mask=mask,
+        enable_gqa=True,
+        scale=scale,
     )
     return out[0].transpose(0, 1)
 
@@ -37,19 +46,27 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale=Non
 class Batch:
     """Requests whose K/V are both in a pool (at scattered slots) and kept densely."""
 
-    def __init__(self, layout, page_size, kv_heads, group, head_dim, seq_lens, seed, dtype=torch.float32):
+    def __init__(
+        self, layout, page_size, kv_heads, group, head_dim, seq_lens, seed, dtype=torch.float32
+    ):
         self.g = torch.Generator().manual_seed(seed)
         num_pages = -(-sum(seq_lens) // page_size) + 2
-        self.pool = MHAKVCache(kv_heads, 2, head_dim, num_pages, dtype, layout, "cpu", page_size=page_size)
+        self.pool = MHAKVCache(
+            kv_heads, 2, head_dim, num_pages, dtype, layout, "cpu", page_size=page_size
+        )
         self.q_heads = kv_heads * group
         self.dtype = dtype
         self.free = torch.randperm(self.pool.num_slots, generator=self.g).to(torch.int32).tolist()
-        self.slots: List[torch.Tensor] = [torch.empty(0, dtype=torch.int32) for _ in seq_lens]
-        self.k: List[torch.Tensor] = [torch.empty(0, kv_heads, head_dim, dtype=dtype) for _ in seq_lens]
-        self.v: List[torch.Tensor] = [torch.empty(0, kv_heads, head_dim, dtype=dtype) for _ in seq_lens]
+        self.slots: list[torch.Tensor] = [torch.empty(0, dtype=torch.int32) for _ in seq_lens]
+        self.k: list[torch.Tensor] = [
+            torch.empty(0, kv_heads, head_dim, dtype=dtype) for _ in seq_lens
+        ]
+        self.v: list[torch.Tensor] = [
+            torch.empty(0, kv_heads, head_dim, dtype=dtype) for _ in seq_lens
+        ]
         self.extend(list(seq_lens))
 
-    def extend(self, new_lens: List[int]) -> None:
+    def extend(self, new_lens: list[int]) -> None:
         """Append new tokens to each request: fresh slots, K/V stored with one store_kv call."""
         slots, ks, vs = [], [], []
         for r, n in enumerate(new_lens):
@@ -61,10 +78,16 @@ class Batch:
             slots.append(s), ks.append(k), vs.append(v)
         self.pool.store_kv(torch.cat(ks), torch.cat(vs), torch.cat(slots), LAYER)
 
-    def queries(self, q_lens: List[int]) -> torch.Tensor:
-        return torch.randn(sum(q_lens), self.q_heads, self.pool.head_dim, generator=self.g).to(self.dtype)
+    def layer(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (k_cache, v_cache) views of the layer the batch lives in: what attention takes."""
+        return self.pool.k_cache(LAYER), self.pool.v_cache(LAYER)
 
-    def dense(self, q: torch.Tensor, q_lens: List[int], scale=None) -> torch.Tensor:
+    def queries(self, q_lens: list[int]) -> torch.Tensor:
+        return torch.randn(sum(q_lens), self.q_heads, self.pool.head_dim, generator=self.g).to(
+            self.dtype
+        )
+
+    def dense(self, q: torch.Tensor, q_lens: list[int], scale=None) -> torch.Tensor:
         outs, start = [], 0
         for r, ql in enumerate(q_lens):
             outs.append(dense_attention(q[start : start + ql], self.k[r], self.v[r], scale))
@@ -81,9 +104,17 @@ LAYOUTS = list(KVCacheLayout)
 def test_reference_equals_dense_prefill_and_decode(layout, page_size, group):
     seq_lens = [1, 5, 19, 8]
     q_lens = [1, 5, 7, 1]  # decode, full prefill, prefill over a cached prefix of 12, decode
-    b = Batch(layout, page_size, kv_heads=2, group=group, head_dim=16, seq_lens=seq_lens, seed=group + page_size)
+    b = Batch(
+        layout,
+        page_size,
+        kv_heads=2,
+        group=group,
+        head_dim=16,
+        seq_lens=seq_lens,
+        seed=group + page_size,
+    )
     q = b.queries(q_lens)
-    out = paged_attention(q, b.pool, LAYER, b.slots, q_lens)
+    out = paged_attention(q, *b.layer(), b.slots, q_lens)
     assert out.shape == q.shape and out.dtype == q.dtype
     torch.testing.assert_close(out, b.dense(q, q_lens), rtol=1e-5, atol=1e-5)
 
@@ -94,10 +125,10 @@ def test_prefill_after_cached_prefix_matches_full_prefill(layout):
     b = Batch(layout, 4, kv_heads=2, group=3, head_dim=8, seq_lens=[6, 9], seed=7)
     b.extend([5, 3])  # new tokens appended after the cached prefixes (new slots, scattered)
     q_full = b.queries([11, 12])
-    full = paged_attention(q_full, b.pool, LAYER, b.slots, [11, 12])
+    full = paged_attention(q_full, *b.layer(), b.slots, [11, 12])
     # query only the new tokens: rows must equal the last rows of the full prefill
     q_new = torch.cat([q_full[6:11], q_full[11 + 9 :]])
-    part = paged_attention(q_new, b.pool, LAYER, b.slots, [5, 3])
+    part = paged_attention(q_new, *b.layer(), b.slots, [5, 3])
     torch.testing.assert_close(part, torch.cat([full[6:11], full[11 + 9 :]]), rtol=0, atol=1e-6)
     torch.testing.assert_close(full, b.dense(q_full, [11, 12]), rtol=1e-5, atol=1e-5)
 
@@ -105,21 +136,34 @@ def test_prefill_after_cached_prefix_matches_full_prefill(layout):
 def test_decode_is_default_and_scale_is_respected():
     b = Batch(KVCacheLayout.PageFirst, 2, kv_heads=1, group=2, head_dim=8, seq_lens=[3, 4], seed=1)
     q = b.queries([1, 1])
-    torch.testing.assert_close(paged_attention(q, b.pool, LAYER, b.slots), b.dense(q, [1, 1]))
-    torch.testing.assert_close(paged_attention(q, b.pool, LAYER, b.slots, scale=0.3), b.dense(q, [1, 1], scale=0.3))
-    assert not torch.allclose(paged_attention(q, b.pool, LAYER, b.slots, scale=0.3), b.dense(q, [1, 1]))
+    torch.testing.assert_close(paged_attention(q, *b.layer(), b.slots), b.dense(q, [1, 1]))
+    torch.testing.assert_close(
+        paged_attention(q, *b.layer(), b.slots, scale=0.3), b.dense(q, [1, 1], scale=0.3)
+    )
+    assert not torch.allclose(
+        paged_attention(q, *b.layer(), b.slots, scale=0.3), b.dense(q, [1, 1])
+    )
 
 
 def test_gather_kv_returns_dense_tokens():
     b = Batch(KVCacheLayout.PageFirst, 16, kv_heads=2, group=1, head_dim=4, seq_lens=[20], seed=2)
-    k, v = gather_kv(b.pool, LAYER, b.slots[0])
+    k, v = gather_kv(*b.layer(), b.slots[0])
     assert torch.equal(k, b.k[0]) and torch.equal(v, b.v[0])
 
 
 def test_half_precision_reference():
-    b = Batch(KVCacheLayout.LayerFirst, 4, kv_heads=2, group=2, head_dim=16, seq_lens=[9, 3], seed=3, dtype=torch.bfloat16)
+    b = Batch(
+        KVCacheLayout.LayerFirst,
+        4,
+        kv_heads=2,
+        group=2,
+        head_dim=16,
+        seq_lens=[9, 3],
+        seed=3,
+        dtype=torch.bfloat16,
+    )
     q = b.queries([4, 3])
-    out = paged_attention(q, b.pool, LAYER, b.slots, [4, 3])
+    out = paged_attention(q, *b.layer(), b.slots, [4, 3])
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), b.dense(q, [4, 3]), rtol=2e-2, atol=2e-2)
 
@@ -128,33 +172,40 @@ def test_misuse():
     b = Batch(KVCacheLayout.LayerFirst, 2, kv_heads=2, group=2, head_dim=8, seq_lens=[3, 4], seed=4)
     q = b.queries([1, 1])
     with pytest.raises(ValueError, match=r"q_lens\[0\]=4.*T=3"):
-        paged_attention(b.queries([4, 1]), b.pool, LAYER, b.slots, [4, 1])
+        paged_attention(b.queries([4, 1]), *b.layer(), b.slots, [4, 1])
     with pytest.raises(ValueError, match=r"q_lens\[1\]=0"):
-        paged_attention(q, b.pool, LAYER, b.slots, [2, 0])
+        paged_attention(q, *b.layer(), b.slots, [2, 0])
     with pytest.raises(ValueError, match="len\\(q_lens\\)=1"):
-        paged_attention(q, b.pool, LAYER, b.slots, [1])
+        paged_attention(q, *b.layer(), b.slots, [1])
     with pytest.raises(ValueError, match="num_q_heads=3"):
-        paged_attention(torch.randn(2, 3, 8), b.pool, LAYER, b.slots)
+        paged_attention(torch.randn(2, 3, 8), *b.layer(), b.slots)
     with pytest.raises(ValueError, match="sum\\(q_lens\\)=2"):
-        paged_attention(q[:1], b.pool, LAYER, b.slots)
+        paged_attention(q[:1], *b.layer(), b.slots)
     with pytest.raises(IndexError, match="num_slots"):
-        paged_attention(q, b.pool, LAYER, [b.slots[0], torch.tensor([0, b.pool.num_slots])])
+        paged_attention(q, *b.layer(), [b.slots[0], torch.tensor([0, b.pool.num_slots])])
     with pytest.raises(ValueError, match="non-empty"):
-        paged_attention(q, b.pool, LAYER, [b.slots[0], torch.empty(0, dtype=torch.int32)])
+        paged_attention(q, *b.layer(), [b.slots[0], torch.empty(0, dtype=torch.int32)])
     with pytest.raises(TypeError):
-        paged_attention(q, b.pool, LAYER, torch.cat(b.slots))
-    with pytest.raises(IndexError, match="num_layers"):
-        paged_attention(q, b.pool, 2, b.slots)
+        paged_attention(q, *b.layer(), torch.cat(b.slots))
+    kc, vc = b.layer()
+    with pytest.raises(ValueError, match="v_cache shape"):
+        paged_attention(q, kc, vc[:, :1], b.slots)
+    with pytest.raises(ValueError, match="dtype"):
+        paged_attention(q, kc, vc.double(), b.slots)
+    with pytest.raises(TypeError, match="k_cache"):
+        paged_attention(q, b.pool, vc, b.slots)  # a pool is not a layer: pass its views
+    with pytest.raises(ValueError, match="k_cache must have shape"):
+        paged_attention(q, kc[0, 0], vc[0, 0], b.slots)
     for fn in (paged_decode_attention,):
         with pytest.raises(IndexError, match="num_slots"):
-            fn(q, b.pool, LAYER, [b.slots[0], torch.tensor([-1])])
+            fn(q, *b.layer(), [b.slots[0], torch.tensor([-1])])
         with pytest.raises(ValueError, match="block_n"):
-            fn(q, b.pool, LAYER, b.slots, block_n=3)
+            fn(q, *b.layer(), b.slots, block_n=3)
 
 
 def test_decode_backend_choice():
     assert paged_decode_backend("cpu") == ("triton-interpreter" if TRITON_INTERPRET else "torch")
-    assert paged_decode_backend("cuda") == "triton"
+    assert paged_decode_backend("cuda") == ("triton-interpreter" if TRITON_INTERPRET else "triton")
 
 
 @needs_interpreter
@@ -163,21 +214,40 @@ def test_decode_backend_choice():
 @pytest.mark.parametrize("group", [1, 3, 4])
 def test_triton_decode_matches_reference(layout, page_size, group):
     # block_n=8 < longest request: several online-softmax steps, a ragged last block
-    b = Batch(layout, page_size, kv_heads=2, group=group, head_dim=24, seq_lens=[1, 8, 21], seed=group * page_size)
+    b = Batch(
+        layout,
+        page_size,
+        kv_heads=2,
+        group=group,
+        head_dim=24,
+        seq_lens=[1, 8, 21],
+        seed=group * page_size,
+    )
     q = b.queries([1, 1, 1])
-    out = paged_decode_attention(q, b.pool, LAYER, b.slots, block_n=8)
-    ref = paged_attention(q, b.pool, LAYER, b.slots, [1, 1, 1])
+    out = paged_decode_attention(q, *b.layer(), b.slots, block_n=8)
+    ref = paged_attention(q, *b.layer(), b.slots, [1, 1, 1])
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out, b.dense(q, [1, 1, 1]), rtol=1e-5, atol=1e-5)
 
 
 @needs_interpreter
 def test_triton_decode_half_precision_and_scale():
-    b = Batch(KVCacheLayout.PageFirst, 4, kv_heads=2, group=2, head_dim=16, seq_lens=[5, 11], seed=9, dtype=torch.float16)
+    b = Batch(
+        KVCacheLayout.PageFirst,
+        4,
+        kv_heads=2,
+        group=2,
+        head_dim=16,
+        seq_lens=[5, 11],
+        seed=9,
+        dtype=torch.float16,
+    )
     q = b.queries([1, 1])
-    out = paged_decode_attention(q, b.pool, LAYER, b.slots, scale=0.5)
+    out = paged_decode_attention(q, *b.layer(), b.slots, scale=0.5)
     assert out.dtype == torch.float16
-    torch.testing.assert_close(out, paged_attention(q, b.pool, LAYER, b.slots, scale=0.5), rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(
+        out, paged_attention(q, *b.layer(), b.slots, scale=0.5), rtol=2e-3, atol=2e-3
+    )
 
 
 @settings(max_examples=8, derandomize=True, deadline=None)
@@ -193,8 +263,9 @@ def test_reference_matches_dense_random_batches(layout, page_size, group, reqs, 
     q_lens = [1 + c % t for t, c in reqs]  # any q_len in [1, T]
     b = Batch(layout, page_size, kv_heads=2, group=group, head_dim=8, seq_lens=seq_lens, seed=seed)
     q = b.queries(q_lens)
-    torch.testing.assert_close(paged_attention(q, b.pool, LAYER, b.slots, q_lens), b.dense(q, q_lens),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        paged_attention(q, *b.layer(), b.slots, q_lens), b.dense(q, q_lens), rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.gpu
@@ -209,5 +280,6 @@ def test_cuda_triton_decode_matches_reference(layout):
     pool.store_kv(k, torch.randn_like(k), slots, LAYER)
     per_req = list(slots.split(seq_lens))
     q = torch.randn(len(seq_lens), 32, 128, device="cuda", dtype=torch.bfloat16)
-    out = paged_decode_attention(q, pool, LAYER, per_req)
-    torch.testing.assert_close(out, paged_attention(q, pool, LAYER, per_req), rtol=2e-2, atol=2e-2)
+    kc, vc = pool.k_cache(LAYER), pool.v_cache(LAYER)
+    out = paged_decode_attention(q, kc, vc, per_req)
+    torch.testing.assert_close(out, paged_attention(q, kc, vc, per_req), rtol=2e-2, atol=2e-2)

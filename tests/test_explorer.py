@@ -9,22 +9,35 @@ the page. ``tests/test_step_player.py`` clicks the player in Chromium on the bui
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
+from dataclasses import replace
+from html.parser import HTMLParser
+from importlib import resources
+from typing import Dict, List, Tuple
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kvcache import RadixCacheManager
 from kvcache.viz.explorer import DEFAULT_PRESETS, Explorer, StepPlayer, render_svg, step_player
 from kvcache.serving.tokenizer import ByteTokenizer
-from kvcache.viz import TreeRecorder, draw_tree
+from kvcache.viz import TreeRecorder, TreeSnapshot, draw_tree, tree_text
+from kvcache.viz.player import PLAYER_ID_PATTERN, js_string
+from kvcache.viz.text import one_line
 
 SYS_A = "You are terse. What is a KV cache?"
 SYS_B = "You are terse. What is a radix tree?"
 SHARED = len("You are terse. What is a ")
 
 needs_dot = pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz `dot` is not installed")
+
+
+def static_file(name: str) -> str:
+    """A file the package ships in ``kvcache/viz/static`` (read as an installed package would)."""
+    return resources.files("kvcache.viz").joinpath("static", name).read_text(encoding="utf-8")
 
 
 def cached_tokens(ex: Explorer) -> int:
@@ -322,3 +335,158 @@ def test_render_svg_strips_the_prolog():
     rec = recorded()
     svg = render_svg(draw_tree(rec.last, rec.decode))
     assert svg.startswith("<svg") and svg.endswith("</svg>") and "<!DOCTYPE" not in svg
+
+
+# ------------------------------------------- the player's HTML: every string stays in its context
+class PlayerDOM(HTMLParser):
+    """The elements of a player block, as an HTML parser (a browser's first pass) reads them."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.tags: List[Tuple[str, Dict[str, str]]] = []
+        self.open: List[Tuple[str, Dict[str, str]]] = []
+        self.data: Dict[str, List[str]] = {"script": [], "style": [], "caption": [], "title": [], "frame": []}
+
+    def handle_starttag(self, tag, attrs):
+        a = {k: v or "" for k, v in attrs}
+        self.tags.append((tag, a))
+        if tag not in ("input",):  # the only void element a player holds
+            self.open.append((tag, a))
+
+    def handle_startendtag(self, tag, attrs):
+        self.tags.append((tag, {k: v or "" for k, v in attrs}))
+
+    def handle_endtag(self, tag):
+        while self.open:
+            if self.open.pop()[0] == tag:
+                break
+
+    def handle_data(self, data):
+        classes = [a.get("class", "") for _, a in self.open]
+        tags = [t for t, _ in self.open]
+        if tags and tags[-1] in ("script", "style"):
+            self.data[tags[-1]].append(data)
+        elif "kvp-caption" in classes:
+            self.data["caption"].append(data)
+        elif "kvp-title" in classes:
+            self.data["title"].append(data)
+        elif "kvp-frame" in classes:
+            self.data["frame"].append(data)
+
+
+def parse_player(html_text: str) -> PlayerDOM:
+    dom = PlayerDOM()
+    dom.feed(html_text)
+    dom.close()
+    return dom
+
+
+def captioned(captions: List[str]) -> List[TreeSnapshot]:
+    snaps = recorded().snapshots
+    return [replace(snaps[i % len(snaps)], caption=c) for i, c in enumerate(captions)]
+
+
+ANY_ID = st.from_regex(PLAYER_ID_PATTERN, fullmatch=True).filter(lambda s: len(s) < 40)
+#: Any text, made mostly of what could close a context: quotes, tags, comments, entities, escapes.
+NASTY = st.lists(st.one_of(
+    st.sampled_from(['"', "'", "<", ">", "&", "</script>", "</div>", "<!--", "-->", "<svg>", "&amp;",
+                     "&#x27;", "\\", "\n", "\x00", "\r", "\u2028", "`", "${", " ", "=", "/"]),
+    st.text(max_size=4)), max_size=8).map("".join)
+
+
+@settings(derandomize=True, max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(captions=st.lists(NASTY, min_size=1, max_size=4), title=NASTY,
+       player_id=st.one_of(st.none(), ANY_ID), interval=st.integers(50, 10**6))
+def test_player_strings_never_leave_their_context(captions, title, player_id, interval):
+    """Whatever the captions, title and id hold, the block parses into exactly the player's
+    elements, with each string back as the text or attribute value it was given."""
+    snaps = captioned(captions)
+    p = step_player(snaps, title=title, player_id=player_id, interval_ms=interval,
+                    render=lambda g: "<svg></svg>")
+    dom = parse_player(p.html)
+    assert {t for t, _ in dom.tags} <= {"div", "style", "b", "button", "input", "span", "script", "svg"}
+    assert dom.tags[0] == ("div", dom.tags[0][1]) and dom.tags[0][1]["id"] == p.player_id
+    assert PLAYER_ID_PATTERN.fullmatch(p.player_id) and (player_id is None or p.player_id == player_id)
+    assert [t for t, _ in dom.tags].count("script") == 1 and [t for t, _ in dom.tags].count("style") == 1
+    expected_js = (static_file("player.js").replace("__INTERVAL_MS__", str(interval))
+                   .replace("__PLAYER_ID__", json.dumps(p.player_id)))
+    assert "".join(dom.data["script"]) == "\n" + expected_js
+    assert "".join(dom.data["style"]) == "\n" + static_file("player.css")
+    frames = [a for t, a in dom.tags if a.get("class") == "kvp-frame"]
+    assert [f["data-caption"] for f in frames] == captions
+    assert [f["data-step"] for f in frames] == [str(i) for i in range(len(captions))]
+    assert "".join(dom.data["caption"]) == captions[0]
+    assert "".join(dom.data["title"]) == title
+    assert [a["class"] for t, a in dom.tags if t == "button"] == [
+        "kvp-first", "kvp-prev", "kvp-play", "kvp-next", "kvp-last"]
+
+
+@needs_dot
+@settings(derandomize=True, max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=NASTY.filter(bool))
+def test_player_token_text_stays_text_in_the_svg(text):
+    snaps = captioned(["a", "b"])
+    p = step_player(snaps, lambda ids: text, max_chars=1000)
+    dom = parse_player(p.html)
+    assert [t for t, _ in dom.tags].count("script") == 1 and [t for t, _ in dom.tags].count("svg") == 2
+    shown = "".join(dom.data["frame"]).replace("\xa0", " ")
+    assert f"“{one_line(text)}”" in shown
+
+
+def test_player_id_must_be_a_plain_html_id():
+    for bad in ('x" onclick="alert(1)', "a</script>", "1abc", "", "a b", "ä", "-x", "a\n"):
+        with pytest.raises(ValueError, match="player_id"):
+            step_player(recorded(), render=fake_svg, player_id=bad)
+    with pytest.raises(TypeError, match="player_id"):
+        step_player(recorded(), render=fake_svg, player_id=7)  # type: ignore[arg-type]
+    assert js_string("</script><!--&\u2028") == '"\\u003c/script\\u003e\\u003c!--\\u0026\\u2028"'
+
+
+@settings(derandomize=True, max_examples=60, deadline=None)
+@given(bad=st.text(max_size=12).filter(lambda s: not PLAYER_ID_PATTERN.fullmatch(s)))
+def test_any_other_player_id_is_refused(bad):
+    with pytest.raises(ValueError, match="player_id"):
+        step_player(recorded(), render=fake_svg, player_id=bad)
+
+
+def test_player_script_and_style_are_package_data():
+    js, css = static_file("player.js"), static_file("player.css")
+    assert js.count("__PLAYER_ID__") == 1 and js.count("__INTERVAL_MS__") == 1
+    assert ".kvp-frame" in css and "<" not in css
+    p = step_player(recorded(), render=fake_svg, interval_ms=700)
+    assert "__PLAYER_ID__" not in p.html and "__INTERVAL_MS__" not in p.html and "700);" in p.html
+    assert css in p.html
+
+
+def test_player_and_explorer_wrong_types_name_the_argument():
+    rec = recorded()
+    cases = [
+        (lambda: step_player(rec, render=fake_svg, interval_ms=1.5), TypeError, "interval_ms"),
+        (lambda: step_player(rec, render=fake_svg, start=-1), ValueError, "start"),
+        (lambda: step_player(rec, render=fake_svg, start="1"), TypeError, "start"),
+        (lambda: step_player(rec, render=fake_svg, title=None), TypeError, "title"),
+        (lambda: step_player(rec, render="svg"), TypeError, "render"),
+        (lambda: step_player(rec, render=lambda g: b"<svg/>"), TypeError, "render"),
+        (lambda: step_player(rec, decode=5, render=fake_svg), TypeError, "decode"),
+        (lambda: step_player("abc", render=fake_svg), TypeError, "source"),
+        (lambda: render_svg("digraph {}"), TypeError, "graph"),
+        (lambda: Explorer(max_log=0), ValueError, "max_log"),
+        (lambda: Explorer(presets="ab"), TypeError, "presets"),
+        (lambda: Explorer(presets=[("a", 1)]), TypeError, "presets"),
+        (lambda: Explorer(tokenizer=object()), TypeError, "tokenizer"),
+        (lambda: Explorer(num_pages=0), ValueError, "num_pages"),
+    ]
+    for call, error, name in cases:
+        with pytest.raises(error, match=rf"\b{name}\b"):
+            call()
+
+
+def test_explorer_refuses_a_bad_evict_size_without_raising():
+    ex = Explorer(num_pages=16)
+    ex.insert("abc")
+    before = (tree_text(ex.manager), ex.allocator.free_pages().tolist())
+    assert ex.evict(-1) == [] and ex.evict(1.5) == []  # type: ignore[arg-type]
+    assert not ex.last_ok and ex.log[-1].startswith("✗ evict(1.5) refused")
+    assert (tree_text(ex.manager), ex.allocator.free_pages().tolist()) == before
+    assert ex.history.last.evict_size is None
+    ex.flow.check_integrity()

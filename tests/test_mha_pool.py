@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvcache import BaseKVCache, KVCacheLayout
 from kvcache.storage.distributed import reset_tp_info, set_tp_info
@@ -109,7 +110,20 @@ def test_store_kv_lands_at_page_and_offset(layout, page_size, index_dtype):
         at = (p, 1, o) if layout is PF else (1, p, o)
         assert torch.equal(c.buffer[0][at], k[i]) and torch.equal(c.buffer[1][at], v[i])
         assert torch.equal(c.k_cache(1)[p, o], k[i]) and torch.equal(c.v_cache(1)[p, o], v[i])
-    assert c.buffer.count_nonzero() == 2 * k.count_nonzero()  # nothing else touched (layer 0 included)
+    assert (
+        c.buffer.count_nonzero() == 2 * k.count_nonzero()
+    )  # nothing else touched (layer 0 included)
+
+
+@pytest.mark.parametrize("layout", list(KVCacheLayout))
+def test_store_kv_unchecked_drops_out_of_range_slots(layout):
+    """check_bounds=False (no host sync): good slots land, a bad one writes nothing anywhere."""
+    c = make(layout, heads=2, layers=2, head_dim=4, pages=4, page_size=4)
+    k = torch.arange(3 * 8, dtype=torch.float32).view(3, 2, 4) + 1
+    c.store_kv(k, -k, torch.tensor([5, 16, 2], dtype=torch.int32), 1, check_bounds=False)
+    assert torch.equal(c.k_cache(1)[1, 1], k[0]) and torch.equal(c.k_cache(1)[0, 2], k[2])
+    assert torch.equal(c.v_cache(1)[1, 1], -k[0]) and torch.equal(c.v_cache(1)[0, 2], -k[2])
+    assert c.buffer.count_nonzero() == 2 * k[[0, 2]].count_nonzero()
 
 
 @pytest.mark.parametrize("size,rank", [(1, 0), (2, 1), (4, 3), (8, 0)])
@@ -144,8 +158,16 @@ def test_tp_indivisible_heads():
     ],
 )
 def test_constructor_misuse(kwargs, exc, match):
-    args = dict(num_kv_heads=2, num_layers=1, head_dim=4, num_pages=2, dtype=torch.float32,
-                kv_layout=LF, device="cpu", page_size=1)
+    args = dict(
+        num_kv_heads=2,
+        num_layers=1,
+        head_dim=4,
+        num_pages=2,
+        dtype=torch.float32,
+        kv_layout=LF,
+        device="cpu",
+        page_size=1,
+    )
     args.update(kwargs)
     with pytest.raises(exc, match=match):
         MHAKVCache(**args)
@@ -201,7 +223,9 @@ def test_store_kv_matches_a_dense_model(layout, page_size, layer, data):
     pages = 3
     c = make(layout, heads=2, layers=3, head_dim=4, pages=pages, page_size=page_size)
     n_slots = pages * page_size
-    slots = data.draw(st.lists(st.integers(0, n_slots - 1), min_size=0, max_size=n_slots, unique=True))
+    slots = data.draw(
+        st.lists(st.integers(0, n_slots - 1), min_size=0, max_size=n_slots, unique=True)
+    )
     g = torch.Generator().manual_seed(len(slots))
     k, v = torch.randn(len(slots), 2, 4, generator=g), torch.randn(len(slots), 2, 4, generator=g)
     c.store_kv(k, v, torch.tensor(slots, dtype=torch.int32), layer)

@@ -8,25 +8,31 @@ non-zero size, and the caption above it is that step's caption. Every request th
 must stay inside ``file://`` (and friends), and the page must throw no JavaScript error.
 
 ``make test`` builds the book first; the test skips only when the site is not built (no
-``_build/html/index.html``, the condition ``tests/test_site.py`` uses).
+``_build/html/index.html``, the condition ``tests/test_site.py`` uses). A second test needs no
+site: it opens a player whose captions, title and token text are built to break out of their
+HTML and script contexts, and checks that the browser shows them as text and runs nothing else.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import time
-from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
+import torch
 
 from test_site import HTML, LOCAL_SCHEMES, PAGE_TIMEOUT_S, QUIET_S, browser  # noqa: F401  (fixture)
-from test_site import Chromium, needs_site
+from test_site import Chromium, find_chromium, needs_site
+
+from kvcache import RadixCacheManager
+from kvcache.serving.tokenizer import ByteTokenizer
+from kvcache.viz import TreeRecorder, render_svg, step_player
 
 PAGE = HTML / "book" / "15_explorer.html"
 
-# Skips (like tests/test_site.py) only when the site was not built: no _build/html/index.html.
-pytestmark = needs_site
+needs_chromium = pytest.mark.skipif(find_chromium() is None, reason="Chromium not found")
 
 # Describes the first player on the page: its step attribute, its frames, and what is shown.
 STATE = r"""
@@ -165,6 +171,8 @@ def check_shows(s: dict, step: int, captions: dict) -> None:
     captions[step] = (s["caption"], s["svg_text"])
 
 
+# Skips (like tests/test_site.py) only when the site was not built: no _build/html/index.html.
+@needs_site
 def test_step_player_clicks_through(browser):  # noqa: F811  (the fixture imported from test_site)
     assert PAGE.exists(), f"{PAGE} was not built (chapter 15 must be in _toc.yml)"
     page = Page(browser, PAGE.as_uri())
@@ -216,5 +224,53 @@ def test_step_player_clicks_through(browser):  # noqa: F811  (the fixture import
         page.settle()
         assert not page.external, f"the page requested resources outside file://: {page.external}"
         assert not page.js_errors, f"JavaScript errors: {page.js_errors}"
+    finally:
+        page.close()
+
+
+#: Strings that would run script or end an element if pasted into the page unescaped.
+HOSTILE = [
+    '<img src=x onerror="window.__pwned=1">',
+    "</script><script>window.__pwned=1</script>",
+    '" onmouseover="window.__pwned=1" x="',
+    "</div></div><b>out</b> &amp; &lt; \\N ' `${1}`",
+]
+
+
+@needs_chromium
+@pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz `dot` is not installed")
+def test_hostile_strings_stay_text_in_the_browser(browser, tmp_path):  # noqa: F811
+    tok = ByteTokenizer()
+    rec = TreeRecorder(RadixCacheManager(), decode=tok)
+    for i, text in enumerate(HOSTILE):
+        rec.insert_prefix(tok.encode(text), torch.arange(100 * i, 100 * i + len(text.encode()), dtype=torch.int32))
+        rec.record(text)  # a caption that is the hostile string itself
+    player = step_player(rec, title=HOSTILE[0], start=1, render=render_svg)
+    page_file = tmp_path / "player.html"
+    page_file.write_text(f'<!DOCTYPE html><html><head><meta charset="utf-8"></head><body>{player.html}</body></html>',
+                         encoding="utf-8")
+    page = Page(browser, page_file.as_uri())
+    try:
+        s = page.state()
+        assert s is not None and s["ready"], "the player's script did not run"
+        assert s["n"] == player.num_steps
+        assert page.eval("document.querySelectorAll('script').length") == 1
+        assert page.eval("document.querySelectorAll('img, body > b, .kvp b:not(.kvp-title b)').length") == 0
+        assert page.eval("document.querySelector('.kvp-title').textContent") == HOSTILE[0]
+        seen = {}
+        for step in range(player.num_steps):
+            s = page.state()
+            check_shows(s, step, seen)
+            assert s["caption"] == rec.snapshots[step + 1].caption
+            if step + 1 < player.num_steps:
+                page.click(".kvp-next")
+        shown = " ".join(text for text, _ in seen.values())
+        assert all(h in shown for h in HOSTILE[1:])
+        for x in (10, 200, 400):  # hover the frame and the bar: no handler of a caption may run
+            browser.call("Input.dispatchMouseEvent", {"type": "mouseMoved", "x": x, "y": 60}, session=page.session)
+        page.settle()
+        assert page.eval("window.__pwned === undefined"), "a caption or title ran as script"
+        assert not page.js_errors, f"JavaScript errors: {page.js_errors}"
+        assert not page.external, f"the page requested resources outside file://: {page.external}"
     finally:
         page.close()

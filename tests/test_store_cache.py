@@ -11,7 +11,8 @@ import os
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvcache.kernels.store as store_mod
 from kvcache.kernels import (
@@ -22,13 +23,19 @@ from kvcache.kernels import (
     store_cache_triton,
 )
 
-needs_interpreter = pytest.mark.skipif(not TRITON_INTERPRET, reason="needs TRITON_INTERPRET=1 before import")
-BACKENDS = [pytest.param(store_cache_triton, id="triton", marks=needs_interpreter),
-            pytest.param(store_cache_torch, id="torch"),
-            pytest.param(store_cache, id="dispatch")]
+needs_interpreter = pytest.mark.skipif(
+    not TRITON_INTERPRET, reason="needs TRITON_INTERPRET=1 before import"
+)
+BACKENDS = [
+    pytest.param(store_cache_triton, id="triton", marks=needs_interpreter),
+    pytest.param(store_cache_torch, id="torch"),
+    pytest.param(store_cache, id="dispatch"),
+]
 
 
-def make_caches(kind: str, num_pages: int, page_size: int, heads: int, dim: int, dtype=torch.float32):
+def make_caches(
+    kind: str, num_pages: int, page_size: int, heads: int, dim: int, dtype=torch.float32
+):
     """A (k_cache, v_cache) pair with the strides that `kind` of storage gives."""
     layers, layer = 3, 1
     if kind == "flat":  # (num_slots, H, D), contiguous
@@ -44,7 +51,9 @@ def make_caches(kind: str, num_pages: int, page_size: int, heads: int, dim: int,
         buf = torch.zeros(2, layers, num_pages, page_size, heads, dim, dtype=dtype)
         return buf[0, layer], buf[1, layer]
     if kind == "page_first":  # the pool's PageFirst layer view: not flattenable when page_size > 1
-        buf = torch.zeros(2, num_pages, layers, page_size, heads, dim, dtype=dtype).permute(0, 2, 1, 3, 4, 5)
+        buf = torch.zeros(2, num_pages, layers, page_size, heads, dim, dtype=dtype).permute(
+            0, 2, 1, 3, 4, 5
+        )
         return buf[0, layer], buf[1, layer]
     raise AssertionError(kind)
 
@@ -68,22 +77,27 @@ def random_batch(n, num_slots, heads, dim, dtype, index_dtype, seed):
 
 def test_backend_choice():
     assert store_cache_backend("cpu") == ("triton-interpreter" if TRITON_INTERPRET else "torch")
-    assert TRITON_INTERPRET == (os.environ.get("TRITON_INTERPRET") == "1")
-    assert store_cache_backend("cuda") == "triton"
+    assert (os.environ.get("TRITON_INTERPRET") == "1") == TRITON_INTERPRET
+    # With TRITON_INTERPRET=1 Triton interprets every launch, CUDA tensors' included.
+    assert store_cache_backend("cuda") == ("triton-interpreter" if TRITON_INTERPRET else "triton")
     assert store_cache_backend(torch.device("meta")) == "torch"
 
 
 def test_dispatch_calls_the_chosen_backend(monkeypatch):
     called = []
-    monkeypatch.setattr(store_mod, "_store_triton", lambda *a: called.append("triton"))
-    monkeypatch.setattr(store_mod, "_store_torch", lambda *a: called.append("torch"))
+    monkeypatch.setattr(store_mod, "_store_triton", lambda *a, **kw: called.append("triton"))
+    monkeypatch.setattr(store_mod, "_store_torch", lambda *a, **kw: called.append("torch"))
     kc, vc = make_caches("flat", 4, 1, 1, 2)
-    store_cache(kc, vc, torch.tensor([1], dtype=torch.int32), torch.ones(1, 1, 2), torch.ones(1, 1, 2))
+    store_cache(
+        kc, vc, torch.tensor([1], dtype=torch.int32), torch.ones(1, 1, 2), torch.ones(1, 1, 2)
+    )
     assert called == ["triton" if TRITON_INTERPRET else "torch"]
 
 
 @pytest.mark.parametrize("fn", BACKENDS)
-@pytest.mark.parametrize("kind", ["flat", "flat_strided", "dim_strided", "layer_first", "page_first"])
+@pytest.mark.parametrize(
+    "kind", ["flat", "flat_strided", "dim_strided", "layer_first", "page_first"]
+)
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 def test_matches_reference(fn, kind, page_size, index_dtype):
@@ -93,7 +107,9 @@ def test_matches_reference(fn, kind, page_size, index_dtype):
     num_pages = 8 // page_size + 1
     kc, vc = make_caches(kind, num_pages, page_size, heads, dim)
     kc.normal_(generator=torch.Generator().manual_seed(1))  # old contents must survive elsewhere
-    idx, k, v = random_batch(5, num_pages * page_size, heads, dim, torch.float32, index_dtype, seed=page_size)
+    idx, k, v = random_batch(
+        5, num_pages * page_size, heads, dim, torch.float32, index_dtype, seed=page_size
+    )
     want_k, want_v = reference(kc, idx, k), reference(vc, idx, v)
     fn(kc, vc, idx, k, v)
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
@@ -113,7 +129,9 @@ def test_half_dtypes_bit_exact(fn, dtype):
 def test_non_contiguous_sources(fn):
     kc, vc = make_caches("layer_first", 4, 2, 3, 4)
     g = torch.Generator().manual_seed(0)
-    k = torch.randn(4, 3, 3, generator=g).permute(2, 1, 0)  # (3 tokens, 3 heads, 4 dims), all strides odd
+    k = torch.randn(4, 3, 3, generator=g).permute(
+        2, 1, 0
+    )  # (3 tokens, 3 heads, 4 dims), all strides odd
     v = torch.randn(3, 3, 8, generator=g)[..., ::2]
     idx = torch.tensor([7, 0, 4], dtype=torch.int64)
     fn(kc, vc, idx, k, v)
@@ -171,6 +189,11 @@ def _misuse_cases():
         (ValueError, dict(k_cache=torch.zeros(8, 2))),
         (ValueError, dict(k=torch.ones(2, 2, 4, device="meta"))),
         (ValueError, dict(indices=torch.zeros(2, dtype=torch.int32, device="meta"))),
+        # a cache that overlaps itself: every slot of a page is the same memory
+        (ValueError, dict(k_cache=torch.zeros(4, 1, 2, 4).expand(4, 2, 2, 4))),
+        (ValueError, dict(v_cache=torch.zeros(1, 2, 2, 4).expand(4, 2, 2, 4))),
+        # an int64 index that an int32 cast would bring into range
+        (IndexError, dict(indices=torch.tensor([0, 2**32 + 1], dtype=torch.int64))),
     ]
 
 
@@ -182,6 +205,19 @@ def test_misuse_raises_before_writing(fn):
         with pytest.raises(exc):
             fn(args["k_cache"], args["v_cache"], args["indices"], args["k"], args["v"])
         assert not base["k_cache"].any() and not base["v_cache"].any(), override
+
+
+@pytest.mark.parametrize("fn", BACKENDS)
+@pytest.mark.parametrize("kind,page_size", [("flat", 1), ("page_first", 4)])
+def test_unchecked_out_of_range_rows_are_dropped(fn, kind, page_size):
+    """check_bounds=False (no host sync): the device-side guard writes the good rows only."""
+    kc, vc = make_caches(kind, 16 // page_size, page_size, 2, 4)
+    idx = torch.tensor([3, -1, 16, 2**40, 5], dtype=torch.int64)
+    k = torch.arange(5 * 8, dtype=torch.float32).view(5, 2, 4) + 1
+    fn(kc, vc, idx, k, -k, check_bounds=False)
+    good = torch.tensor([3, 5])
+    assert torch.equal(kc, reference(torch.zeros_like(kc), good, k[[0, 4]]))
+    assert torch.equal(vc, reference(torch.zeros_like(vc), good, -k[[0, 4]]))
 
 
 @pytest.mark.skipif(TRITON_INTERPRET, reason="only meaningful without the interpreter")
@@ -215,9 +251,13 @@ def test_dispatch_matches_torch_backend(kind, page_size, n, seed):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_triton_matches_torch(kind, dtype):
     assert store_cache_backend("cuda") == "triton"
-    kc, vc = (t.cuda() for t in make_caches(kind, 64, 16 if kind != "flat_strided" else 1, 8, 128, dtype))
+    kc, vc = (
+        t.cuda() for t in make_caches(kind, 64, 16 if kind != "flat_strided" else 1, 8, 128, dtype)
+    )
     kc2, vc2 = kc.clone(), vc.clone()
-    idx, k, v = random_batch(500, kc.shape[0] * (kc.shape[1] if kc.dim() == 4 else 1), 8, 128, dtype, torch.int32, 0)
+    idx, k, v = random_batch(
+        500, kc.shape[0] * (kc.shape[1] if kc.dim() == 4 else 1), 8, 128, dtype, torch.int32, 0
+    )
     idx, k, v = idx.cuda(), k.cuda(), v.cuda()
     store_cache(kc, vc, idx, k, v)
     store_cache_torch(kc2, vc2, idx, k, v)

@@ -8,18 +8,24 @@ from __future__ import annotations
 import copy
 import re
 import shutil
+import sys
+from dataclasses import replace
 from typing import Dict, List, Set, Tuple
+from xml.etree import ElementTree
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from kvcache import PageAllocator, RadixCacheManager, RequestFlow
+from kvcache import BlockHashCacheManager, NaiveCacheManager, PageAllocator, RadixCacheManager, RequestFlow
 from kvcache.serving.tokenizer import ByteTokenizer
 from kvcache.viz import (
     PALETTE, TreeRecorder, TreeSnapshot, diff_snapshots, draw_sequence, draw_tree, format_indices,
-    format_tokens, predict_evict, snapshot, tree_text,
+    format_tokens, predict_evict, render_svg, snapshot, tree_text,
 )
+from kvcache.viz.text import one_line
+
+needs_dot = pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz 'dot' not installed")
 
 WORDS = ["Hello", "world", "there", "how", "are", "you", "what", "is", "your", "name"]
 
@@ -394,3 +400,163 @@ def test_byte_tokenizer():
     with pytest.raises(TypeError):
         tok.encode(b"bytes")  # type: ignore[arg-type]
     assert isinstance(snapshot(RadixCacheManager()), TreeSnapshot)
+
+
+# ----------------------------------------------------- any depth: no recursion over the tree
+def deep_chain(depth: int) -> RadixCacheManager:
+    """A request cached after every decode token: ``depth`` nodes, each the only child of the last."""
+    m = RadixCacheManager()
+    ids = torch.arange(depth, dtype=torch.int64) % 7
+    for k in range(1, depth + 1):
+        m.insert_prefix(ids[:k], torch.arange(k, dtype=torch.int32))
+    return m
+
+
+def test_a_chain_deeper_than_the_recursion_limit():
+    depth = 1100
+    assert sys.getrecursionlimit() < depth, "the test needs a chain deeper than the recursion limit"
+    m = deep_chain(depth)
+    assert m.num_nodes == depth
+    snap = snapshot(m)
+    assert snap.num_nodes == depth and max(snap.depths().values()) == depth
+    lines = tree_text(snap).splitlines()
+    assert len(lines) == depth + 1
+    assert lines[-1] == " " * 4 * (depth - 1) + f"└── [{(depth - 1) % 7}] → [{depth - 1}] ref=0 t={depth}"
+    graph = draw_tree(m, evict_size=3)
+    assert len(dot_edges(graph.source)) == depth and graph.source.count("evict #") == 3
+    if shutil.which("dot") is not None:  # graphviz lays the chain out too (well under a second)
+        assert render_svg(graph).count('class="node') == depth + 1
+    order = predict_evict(m, depth)
+    by_depth = snap.depths()
+    assert [by_depth[u] for u in order] == list(range(depth, 0, -1))  # deepest first, up the chain
+    rec = TreeRecorder(m)
+    rec.evict(2)
+    assert {n.uuid for n in rec.last.evicted} == set(order[:2])
+    assert diff_snapshots(snap, rec.last).evicted == rec.last.evicted
+    assert draw_sequence(rec).source.count("subgraph cluster_") == 3  # two panels and the legend
+    assert "2. evict(2)" in rec.text()
+
+
+# ------------------------------------------------- wrong types fail early, naming the argument
+def test_snapshot_refuses_managers_without_a_tree():
+    for manager in (BlockHashCacheManager(), NaiveCacheManager(), object(), None):
+        with pytest.raises(TypeError, match=r"^manager must be a RadixCacheManager"):
+            snapshot(manager)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"^manager must be a RadixCacheManager"):
+            TreeRecorder(manager)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"^tree must be"):
+            tree_text(manager)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"^tree must be"):
+            draw_tree(manager)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"^tree must be"):
+            predict_evict(manager, 0)  # type: ignore[arg-type]
+
+
+def _bad_calls(m: RadixCacheManager, rec: TreeRecorder):
+    """``(call, exception, argument name)`` for every public function of the package."""
+    snap = rec.last
+    return [
+        (lambda: snapshot(m, 3), TypeError, "caption"),
+        (lambda: snapshot(m, previous=m), TypeError, "previous"),
+        (lambda: snapshot(m, evict_size=1.0), TypeError, "evict_size"),
+        (lambda: snapshot(m, evict_size=-1), ValueError, "evict_size"),
+        (lambda: diff_snapshots(snap, m), TypeError, "after"),
+        (lambda: diff_snapshots(None, snap), TypeError, "before"),
+        (lambda: predict_evict(m, 1.0), TypeError, "size"),
+        (lambda: predict_evict(m, True), TypeError, "size"),
+        (lambda: predict_evict(m, -1), ValueError, "size"),
+        (lambda: format_tokens("abc"), TypeError, "tokens"),
+        (lambda: format_tokens([1, 2.5]), TypeError, "tokens"),
+        (lambda: format_tokens(torch.ones(2)), TypeError, "tokens"),
+        (lambda: format_tokens([1], max_chars=0), ValueError, "max_chars"),
+        (lambda: format_tokens([1], decode=3), TypeError, "decode"),
+        (lambda: format_tokens([1], decode=lambda ids: ids), TypeError, "decode"),
+        (lambda: format_indices([True]), TypeError, "indices"),
+        (lambda: format_indices(5), TypeError, "indices"),
+        (lambda: format_indices([1], max_runs=1.5), TypeError, "max_runs"),
+        (lambda: tree_text(m, decode=3), TypeError, "decode"),
+        (lambda: tree_text(m, max_chars="9"), TypeError, "max_chars"),
+        (lambda: tree_text(m, evict_size="2"), TypeError, "evict_size"),
+        (lambda: draw_tree(m, title=3), TypeError, "title"),
+        (lambda: draw_tree(m, font_size="big"), TypeError, "font_size"),
+        (lambda: draw_tree(m, font_size=0), ValueError, "font_size"),
+        (lambda: draw_tree(m, rankdir="up"), ValueError, "rankdir"),
+        (lambda: draw_tree(m, evict_size=-1), ValueError, "evict_size"),
+        (lambda: draw_tree(m, max_chars=0), ValueError, "max_chars"),
+        (lambda: draw_sequence(3), TypeError, "snapshots"),
+        (lambda: draw_sequence(snap), TypeError, "snapshots"),
+        (lambda: draw_sequence([snap, m]), TypeError, "snapshots"),
+        (lambda: draw_sequence(rec, per_row=0), ValueError, "per_row"),
+        (lambda: draw_sequence(rec, per_row=1.0), TypeError, "per_row"),
+        (lambda: draw_sequence(rec, caption_width=None), TypeError, "caption_width"),
+        (lambda: TreeRecorder(m, decode=3), TypeError, "decode"),
+        (lambda: TreeRecorder(m, snapshots=[1]), TypeError, "snapshots"),
+        (lambda: rec.record(None), TypeError, "caption"),
+    ]
+
+
+def test_wrong_arguments_raise_naming_the_argument_and_change_nothing():
+    manager, rec = source_13_4()
+    before_tree, before_snaps = tree_text(manager), list(rec.snapshots)
+    for call, error, name in _bad_calls(manager, rec):
+        with pytest.raises(error, match=rf"\b{name}\b"):
+            call()
+    assert tree_text(manager) == before_tree and rec.snapshots == before_snaps
+
+
+# ---------------------------------------- escaping: text reaches DOT and SVG only as text
+def test_one_line_escapes_every_invisible_character():
+    assert one_line("a\tb\nc\rd") == "a\\tb\\nc\\rd"
+    assert one_line("\x00\x7f\u2028\u202e\ufffe") == "\\x00\\x7f\\u2028\\u202e\\ufffe"
+    assert one_line("héllo wörld 😀 \\n") == "héllo wörld 😀 \\n"  # printable text is kept as is
+
+
+SVG_NS = "{http://www.w3.org/2000/svg}"
+
+
+def _svg_texts(element, deep: bool = False) -> List[str]:
+    """Visible text of ``element``'s ``<text>`` children (all descendants with ``deep``)."""
+    found = element.iter(f"{SVG_NS}text") if deep else element.findall(f"{SVG_NS}text")
+    return ["".join(e.itertext()).replace("\xa0", " ") for e in found]  # dot pads with nbsp
+
+
+@needs_dot
+@settings(derandomize=True, max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=st.text(max_size=30))
+def test_any_text_is_drawn_as_written(text):
+    """Titles, captions and token text, whatever they hold, come out of graphviz as the same
+    visible text (control characters escaped), and the SVG is well-formed: nothing is taken
+    for DOT syntax, an HTML label, an escape like ``\\N`` or an entity."""
+    m = RadixCacheManager()
+    m.insert_prefix(torch.tensor([1, 2]), slots(0, 1))
+    snap = replace(snapshot(m), caption=text)
+    decode = lambda ids: text  # noqa: E731
+    root = ElementTree.fromstring(render_svg(draw_tree(snap, decode, max_chars=1000)))
+    graph = root.find(f"{SVG_NS}g")
+    title = [t.strip() for t in _svg_texts(graph)]
+    assert title == [one_line(line).strip() for line in text.split("\n") if line.strip()]
+    nodes = [g for g in graph.findall(f"{SVG_NS}g") if g.get("class", "").split()[:1] == ["node"]]
+    assert len(nodes) == 2 and _svg_texts(nodes[1], deep=True)[0] == f"“{one_line(text)}”"
+    seq = ElementTree.fromstring(render_svg(draw_sequence([snap, snap], decode)))
+    clusters = [g for g in seq.find(f"{SVG_NS}g").findall(f"{SVG_NS}g") if g.get("class") == "cluster"]
+    assert len(clusters) == 3  # two panels and the legend
+
+
+def test_recorder_forwards_only_public_names():
+    manager, rec = source_13_4()
+    assert rec.size_info == manager.size_info and rec.page_size == manager.page_size
+    with pytest.raises(AttributeError):
+        rec._policy  # noqa: B018  (a manager's private state is not the recorder's to hand out)
+    assert [s.caption for s in rec] == [s.caption for s in rec.snapshots]  # iterates its snapshots
+    assert rec.to_snapshot() is rec.last and copy.deepcopy(rec).last.nodes == rec.last.nodes
+
+
+def test_formatting_takes_any_integer_sequence():
+    import numpy as np
+
+    for slots_ in ([4, 5, 6, 9], (4, 5, 6, 9), torch.tensor([4, 5, 6, 9]), np.array([4, 5, 6, 9]),
+                   [np.int64(4), 5, 6, np.int32(9)]):
+        assert format_indices(slots_) == "4–6, 9"
+        assert format_tokens(slots_) == "4, 5, 6, 9"
+    with pytest.raises(TypeError, match="indices"):
+        format_indices(np.array([1.5]))

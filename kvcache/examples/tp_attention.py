@@ -26,14 +26,28 @@ import os
 import socket
 import tempfile
 from dataclasses import asdict, dataclass, field
-from typing import List, Optional, Tuple
 
 import torch
 
 from ..storage.base import KVCacheLayout
-from ..storage.distributed import divide_even, reset_tp_info, set_tp_info, try_get_tp_info
+from ..storage.distributed import reset_tp_info, set_tp_info, try_get_tp_info
 
-__all__ = ["TPConfig", "TPResult", "run_tp_attention", "run_single_process", "make_batch"]
+__all__ = [
+    "TPConfig",
+    "TPResult",
+    "attend_shard",
+    "run_tp_attention",
+    "run_single_process",
+    "make_batch",
+]
+
+
+def _int_field(value: object, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -48,35 +62,67 @@ class TPConfig:
     layer_id: int = 1
     page_size: int = 4
     kv_layout: str = "PageFirst"
-    seq_lens: Tuple[int, ...] = (7, 12, 3)
-    q_lens: Tuple[int, ...] = (3, 1, 3)
+    seq_lens: tuple[int, ...] = (7, 12, 3)
+    q_lens: tuple[int, ...] = (3, 1, 3)
     seed: int = 0
     dtype: str = "float32"
 
     def validate(self, world_size: int) -> None:
-        """Everything that would fail inside a rank, checked here before any process starts."""
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        """Everything a rank would reject, checked here before any process starts.
+
+        Raises ``TypeError`` for a field of the wrong type (bools are not ints) and ``ValueError``
+        for a value out of range, naming the field, the value and the limit: every count >= 1,
+        ``layer_id`` in ``[0, num_layers)``, ``kv_layout`` a :class:`KVCacheLayout` name, ``dtype``
+        the name of a floating-point torch dtype, ``seed`` what ``torch.Generator.manual_seed``
+        takes, ``seq_lens``/``q_lens`` equally long non-empty sequences of ints with
+        ``1 <= q_len <= seq_len``, and the heads split evenly over ``world_size`` ranks.
+        """
+        _int_field(world_size, "world_size", 1)
+        for name in ("num_kv_heads", "num_q_heads", "head_dim", "num_layers", "page_size"):
+            _int_field(getattr(self, name), name, 1)
+        _int_field(self.layer_id, "layer_id", 0)
+        if self.layer_id >= self.num_layers:
+            raise ValueError(
+                f"layer_id {self.layer_id} is outside [0, num_layers={self.num_layers})"
+            )
+        _int_field(self.seed, "seed", -(2**63))
+        if self.seed >= 2**64:
+            raise ValueError(f"seed must be < 2**64 (torch.Generator.manual_seed), got {self.seed}")
+        if not isinstance(self.kv_layout, str):
+            raise TypeError(f"kv_layout must be a str, got {type(self.kv_layout).__name__}")
+        if self.kv_layout not in KVCacheLayout.__members__:
+            raise ValueError(
+                f"kv_layout must be one of {list(KVCacheLayout.__members__)}, got {self.kv_layout!r}"
+            )
+        if not isinstance(self.dtype, str):
+            raise TypeError(
+                f"dtype must be the name of a torch dtype (a str), got {type(self.dtype).__name__}"
+            )
+        dtype = getattr(torch, self.dtype, None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(
+                f"dtype must name a floating-point torch dtype (e.g. 'float32'), got {self.dtype!r}"
+            )
+        for name in ("seq_lens", "q_lens"):
+            lens = getattr(self, name)
+            if not isinstance(lens, (tuple, list)):
+                raise TypeError(f"{name} must be a tuple of ints, got {type(lens).__name__}")
+            for i, x in enumerate(lens):
+                _int_field(x, f"{name}[{i}]", 1)
+        if len(self.seq_lens) != len(self.q_lens) or not self.seq_lens:
+            raise ValueError(
+                f"seq_lens {self.seq_lens} and q_lens {self.q_lens} must be non-empty and equally long"
+            )
+        for t, ql in zip(self.seq_lens, self.q_lens, strict=True):
+            if not 1 <= ql <= t:
+                raise ValueError(f"each q_len must be in [1, seq_len]; got q_len={ql}, seq_len={t}")
         for what, a, b in (
             ("num_kv_heads", self.num_kv_heads, world_size),
             ("num_q_heads", self.num_q_heads, world_size),
             ("num_q_heads (GQA groups over num_kv_heads)", self.num_q_heads, self.num_kv_heads),
         ):
-            try:
-                divide_even(a, b)
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"{what}={a} cannot be split evenly by {b}: {e}") from None
-        if self.kv_layout not in KVCacheLayout.__members__:
-            raise ValueError(f"kv_layout must be one of {list(KVCacheLayout.__members__)}, got {self.kv_layout!r}")
-        if not isinstance(getattr(torch, self.dtype, None), torch.dtype):
-            raise ValueError(f"dtype must name a torch dtype, got {self.dtype!r}")
-        if len(self.seq_lens) != len(self.q_lens) or not self.seq_lens:
-            raise ValueError(f"seq_lens {self.seq_lens} and q_lens {self.q_lens} must be non-empty and equally long")
-        for t, ql in zip(self.seq_lens, self.q_lens):
-            if not 1 <= ql <= t:
-                raise ValueError(f"each q_len must be in [1, seq_len]; got q_len={ql}, seq_len={t}")
-        if not 0 <= self.layer_id < self.num_layers:
-            raise ValueError(f"layer_id {self.layer_id} is outside [0, num_layers={self.num_layers})")
+            if a % b:
+                raise ValueError(f"{what}={a} cannot be split evenly by {b} (remainder {a % b})")
 
     @property
     def num_pages(self) -> int:
@@ -89,11 +135,13 @@ class TPResult:
     """``output``: ``(sum(q_lens), num_q_heads, head_dim)`` on the CPU; ``pool_nbytes[r]``: rank r's pool bytes."""
 
     output: torch.Tensor
-    pool_nbytes: List[int] = field(default_factory=list)
+    pool_nbytes: list[int] = field(default_factory=list)
     backend: str = ""
 
 
-def make_batch(cfg: TPConfig) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, List[torch.Tensor]]:
+def make_batch(
+    cfg: TPConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Seeded full-model data, identical in every process: ``k``, ``v`` ``(sum(seq_lens), Hkv, D)``,
     ``q`` ``(sum(q_lens), Hq, D)`` and each request's slots (a random permutation of the pool)."""
     g = torch.Generator().manual_seed(cfg.seed)
@@ -103,20 +151,32 @@ def make_batch(cfg: TPConfig) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
     v = torch.randn(n, cfg.num_kv_heads, cfg.head_dim, generator=g).to(dtype)
     q = torch.randn(sum(cfg.q_lens), cfg.num_q_heads, cfg.head_dim, generator=g).to(dtype)
     perm = torch.randperm(cfg.num_pages * cfg.page_size, generator=g)[:n].to(torch.int32)
-    return k, v, q, list(perm.split(list(cfg.seq_lens)))
+    return k, v, q, list(torch.split(perm, list(cfg.seq_lens)))
 
 
-def _attend(cfg: TPConfig, rank: int, size: int, device: torch.device) -> Tuple[torch.Tensor, int]:
-    """One rank's work: its pool shard, its heads' K/V stored, its query heads attended."""
+def attend_shard(
+    cfg: TPConfig, rank: int, size: int, device: torch.device
+) -> tuple[torch.Tensor, int]:
+    """One rank's work, in this process: its pool shard, its heads' K/V stored, its query heads
+    attended. Returns ``(output (sum(q_lens), num_q_heads // size, head_dim), pool nbytes)``.
+    Call ``cfg.validate(size)`` first (the runners do)."""
     from ..kernels.attention import paged_attention
     from ..storage.mha_pool import MHAKVCache
 
-    previous = try_get_tp_info()  # restored afterwards: run_single_process runs in the caller's process
+    previous = (
+        try_get_tp_info()
+    )  # restored afterwards: run_single_process runs in the caller's process
     set_tp_info(rank, size)
     try:
         pool = MHAKVCache(
-            cfg.num_kv_heads, cfg.num_layers, cfg.head_dim, cfg.num_pages, getattr(torch, cfg.dtype),
-            KVCacheLayout[cfg.kv_layout], device, page_size=cfg.page_size,
+            cfg.num_kv_heads,
+            cfg.num_layers,
+            cfg.head_dim,
+            cfg.num_pages,
+            getattr(torch, cfg.dtype),
+            KVCacheLayout[cfg.kv_layout],
+            device,
+            page_size=cfg.page_size,
         )
     finally:
         if previous is None:
@@ -126,14 +186,25 @@ def _attend(cfg: TPConfig, rank: int, size: int, device: torch.device) -> Tuple[
     k, v, q, slots = make_batch(cfg)
     hk, hq = pool.local_kv_heads, cfg.num_q_heads // size
     flat = torch.cat(slots).to(device)
-    pool.store_kv(k[:, rank * hk : (rank + 1) * hk].to(device),
-                  v[:, rank * hk : (rank + 1) * hk].to(device), flat, cfg.layer_id)
-    out = paged_attention(q[:, rank * hq : (rank + 1) * hq].to(device), pool, cfg.layer_id,
-                          [s.to(device) for s in slots], list(cfg.q_lens))
+    pool.store_kv(
+        k[:, rank * hk : (rank + 1) * hk].to(device),
+        v[:, rank * hk : (rank + 1) * hk].to(device),
+        flat,
+        cfg.layer_id,
+    )
+    out = paged_attention(
+        q[:, rank * hq : (rank + 1) * hq].to(device),
+        pool.k_cache(cfg.layer_id),
+        pool.v_cache(cfg.layer_id),
+        [s.to(device) for s in slots],
+        list(cfg.q_lens),
+    )
     return out, pool.nbytes
 
 
-def _worker(rank: int, world_size: int, port: int, cfg: TPConfig, use_cuda: bool, result_path: str) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, cfg: TPConfig, use_cuda: bool, result_path: str
+) -> None:
     import torch.distributed as dist
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -146,10 +217,10 @@ def _worker(rank: int, world_size: int, port: int, cfg: TPConfig, use_cuda: bool
         device = torch.device("cpu")
     dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size)
     try:
-        out, nbytes = _attend(cfg, rank, world_size, device)
+        out, nbytes = attend_shard(cfg, rank, world_size, device)
         parts = [torch.empty_like(out) for _ in range(world_size)]
         dist.all_gather(parts, out.contiguous())
-        sizes: List[Optional[int]] = [None] * world_size
+        sizes: list[int | None] = [None] * world_size
         dist.all_gather_object(sizes, nbytes)
         if rank == 0:
             gathered = torch.cat(parts, dim=1).cpu()
@@ -162,15 +233,18 @@ def _worker(rank: int, world_size: int, port: int, cfg: TPConfig, use_cuda: bool
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
-def run_tp_attention(world_size: int, cfg: Optional[TPConfig] = None, *, device: str = "auto") -> TPResult:
+def run_tp_attention(
+    world_size: int, cfg: TPConfig | None = None, *, device: str = "auto"
+) -> TPResult:
     """Run TP attention on ``world_size`` local processes; return rank 0's gathered result.
 
     ``device``: ``"cpu"`` (gloo), ``"cuda"`` (NCCL, one GPU per rank) or ``"auto"`` (CUDA when
     there are at least ``world_size`` GPUs). A configuration that cannot be split (e.g. KV heads
-    not divisible by ``world_size``) raises ``ValueError`` before any process starts.
+    not divisible by ``world_size``, a non-float dtype, ``page_size=0``) raises ``ValueError``
+    (``TypeError`` for a field of the wrong type) before any process starts: see :meth:`TPConfig.validate`.
     """
     import torch.multiprocessing as mp
 
@@ -184,22 +258,29 @@ def run_tp_attention(world_size: int, cfg: Optional[TPConfig] = None, *, device:
         raise ValueError(f"world_size={world_size} needs that many GPUs, found {n_gpu}")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "result.pt")
-        mp.spawn(_worker, args=(world_size, _free_port(), cfg, use_cuda, path), nprocs=world_size, join=True)
+        mp.spawn(  # type: ignore[attr-defined,no-untyped-call]  # torch's stubs: untyped, not re-exported
+            _worker,
+            args=(world_size, _free_port(), cfg, use_cuda, path),
+            nprocs=world_size,
+            join=True,
+        )
         res = torch.load(path)
     return TPResult(res["output"], list(res["pool_nbytes"]), "nccl" if use_cuda else "gloo")
 
 
-def run_single_process(cfg: Optional[TPConfig] = None, device: str = "cpu") -> TPResult:
+def run_single_process(cfg: TPConfig | None = None, device: str = "cpu") -> TPResult:
     """The same batch with the whole model on one pool in this process (TP size 1)."""
     cfg = cfg or TPConfig()
     cfg.validate(1)
-    out, nbytes = _attend(cfg, 0, 1, torch.device(device))
+    out, nbytes = attend_shard(cfg, 0, 1, torch.device(device))
     return TPResult(out.cpu(), [nbytes], "single-process")
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     d = TPConfig()
-    p = argparse.ArgumentParser(prog="python -m kvcache.examples.tp_attention", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m kvcache.examples.tp_attention", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--num-kv-heads", type=int, default=d.num_kv_heads)
     p.add_argument("--num-q-heads", type=int, default=d.num_q_heads)
@@ -211,9 +292,16 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     a = p.parse_args(argv)
-    cfg = TPConfig(num_kv_heads=a.num_kv_heads, num_q_heads=a.num_q_heads, head_dim=a.head_dim,
-                   page_size=a.page_size, kv_layout=a.kv_layout, seq_lens=tuple(a.seq_lens),
-                   q_lens=tuple(a.q_lens), seed=a.seed)
+    cfg = TPConfig(
+        num_kv_heads=a.num_kv_heads,
+        num_q_heads=a.num_q_heads,
+        head_dim=a.head_dim,
+        page_size=a.page_size,
+        kv_layout=a.kv_layout,
+        seq_lens=tuple(a.seq_lens),
+        q_lens=tuple(a.q_lens),
+        seed=a.seed,
+    )
     try:
         cfg.validate(a.world_size)
     except ValueError as e:

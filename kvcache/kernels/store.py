@@ -8,20 +8,37 @@ Shapes
     stride and the in-page stride as they are.
     ``k``, ``v``: ``(n, heads, head_dim)``, same dtype and device as the caches.
     ``indices``: ``(n,)``, ``torch.int32`` or ``torch.int64``, same device.
+    Every argument may be any view (strided, transposed, sliced, expanded with stride 0, with a
+    storage offset): the Triton kernel is given every stride, ``indices``' included, so it reads
+    exactly the logical values the bounds check read. A cache that overlaps itself (a stride-0
+    dimension of size > 1) is refused: a slot must be one place in memory.
 
 Backends
-    ``"triton"``: one Triton launch, one program per (token, block of heads). Used for CUDA tensors.
-    ``"triton-interpreter"``: the same kernel run by Triton's CPU interpreter; used for CPU tensors
-    when ``TRITON_INTERPRET=1`` was set before this module was imported.
+    ``"triton"``: one Triton launch, one program per (block of tokens, block of heads). Used for
+    CUDA tensors.
+    ``"triton-interpreter"``: the same kernel run by Triton's interpreter; used whenever
+    ``TRITON_INTERPRET=1`` was set before this module was imported (for CPU tensors, and for CUDA
+    tensors too, since Triton then interprets every launch).
     ``"torch"``: advanced-index assignment; used for CPU tensors otherwise.
+
+Bounds check
+    ``check_bounds=True`` (default) reads ``min``/``max`` of ``indices`` back to the host and
+    raises ``IndexError`` before anything is written: a host sync, which a CUDA graph cannot
+    capture. ``check_bounds=False`` skips it (for indices validated when they were built, e.g. an
+    allocator's own output) and relies on the *device-side guard*: the kernel writes nothing for a
+    row whose index is outside ``[0, num_slots)``, so a bad index can never write outside the
+    cache; such rows are silently dropped (the torch backend drops them too, with a host sync: it is
+    not the path a CUDA graph captures).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Tuple
+from typing import Any
 
 import torch
+
+from .checks import check_no_self_overlap, paged_geometry, validate_store_args
 
 try:
     import triton
@@ -32,6 +49,8 @@ except ImportError:  # pragma: no cover - triton is a dependency, but keep the t
     _HAVE_TRITON = False
 
 __all__ = [
+    "check_no_self_overlap",
+    "store_launch_shape",
     "store_cache",
     "store_cache_triton",
     "store_cache_torch",
@@ -42,9 +61,12 @@ __all__ = [
 #: Whether ``TRITON_INTERPRET=1`` was set when this module was imported (triton reads it then too).
 TRITON_INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-_INDEX_DTYPES = (torch.int32, torch.int64)
-# Upper bound on the elements one program copies per tensor; keeps registers in check on GPU.
+# Upper bound on the (heads x head_dim) elements one program copies per token and tensor.
 _MAX_TILE = 4096
+# Upper bound on the elements one program copies per tensor over its whole block of tokens:
+# enough work per program for small batches, few enough registers on a GPU.
+_MAX_BLOCK_ELEMS = 8192
+_MAX_BLOCK_N = 128
 
 
 def store_cache_backend(device: torch.device | str) -> str:
@@ -54,83 +76,30 @@ def store_cache_backend(device: torch.device | str) -> str:
     before import) or ``"torch"`` (anything else).
     """
     dev = torch.device(device)
+    if _HAVE_TRITON and dev.type in ("cuda", "cpu") and TRITON_INTERPRET:
+        return "triton-interpreter"  # with the env var set, Triton interprets CUDA launches too
     if _HAVE_TRITON and dev.type == "cuda":
         return "triton"
-    if _HAVE_TRITON and dev.type == "cpu" and TRITON_INTERPRET:
-        return "triton-interpreter"
     return "torch"
 
 
-# ---------------------------------------------------------------------------------------------
-# Checks (shared by every entry point; nothing is written unless all pass)
-# ---------------------------------------------------------------------------------------------
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
 
 
-def _check_tensor(x: object, name: str) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    return x
+def store_launch_shape(n: int, heads: int, head_dim: int) -> dict[str, Any]:
+    """The launch :func:`store_cache` makes for ``n`` tokens of ``heads x head_dim``.
 
-
-def _paged_geometry(cache: torch.Tensor, name: str) -> Tuple[int, int, int, int, int, int, int, int]:
-    """``(num_pages, page_size, heads, head_dim)`` and the four strides of a 3-D or 4-D cache."""
-    if cache.dim() == 3:
-        num_slots, heads, head_dim = cache.shape
-        s_slot, s_head, s_dim = cache.stride()
-        return num_slots, 1, heads, head_dim, s_slot, 0, s_head, s_dim
-    if cache.dim() == 4:
-        return (*cache.shape, *cache.stride())  # type: ignore[return-value]
-    raise ValueError(
-        f"{name} must have shape (num_slots, heads, head_dim) or "
-        f"(num_pages, page_size, heads, head_dim), got {tuple(cache.shape)}"
-    )
-
-
-def _validate(
-    k_cache: object,
-    v_cache: object,
-    indices: object,
-    k: object,
-    v: object,
-    check_bounds: bool,
-) -> int:
-    """Check every argument; return ``num_slots``. Raises before anything is written."""
-    k_cache = _check_tensor(k_cache, "k_cache")
-    v_cache = _check_tensor(v_cache, "v_cache")
-    indices = _check_tensor(indices, "indices")
-    k = _check_tensor(k, "k")
-    v = _check_tensor(v, "v")
-    if k_cache.dim() not in (3, 4):
-        _paged_geometry(k_cache, "k_cache")
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")
-    if v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"v_cache dtype {v_cache.dtype} != k_cache dtype {k_cache.dtype}")
-    device = k_cache.device
-    for name, t in (("v_cache", v_cache), ("k", k), ("v", v), ("indices", indices)):
-        if t.device != device:
-            raise ValueError(f"{name} is on device {t.device}, but k_cache is on {device}")
-    heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
-    num_slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
-    if indices.dim() != 1:
-        raise ValueError(f"indices must be 1-D, got shape {tuple(indices.shape)}")
-    if indices.dtype not in _INDEX_DTYPES:
-        raise ValueError(f"indices must have dtype torch.int32 or torch.int64, got {indices.dtype}")
-    n = indices.shape[0]
-    for name, t in (("k", k), ("v", v)):
-        if tuple(t.shape) != (n, heads, head_dim):
-            raise ValueError(
-                f"{name} must have shape (n, heads, head_dim) = {(n, heads, head_dim)} "
-                f"(n = len(indices)), got {tuple(t.shape)}"
-            )
-        if t.dtype != k_cache.dtype:
-            raise ValueError(f"{name} dtype {t.dtype} != cache dtype {k_cache.dtype}")
-    if check_bounds and n > 0:
-        lo, hi = (int(x) for x in torch.aminmax(indices))
-        if lo < 0 or hi >= num_slots:
-            bad = lo if lo < 0 else hi
-            raise IndexError(f"index {bad} is outside [0, num_slots={num_slots})")
-    return num_slots
+    Returns ``{"grid": (token blocks, head blocks), "BLOCK_N": ..., "BLOCK_H": ..., "BLOCK_D": ...}``:
+    ``BLOCK_D`` is ``head_dim`` rounded up to a power of two, ``BLOCK_H`` as many heads as fit in
+    ``_MAX_TILE`` elements, ``BLOCK_N`` as many tokens (at most ``_MAX_BLOCK_N``, at most ``n``
+    rounded up) as keep a program's tile within ``_MAX_BLOCK_ELEMS`` elements.
+    """
+    block_d = _next_pow2(head_dim)
+    block_h = max(1, min(_next_pow2(heads), _MAX_TILE // block_d))
+    block_n = max(1, min(_next_pow2(n), _MAX_BLOCK_N, _MAX_BLOCK_ELEMS // (block_h * block_d)))
+    grid = (-(-n // block_n), -(-heads // block_h))
+    return dict(grid=grid, BLOCK_N=block_n, BLOCK_H=block_h, BLOCK_D=block_d)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,8 +107,21 @@ def _validate(
 # ---------------------------------------------------------------------------------------------
 
 
-def _store_torch(k_cache: torch.Tensor, v_cache: torch.Tensor, indices: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def _store_torch(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    indices: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    guard: bool = False,
+) -> None:
+    """``guard``: drop rows whose index is out of range (the kernel's device-side guard)."""
     idx = indices.long()
+    if guard:
+        num_slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
+        keep = (idx >= 0) & (idx < num_slots)
+        if not bool(keep.all()):
+            idx, k, v = idx[keep], k[keep], v[keep]
     if k_cache.dim() == 3:
         k_cache[idx] = k
         v_cache[idx] = v
@@ -160,9 +142,9 @@ def store_cache_torch(
     check_bounds: bool = True,
 ) -> None:
     """:func:`store_cache` forced onto the torch backend (any device)."""
-    _validate(k_cache, v_cache, indices, k, v, check_bounds)
+    validate_store_args(k_cache, v_cache, indices, k, v, check_bounds)
     if indices.numel():
-        _store_torch(k_cache, v_cache, indices, k, v)
+        _store_torch(k_cache, v_cache, indices, k, v, guard=not check_bounds)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,55 +153,109 @@ def store_cache_torch(
 
 if _HAVE_TRITON:
 
-    @triton.jit
-    def _store_cache_kernel(
-        k_cache_ptr, v_cache_ptr, indices_ptr, k_ptr, v_ptr,
-        heads, head_dim, page_size,
+    @triton.jit  # type: ignore[untyped-decorator]  # triton ships no type information
+    def _store_cache_kernel(  # type: ignore[no-untyped-def]  # Triton types the parameters
+        k_cache_ptr,
+        v_cache_ptr,
+        indices_ptr,
+        k_ptr,
+        v_ptr,
+        n,
+        num_slots,
+        heads,
+        head_dim,
+        page_size,
+        stride_i,
         # cache strides: page, in-page slot, head, dim (K and V may differ)
-        stride_kc_p, stride_kc_s, stride_kc_h, stride_kc_d,
-        stride_vc_p, stride_vc_s, stride_vc_h, stride_vc_d,
+        stride_kc_p,
+        stride_kc_s,
+        stride_kc_h,
+        stride_kc_d,
+        stride_vc_p,
+        stride_vc_s,
+        stride_vc_h,
+        stride_vc_d,
         # source strides: token, head, dim
-        stride_k_n, stride_k_h, stride_k_d,
-        stride_v_n, stride_v_h, stride_v_d,
-        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+        stride_k_n,
+        stride_k_h,
+        stride_k_d,
+        stride_v_n,
+        stride_v_h,
+        stride_v_d,
+        BLOCK_N: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_D: tl.constexpr,
     ):
-        """Program (i, j) copies heads [j*BLOCK_H, (j+1)*BLOCK_H) of token i, for K and for V."""
+        """Program (i, j): tokens [i*BLOCK_N, (i+1)*BLOCK_N), heads [j*BLOCK_H, (j+1)*BLOCK_H), K and V."""
         pid_n = tl.program_id(0)
         pid_h = tl.program_id(1)
-        # int64 so slot * stride cannot overflow on large pools.
-        slot = tl.load(indices_ptr + pid_n).to(tl.int64)
+        # int64 so that token * stride and slot * stride cannot overflow on large tensors.
+        rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_batch = rows < n
+        slot = tl.load(indices_ptr + rows * stride_i, mask=in_batch, other=-1).to(tl.int64)
+        # Device-side guard: a row whose slot is outside the cache writes nothing.
+        ok = in_batch & (slot >= 0) & (slot < num_slots)
+        slot = tl.where(ok, slot, 0)
         page = slot // page_size
         offset = slot % page_size
 
         offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
-        mask = (offs_h[:, None] < heads) & (offs_d[None, :] < head_dim)
-        row = pid_n.to(tl.int64)
+        # (BLOCK_N, BLOCK_H, BLOCK_D) tiles: token, head, element.
+        r3 = rows[:, None, None]
+        h3 = offs_h[None, :, None]
+        d3 = offs_d[None, None, :]
+        mask = ok[:, None, None] & (h3 < heads) & (d3 < head_dim)
 
-        k_src = k_ptr + row * stride_k_n + offs_h[:, None] * stride_k_h + offs_d[None, :] * stride_k_d
-        k_dst = (k_cache_ptr + page * stride_kc_p + offset * stride_kc_s
-                 + offs_h[:, None] * stride_kc_h + offs_d[None, :] * stride_kc_d)
+        k_src = k_ptr + r3 * stride_k_n + h3 * stride_k_h + d3 * stride_k_d
+        k_dst = (
+            k_cache_ptr
+            + (page * stride_kc_p + offset * stride_kc_s)[:, None, None]
+            + h3 * stride_kc_h
+            + d3 * stride_kc_d
+        )
         tl.store(k_dst, tl.load(k_src, mask=mask), mask=mask)
 
-        v_src = v_ptr + row * stride_v_n + offs_h[:, None] * stride_v_h + offs_d[None, :] * stride_v_d
-        v_dst = (v_cache_ptr + page * stride_vc_p + offset * stride_vc_s
-                 + offs_h[:, None] * stride_vc_h + offs_d[None, :] * stride_vc_d)
+        v_src = v_ptr + r3 * stride_v_n + h3 * stride_v_h + d3 * stride_v_d
+        v_dst = (
+            v_cache_ptr
+            + (page * stride_vc_p + offset * stride_vc_s)[:, None, None]
+            + h3 * stride_vc_h
+            + d3 * stride_vc_d
+        )
         tl.store(v_dst, tl.load(v_src, mask=mask), mask=mask)
 
 
-def _store_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, indices: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    _, page_size, heads, head_dim, *kc_strides = _paged_geometry(k_cache, "k_cache")
-    vc_strides = _paged_geometry(v_cache, "v_cache")[4:]
+def _store_triton(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    indices: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    num_pages, page_size, heads, head_dim, *kc_strides = paged_geometry(k_cache, "k_cache")
+    vc_strides = paged_geometry(v_cache, "v_cache")[4:]
     n = indices.shape[0]
-    block_d = triton.next_power_of_2(head_dim)
-    block_h = max(1, min(triton.next_power_of_2(heads), _MAX_TILE // block_d))
-    grid = (n, triton.cdiv(heads, block_h))
-    _store_cache_kernel[grid](
-        k_cache, v_cache, indices, k, v,
-        heads, head_dim, page_size,
-        *kc_strides, *vc_strides,
-        *k.stride(), *v.stride(),
-        BLOCK_H=block_h, BLOCK_D=block_d,
+    shape = store_launch_shape(n, heads, head_dim)
+    _store_cache_kernel[shape["grid"]](
+        k_cache,
+        v_cache,
+        indices,
+        k,
+        v,
+        n,
+        num_pages * page_size,
+        heads,
+        head_dim,
+        page_size,
+        indices.stride(0),
+        *kc_strides,
+        *vc_strides,
+        *k.stride(),
+        *v.stride(),
+        BLOCK_N=shape["BLOCK_N"],
+        BLOCK_H=shape["BLOCK_H"],
+        BLOCK_D=shape["BLOCK_D"],
     )
 
 
@@ -237,7 +273,7 @@ def store_cache_triton(
     CUDA tensors, or CPU tensors when ``TRITON_INTERPRET=1`` was set before import; otherwise
     ``RuntimeError``.
     """
-    _validate(k_cache, v_cache, indices, k, v, check_bounds)
+    validate_store_args(k_cache, v_cache, indices, k, v, check_bounds)
     if store_cache_backend(k_cache.device) not in ("triton", "triton-interpreter"):
         raise RuntimeError(
             f"the Triton store kernel cannot run on {k_cache.device}: it needs CUDA, or the CPU "
@@ -264,14 +300,16 @@ def store_cache(
 
     Raises, before writing anything: ``TypeError`` for a non-tensor argument; ``ValueError`` for
     mismatched shapes, dtypes or devices; ``IndexError`` for an index outside ``[0, num_slots)``
-    (this check reads the indices back to the host; ``check_bounds=False`` skips it for callers
-    that guarantee the range, e.g. an allocator's own output). With duplicate indices, which
-    token's row ends up in the slot is unspecified.
+    (this check reads the indices back to the host). ``check_bounds=False`` skips it, so the call
+    makes no host sync and a CUDA graph can capture it; a row whose index is out of range is then
+    dropped (not written) by the device-side guard instead of raising. Any view of any argument
+    is read through its strides; a cache that overlaps itself raises ``ValueError``. With
+    duplicate indices, which token's row ends up in the slot is unspecified.
     """
-    _validate(k_cache, v_cache, indices, k, v, check_bounds)
+    validate_store_args(k_cache, v_cache, indices, k, v, check_bounds)
     if indices.numel() == 0:
         return
     if store_cache_backend(k_cache.device) == "torch":
-        _store_torch(k_cache, v_cache, indices, k, v)
+        _store_torch(k_cache, v_cache, indices, k, v, guard=not check_bounds)
     else:
         _store_triton(k_cache, v_cache, indices, k, v)

@@ -189,9 +189,10 @@ class TinyLlama(nn.Module):
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kv_cache.store_kv(k, v, out_loc, layer)
+            k_layer, v_layer = kv_cache.k_cache(layer), kv_cache.v_cache(layer)
             if use_kernel:
-                return paged_decode_attention(q, kv_cache, layer, list(slots))
-            return paged_attention(q, kv_cache, layer, list(slots), q_lens)
+                return paged_decode_attention(q, k_layer, v_layer, list(slots))
+            return paged_attention(q, k_layer, v_layer, list(slots), q_lens)
 
         h = self._run(ids, positions, attend)
         if last_only:

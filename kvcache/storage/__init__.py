@@ -17,6 +17,13 @@ from .distributed import (
 from .mha_pool import MHAKVCache
 
 __all__ = [
-    "BaseKVCache", "KVCacheLayout", "MHAKVCache",
-    "DistributedInfo", "divide_even", "get_tp_info", "reset_tp_info", "set_tp_info", "try_get_tp_info",
+    "BaseKVCache",
+    "KVCacheLayout",
+    "MHAKVCache",
+    "DistributedInfo",
+    "divide_even",
+    "get_tp_info",
+    "reset_tp_info",
+    "set_tp_info",
+    "try_get_tp_info",
 ]

@@ -38,7 +38,9 @@ class BaseKVCache(ABC):
         """Values of layer ``index``, shape ``(num_pages, page_size, local_kv_heads, head_dim)``."""
 
     @abstractmethod
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer_id: int) -> None:
+    def store_kv(
+        self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer_id: int
+    ) -> None:
         """Write ``k[i]``, ``v[i]`` (each ``(n, local_kv_heads, head_dim)``) to slot ``out_loc[i]``."""
 
     @property

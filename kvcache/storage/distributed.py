@@ -10,7 +10,6 @@ fact about the process, not about any one object.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 __all__ = [
     "DistributedInfo",
@@ -49,7 +48,7 @@ class DistributedInfo:
         return self.rank == 0
 
 
-_TP_INFO: Optional[DistributedInfo] = None
+_TP_INFO: DistributedInfo | None = None
 
 
 def set_tp_info(rank: int, size: int) -> DistributedInfo:
@@ -66,11 +65,13 @@ def set_tp_info(rank: int, size: int) -> DistributedInfo:
 def get_tp_info() -> DistributedInfo:
     """The TP info set by :func:`set_tp_info`; ``RuntimeError`` when none is set."""
     if _TP_INFO is None:
-        raise RuntimeError("TP info is not set: call kvcache.storage.distributed.set_tp_info(rank, size) first")
+        raise RuntimeError(
+            "TP info is not set: call kvcache.storage.distributed.set_tp_info(rank, size) first"
+        )
     return _TP_INFO
 
 
-def try_get_tp_info() -> Optional[DistributedInfo]:
+def try_get_tp_info() -> DistributedInfo | None:
     """The TP info set by :func:`set_tp_info`, or ``None`` when none is set."""
     return _TP_INFO
 

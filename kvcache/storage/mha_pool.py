@@ -12,14 +12,12 @@ Index 0 of the first dimension is K, 1 is V. Either way the pool *views* the buf
 
 from __future__ import annotations
 
-from typing import Union
-
 import torch
 
 from .._validate import check_positive_int
+from ..kernels.store import store_cache
 from .base import BaseKVCache, KVCacheLayout
 from .distributed import DistributedInfo, divide_even, try_get_tp_info
-from ..kernels.store import store_cache
 
 __all__ = ["MHAKVCache"]
 
@@ -52,7 +50,7 @@ class MHAKVCache(BaseKVCache):
         num_pages: int,
         dtype: torch.dtype,
         kv_layout: KVCacheLayout,
-        device: Union[torch.device, str],
+        device: torch.device | str,
         page_size: int = 1,
     ) -> None:
         check_positive_int(num_kv_heads, "num_kv_heads")
@@ -93,10 +91,14 @@ class MHAKVCache(BaseKVCache):
 
         per_page = (page_size, local_kv_heads, head_dim)
         if kv_layout is KVCacheLayout.LayerFirst:
-            self._buffer = torch.zeros((2, num_layers, num_pages, *per_page), dtype=dtype, device=device)
+            self._buffer = torch.zeros(
+                (2, num_layers, num_pages, *per_page), dtype=dtype, device=device
+            )
             self._kv = self._buffer
         else:
-            self._buffer = torch.zeros((2, num_pages, num_layers, *per_page), dtype=dtype, device=device)
+            self._buffer = torch.zeros(
+                (2, num_pages, num_layers, *per_page), dtype=dtype, device=device
+            )
             # (2, pages, layers, ...) -> (2, layers, pages, ...): a strided view, no copy.
             self._kv = self._buffer.permute(0, 2, 1, 3, 4, 5)
 
@@ -117,17 +119,29 @@ class MHAKVCache(BaseKVCache):
         """Values of layer ``index``: a view ``(num_pages, page_size, local_kv_heads, head_dim)``."""
         return self._kv[1, self._check_layer(index)]
 
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer_id: int) -> None:
+    def store_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out_loc: torch.Tensor,
+        layer_id: int,
+        *,
+        check_bounds: bool = True,
+    ) -> None:
         """Write ``k[i]``, ``v[i]`` to slot ``out_loc[i]`` of layer ``layer_id``.
 
         ``k``, ``v``: ``(n, local_kv_heads, head_dim)`` in the pool's dtype, on its device;
         ``out_loc``: ``(n,)`` int32 (int64 is accepted too) slots ``page * page_size + offset``.
         Errors as :func:`kvcache.kernels.store_cache` (``ValueError`` for mismatches,
         ``IndexError`` for a slot outside ``[0, num_slots)``), plus ``IndexError`` for a bad
-        ``layer_id``; nothing is written when it raises.
+        ``layer_id``; nothing is written when it raises. ``check_bounds=False`` is passed on to
+        ``store_cache``: no host sync (a CUDA graph can capture the call) and out-of-range slots
+        are dropped by the kernel's device-side guard instead of raising.
         """
         layer_id = self._check_layer(layer_id)
-        store_cache(self._kv[0, layer_id], self._kv[1, layer_id], out_loc, k, v)
+        store_cache(
+            self._kv[0, layer_id], self._kv[1, layer_id], out_loc, k, v, check_bounds=check_bounds
+        )
 
     # -- facts ----------------------------------------------------------------------------------
 

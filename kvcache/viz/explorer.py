@@ -1,41 +1,35 @@
-"""Explore a radix prefix cache by hand: a live ipywidgets explorer and a static step player.
+"""`Explorer`: a radix prefix cache to poke at by hand, live in a Jupyter kernel.
 
-Two ways to watch `RadixCacheManager` work, in the same visual language as `kvcache.viz`:
-
-* `Explorer` -- for a live Jupyter kernel. The reader types a request (byte-level text, see
-  `ByteTokenizer`) or picks a preset, and presses buttons that run ``match_prefix``, a whole
-  request (``insert``: begin + finish of a `RequestFlow`, so pages really come from the free
-  list and duplicates go back to it), ``lock``, ``unlock`` and ``evict(N)``. Beside the tree it
-  shows the sizes, the free list, the locks it holds and an event log. Every button calls a
-  plain method (`Explorer.match`, `Explorer.insert`, ...), so the logic runs and is tested
-  without a browser; ``ipywidgets`` is imported only when the widget is built.
-* `step_player` -- for the static website, where no kernel runs. It renders a recorded
-  sequence of snapshots (a `TreeRecorder`, an `Explorer`'s history, or a list of
-  `TreeSnapshot`) to SVG with graphviz once, at execution time, and wraps them in one
-  self-contained HTML block with previous / next / play buttons in inline JavaScript: no
-  server, no network, no external script.
-
-The player's HTML is deterministic apart from the SVG documents themselves (whose coordinates
-follow the machine's fonts), so a notebook that stores it compares equal on re-run once SVG
-documents are masked.
+The reader types a request (byte-level text, see `ByteTokenizer`) or picks a preset, and
+presses buttons that run ``match_prefix``, a whole request (``insert``: begin + finish of a
+`RequestFlow`, so pages really come from the free list and duplicates go back to it), ``lock``,
+``unlock`` and ``evict(N)``. Beside the tree it shows the sizes, the free list, the locks it
+holds and an event log. Every button calls a plain method (`Explorer.match`,
+`Explorer.insert`, ...), so the logic runs and is tested without a browser; ``ipywidgets`` is
+imported only when the widget is built. Its ``history`` (a `TreeRecorder`) replays on the
+static website through `step_player` (`kvcache.viz.player`, re-exported here).
 """
 
 from __future__ import annotations
 
-import hashlib
 import html
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..serving.allocator import PageAllocator
+from .._validate import check_positive_int
 from ..managers.radix import RadixCacheHandle, RadixCacheManager
+from ..serving.allocator import PageAllocator
 from ..serving.request_flow import RequestFlow
 from ..serving.tokenizer import ByteTokenizer
-from .drawing import TreeRecorder, TreeSnapshot, draw_tree, format_indices, predict_evict, tree_text
+from .drawing import draw_tree
+from .player import StepPlayer, render_svg, step_player
+from .recorder import TreeRecorder
+from .snapshot import predict_evict
+from .text import format_indices, tree_text
 
-__all__ = ["Explorer", "StepPlayer", "step_player", "render_svg", "DEFAULT_PRESETS"]
+__all__ = ["Explorer", "DEFAULT_PRESETS", "StepPlayer", "step_player", "render_svg"]
 
 #: Requests offered in the explorer's drop-down: a shared system prompt with different
 #: questions, a chat that continues, and one request that shares nothing.
@@ -54,26 +48,23 @@ def _quote(text: str, width: int = 28) -> str:
     return '"' + (text if len(text) <= width else text[: width - 1] + "…") + '"'
 
 
-def render_svg(graph: Any) -> str:
-    """The SVG element of a `graphviz.Digraph`, without the XML prolog, doctype and comments.
-
-    Only ``<svg ...>...</svg>`` is kept, so the text around it does not depend on the graphviz
-    version, and the element can be inlined in HTML.
-    """
-    svg = graph.pipe(format="svg").decode("utf-8")
-    start = svg.find("<svg")
-    if start < 0:
-        raise ValueError("graphviz produced no <svg> element")
-    return svg[start:].strip()
-
-
-# =============================================================================== explorer
 @dataclass
 class HeldLock:
     """A handle the explorer locked, with the text it was matched from."""
 
     text: str
     handle: RadixCacheHandle
+
+
+def _check_presets(presets: Any) -> List[Tuple[str, str]]:
+    if isinstance(presets, (str, bytes)) or not isinstance(presets, Sequence):
+        raise TypeError(f"presets must be a sequence of (label, text) pairs, got {type(presets).__name__}")
+    out = []
+    for p in presets:
+        if not (isinstance(p, (tuple, list)) and len(p) == 2 and all(isinstance(x, str) for x in p)):
+            raise TypeError(f"presets must hold (label, text) pairs of str, got {p!r}")
+        out.append((p[0], p[1]))
+    return out
 
 
 class Explorer:
@@ -107,13 +98,19 @@ class Explorer:
             raise TypeError(f"manager must be a RadixCacheManager, got {type(manager).__name__}")
         if manager.size_info.total_size:
             raise ValueError(f"manager must be empty, it holds {manager.size_info.total_size} tokens")
+        tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
+        for method in ("encode", "decode"):
+            if not callable(getattr(tokenizer, method, None)):
+                raise TypeError(f"tokenizer must have .encode and .decode methods, got {type(tokenizer).__name__}")
+        presets = _check_presets(presets)
+        check_positive_int(max_log, "max_log")
         self.manager = manager
         self.page_size = manager.page_size
-        self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
+        self.tokenizer = tokenizer
         self.allocator = PageAllocator(num_pages, self.page_size, device=manager.device)
         self.flow = RequestFlow(manager, self.allocator)
         self.history = TreeRecorder(manager, decode=self.tokenizer)
-        self.presets = list(presets)
+        self.presets = presets
         self.locks: List[HeldLock] = []
         self.log: List[str] = []
         self.max_log = max_log
@@ -216,8 +213,10 @@ class Explorer:
             size = int(self._widget.evict_n.value) if self._widget is not None else 0
         try:
             slots = self.manager.evict(size)
-        except (ValueError, RuntimeError) as e:
-            self._after(f"evict({size}) refused: {e}", ok=False, evict_size=size)
+        except (TypeError, ValueError, RuntimeError) as e:
+            # Only a valid size too big for the cache is worth previewing in the history.
+            self._after(f"evict({size!r}) refused: {e}", ok=False,
+                        evict_size=size if isinstance(e, RuntimeError) else None)
             return []
         self.allocator.free(self.allocator.slots_to_pages(slots))
         self._after(f"evict({size}) → freed {len(slots)} slots [{format_indices(slots.tolist())}]",
@@ -357,169 +356,3 @@ class _ExplorerWidget:
     def _on_preset(self, change: Any) -> None:
         if change["new"]:
             self.text.value = change["new"]
-
-
-# ============================================================================ step player
-_PLAYER_CSS = """
-.kvp{border:1px solid #9ca3af;border-radius:6px;padding:8px 10px;margin:0.5em 0;
-  background:#ffffff;color:#1f2937;font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif}
-.kvp-bar{display:flex;flex-wrap:wrap;gap:6px;align-items:center;margin-bottom:6px}
-.kvp-bar button{font-size:14px;padding:2px 10px;border:1px solid #6b7280;border-radius:4px;
-  background:#f3f4f6;color:#1f2937;cursor:pointer}
-.kvp-bar button:disabled{opacity:0.4;cursor:default}
-.kvp-bar input[type=range]{flex:1 1 160px}
-.kvp-count{font-variant-numeric:tabular-nums;min-width:5em;text-align:right}
-.kvp-caption{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:13px;
-  margin:2px 0 6px 0;white-space:pre-wrap}
-.kvp-frame[hidden]{display:none}
-.kvp-frame svg{max-width:100%;height:auto}
-"""
-
-# One script per player; it finds its player by id, so several players can share a page.
-_PLAYER_JS = """
-(function () {
-  var root = document.getElementById("%(id)s");
-  if (!root || root.getAttribute("data-ready")) { return; }
-  root.setAttribute("data-ready", "1");
-  var frames = root.querySelectorAll(".kvp-frame");
-  var n = frames.length, cur = 0, timer = null;
-  var q = function (sel) { return root.querySelector(sel); };
-  var prev = q(".kvp-prev"), next = q(".kvp-next"), play = q(".kvp-play"),
-      first = q(".kvp-first"), last = q(".kvp-last"), range = q(".kvp-range"),
-      count = q(".kvp-count"), caption = q(".kvp-caption");
-  function show(i) {
-    cur = Math.max(0, Math.min(n - 1, i));
-    for (var j = 0; j < n; j++) { frames[j].hidden = (j !== cur); }
-    caption.textContent = frames[cur].getAttribute("data-caption");
-    count.textContent = (cur + 1) + " / " + n;
-    range.value = String(cur);
-    root.setAttribute("data-step", String(cur));
-    prev.disabled = first.disabled = (cur === 0);
-    next.disabled = last.disabled = (cur === n - 1);
-  }
-  function stop() {
-    if (timer !== null) { clearInterval(timer); timer = null; }
-    play.textContent = "\\u25B6 play";
-    root.setAttribute("data-playing", "0");
-  }
-  function start() {
-    if (cur === n - 1) { show(0); }
-    play.textContent = "\\u275A\\u275A pause";
-    root.setAttribute("data-playing", "1");
-    timer = setInterval(function () {
-      if (cur >= n - 1) { stop(); } else { show(cur + 1); }
-    }, %(interval)d);
-  }
-  prev.addEventListener("click", function () { stop(); show(cur - 1); });
-  next.addEventListener("click", function () { stop(); show(cur + 1); });
-  first.addEventListener("click", function () { stop(); show(0); });
-  last.addEventListener("click", function () { stop(); show(n - 1); });
-  play.addEventListener("click", function () { if (timer === null) { start(); } else { stop(); } });
-  range.addEventListener("input", function () { stop(); show(parseInt(range.value, 10)); });
-  root.addEventListener("keydown", function (e) {
-    if (e.key === "ArrowLeft") { stop(); show(cur - 1); e.preventDefault(); }
-    if (e.key === "ArrowRight") { stop(); show(cur + 1); e.preventDefault(); }
-  });
-  show(0);
-})();
-"""
-
-
-@dataclass(frozen=True)
-class StepPlayer:
-    """A self-contained HTML step player over pre-rendered trees (see `step_player`).
-
-    ``captions[i]`` and ``svgs[i]`` describe step ``i``; ``html`` is the whole block (CSS,
-    frames, controls, inline script). Jupyter shows it through ``_repr_html_``.
-    """
-
-    player_id: str
-    captions: Tuple[str, ...]
-    svgs: Tuple[str, ...]
-    html: str
-
-    @property
-    def num_steps(self) -> int:
-        return len(self.captions)
-
-    def _repr_html_(self) -> str:
-        return self.html
-
-    def __repr__(self) -> str:
-        return f"StepPlayer({self.num_steps} steps, id={self.player_id!r})"
-
-
-def _snapshots_of(source: Any) -> Tuple[List[TreeSnapshot], Any]:
-    if isinstance(source, Explorer):
-        return list(source.history.snapshots), source.tokenizer
-    if isinstance(source, TreeRecorder):
-        return list(source.snapshots), source.decode
-    snaps = list(source)
-    if not all(isinstance(s, TreeSnapshot) for s in snaps):
-        raise TypeError("expected an Explorer, a TreeRecorder or a sequence of TreeSnapshot")
-    return snaps, None
-
-
-def step_player(source: Union[Explorer, TreeRecorder, Sequence[TreeSnapshot]], decode: Any = None, *,
-                title: str = "", player_id: Optional[str] = None, interval_ms: int = 1500,
-                preview_evictions: bool = True, start: int = 0,
-                render: Callable[[Any], str] = render_svg, **draw_kwargs: Any) -> StepPlayer:
-    """Build a previous / next / play player over the snapshots of ``source``.
-
-    Each snapshot is drawn with `draw_tree` (with ``preview_evictions``, a step followed by an
-    ``evict(size)`` step marks the leaves that evict is about to take) and rendered to SVG by
-    graphviz now, so the page needs nothing at view time. The page shows each step's caption
-    above its tree and ``i / n`` beside the buttons; ``StepPlayer.captions`` reads
-    ``"i / n · caption"``.
-    ``start`` drops the first ``start`` snapshots (e.g. the initial empty tree).
-
-    ``player_id`` (the HTML id) defaults to a hash of the captions and trees, so the same
-    sequence gives the same HTML on every run. ``decode`` defaults to the recorder's or
-    explorer's tokenizer. Extra keyword arguments go to `draw_tree`.
-    """
-    snaps, default_decode = _snapshots_of(source)
-    snaps = snaps[start:]
-    if not snaps:
-        raise ValueError("nothing to play: no snapshots")
-    if isinstance(interval_ms, bool) or not isinstance(interval_ms, int) or interval_ms < 50:
-        raise ValueError(f"interval_ms must be an int >= 50, got {interval_ms!r}")
-    decode = decode if decode is not None else default_decode
-    n = len(snaps)
-    draw_kwargs.setdefault("max_chars", 28)
-    captions, svgs = [], []
-    for i, snap in enumerate(snaps):
-        upcoming = snaps[i + 1].evict_size if preview_evictions and i + 1 < n else None
-        g = draw_tree(snap, decode, evict_size=upcoming, title="", **draw_kwargs)
-        svgs.append(render(g))
-        captions.append(f"{i + 1} / {n} · {snap.caption}")
-    if player_id is None:
-        digest = hashlib.sha1()
-        for snap, cap in zip(snaps, captions):
-            digest.update(cap.encode())
-            digest.update(tree_text(snap, decode).encode())
-            digest.update(b"\0")
-        player_id = "kvp-" + digest.hexdigest()[:12]
-    esc = html.escape
-    frames = "".join(
-        f'<div class="kvp-frame" data-step="{i}" data-caption="{esc(snap.caption)}"{"" if i == 0 else " hidden"}>'
-        f"{svg}</div>\n"
-        for i, (snap, svg) in enumerate(zip(snaps, svgs))
-    )
-    heading = f'<div class="kvp-title"><b>{esc(title)}</b></div>\n' if title else ""
-    doc = (
-        f'<div class="kvp" id="{player_id}" data-step="0" data-steps="{n}" tabindex="0">\n'
-        f"<style>{_PLAYER_CSS}</style>\n{heading}"
-        '<div class="kvp-bar">'
-        '<button type="button" class="kvp-first" title="first step">&#x00AB; first</button>'
-        '<button type="button" class="kvp-prev" title="previous step">&#x25C0; prev</button>'
-        '<button type="button" class="kvp-play" title="play / pause">&#x25B6; play</button>'
-        '<button type="button" class="kvp-next" title="next step">next &#x25B6;</button>'
-        '<button type="button" class="kvp-last" title="last step">last &#x00BB;</button>'
-        f'<input type="range" class="kvp-range" min="0" max="{n - 1}" value="0" aria-label="step">'
-        f'<span class="kvp-count">1 / {n}</span></div>\n'
-        f'<div class="kvp-caption">{esc(snaps[0].caption)}</div>\n'
-        f"{frames}"
-        f"<script>{_PLAYER_JS % {'id': player_id, 'interval': interval_ms}}</script>\n"
-        "</div>\n"
-    )
-    return StepPlayer(player_id, tuple(captions), tuple(svgs), doc)

@@ -1,0 +1,94 @@
+"""Argument checks and cache geometry shared by the store kernel's entry points.
+
+Each check raises with the argument's name, its value and the limit; nothing here writes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["check_no_self_overlap", "check_tensor", "paged_geometry", "validate_store_args"]
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_tensor(x: object, name: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def paged_geometry(cache: torch.Tensor, name: str) -> tuple[int, int, int, int, int, int, int, int]:
+    """``(num_pages, page_size, heads, head_dim)`` and the four strides of a 3-D or 4-D cache."""
+    if cache.dim() == 3:
+        num_slots, heads, head_dim = cache.shape
+        s_slot, s_head, s_dim = cache.stride()
+        return num_slots, 1, heads, head_dim, s_slot, 0, s_head, s_dim
+    if cache.dim() == 4:
+        return (*cache.shape, *cache.stride())
+    raise ValueError(
+        f"{name} must have shape (num_slots, heads, head_dim) or "
+        f"(num_pages, page_size, heads, head_dim), got {tuple(cache.shape)}"
+    )
+
+
+def check_no_self_overlap(t: torch.Tensor, name: str) -> None:
+    """``ValueError`` when two elements of ``t`` share memory (a stride-0 dimension of size > 1):
+    a write through such a view would land in one place for several slots."""
+    for d, (size, stride) in enumerate(zip(t.shape, t.stride(), strict=True)):
+        if size > 1 and stride == 0:
+            raise ValueError(
+                f"{name} overlaps itself: dimension {d} has size {size} and stride 0 (an expanded "
+                "view); a cache written through it needs distinct memory per element"
+            )
+
+
+def validate_store_args(
+    k_cache: object,
+    v_cache: object,
+    indices: object,
+    k: object,
+    v: object,
+    check_bounds: bool,
+) -> int:
+    """Check every argument; return ``num_slots``. Raises before anything is written."""
+    k_cache = check_tensor(k_cache, "k_cache")
+    v_cache = check_tensor(v_cache, "v_cache")
+    indices = check_tensor(indices, "indices")
+    k = check_tensor(k, "k")
+    v = check_tensor(v, "v")
+    if k_cache.dim() not in (3, 4):
+        paged_geometry(k_cache, "k_cache")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}"
+        )
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"v_cache dtype {v_cache.dtype} != k_cache dtype {k_cache.dtype}")
+    device = k_cache.device
+    for name, t in (("v_cache", v_cache), ("k", k), ("v", v), ("indices", indices)):
+        if t.device != device:
+            raise ValueError(f"{name} is on device {t.device}, but k_cache is on {device}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_no_self_overlap(t, name)
+    heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
+    num_slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
+    if indices.dim() != 1:
+        raise ValueError(f"indices must be 1-D, got shape {tuple(indices.shape)}")
+    if indices.dtype not in INDEX_DTYPES:
+        raise ValueError(f"indices must have dtype torch.int32 or torch.int64, got {indices.dtype}")
+    n = indices.shape[0]
+    for name, t in (("k", k), ("v", v)):
+        if tuple(t.shape) != (n, heads, head_dim):
+            raise ValueError(
+                f"{name} must have shape (n, heads, head_dim) = {(n, heads, head_dim)} "
+                f"(n = len(indices)), got {tuple(t.shape)}"
+            )
+        if t.dtype != k_cache.dtype:
+            raise ValueError(f"{name} dtype {t.dtype} != cache dtype {k_cache.dtype}")
+    if check_bounds and n > 0:
+        lo, hi = (int(x) for x in torch.aminmax(indices))
+        if lo < 0 or hi >= num_slots:
+            bad = lo if lo < 0 else hi
+            raise IndexError(f"index {bad} is outside [0, num_slots={num_slots})")
+    return num_slots
