@@ -21,14 +21,13 @@ import platform
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvcache import PageAllocator, RadixCacheManager, RequestFlow, Scheduler  # noqa: E402
-from kvcache.serving.workloads import Job, TimedManager, mixed  # noqa: E402
+from kvcache import PageAllocator, RadixCacheManager, RequestFlow, Scheduler
+from kvcache.serving.workloads import Job, TimedManager, mixed
 
 PAGE_SIZE = 16
 NUM_PAGES = 2048  # 32,768 token slots: small enough that the run evicts and preempts
@@ -41,21 +40,30 @@ class TimedFlow(RequestFlow):
 
     seconds = 0.0
 
-    def _timed(name: str):  # noqa: N805 (a helper run at class creation)
+    def _timed(name: str):
         def call(self, *args, **kwargs):
             t0 = time.perf_counter()
             try:
                 return getattr(RequestFlow, name)(self, *args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - t0
+
         return call
 
-    for _name in ("begin", "extend", "mark_computed", "cache", "finish", "abort", "available_pages"):
+    for _name in (
+        "begin",
+        "extend",
+        "mark_computed",
+        "cache",
+        "finish",
+        "abort",
+        "available_pages",
+    ):
         locals()[_name] = _timed(_name)
     del _name, _timed
 
 
-def serve(jobs: List[Job], policy: str) -> Dict[str, float]:
+def serve(jobs: list[Job], policy: str) -> dict[str, float]:
     """Serve ``jobs`` to the end; wall seconds of the run and of the manager's calls."""
     manager = TimedManager(RadixCacheManager(page_size=PAGE_SIZE))
     flow = TimedFlow(manager, PageAllocator(NUM_PAGES, PAGE_SIZE))
@@ -68,33 +76,44 @@ def serve(jobs: List[Job], policy: str) -> Dict[str, float]:
     wall = time.perf_counter() - t0
     flow.check_integrity()
     return {
-        "steps": report.steps, "wall_s": wall, "manager_s": manager.total_seconds,
-        "steps_per_s": report.steps / wall, "us_per_step": 1e6 * wall / report.steps,
-        "manager_share": manager.total_seconds / wall, "flow_share": flow.seconds / wall,
+        "steps": report.steps,
+        "wall_s": wall,
+        "manager_s": manager.total_seconds,
+        "steps_per_s": report.steps / wall,
+        "us_per_step": 1e6 * wall / report.steps,
+        "manager_share": manager.total_seconds / wall,
+        "flow_share": flow.seconds / wall,
         "preemptions": report.preemptions,
-        "hit_rate": report.hit_rate, "simulated_throughput": report.throughput,
+        "hit_rate": report.hit_rate,
+        "simulated_throughput": report.throughput,
     }
 
 
-def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, float]]:
+def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     jobs = mixed(args.requests, seed=0)
-    print(f"{platform.processor() or platform.machine()}, Python {platform.python_version()}, "
-          f"torch {torch.__version__}; {len(jobs)} requests, pool {NUM_PAGES} x {PAGE_SIZE} slots, "
-          f"budget {TOKEN_BUDGET}, batch {MAX_BATCH}")
+    print(
+        f"{platform.processor() or platform.machine()}, Python {platform.python_version()}, "
+        f"torch {torch.__version__}; {len(jobs)} requests, pool {NUM_PAGES} x {PAGE_SIZE} slots, "
+        f"budget {TOKEN_BUDGET}, batch {MAX_BATCH}"
+    )
     results = {policy: serve(jobs, policy) for policy in ("fcfs", "lpm")}
     for policy, r in results.items():
-        print(f"{policy:4}: {r['steps']:5} steps in {r['wall_s']:.2f} s = {r['steps_per_s']:,.0f} steps/s "
-              f"({r['us_per_step']:,.0f} us/step); {r['preemptions']} preemptions, "
-              f"hit rate {r['hit_rate']:.1%}")
+        print(
+            f"{policy:4}: {r['steps']:5} steps in {r['wall_s']:.2f} s = {r['steps_per_s']:,.0f} steps/s "
+            f"({r['us_per_step']:,.0f} us/step); {r['preemptions']} preemptions, "
+            f"hit rate {r['hit_rate']:.1%}"
+        )
         own = 1 - r["flow_share"]
-        print(f"      of each step: manager {100 * r['manager_share']:.0f} %, rest of the flow "
-              f"(allocator, extend, cache) {100 * (r['flow_share'] - r['manager_share']):.0f} %, "
-              f"scheduler's own queues and batch {100 * own:.0f} %")
+        print(
+            f"      of each step: manager {100 * r['manager_share']:.0f} %, rest of the flow "
+            f"(allocator, extend, cache) {100 * (r['flow_share'] - r['manager_share']):.0f} %, "
+            f"scheduler's own queues and batch {100 * own:.0f} %"
+        )
     ratio = results["fcfs"]["us_per_step"] / results["lpm"]["us_per_step"]
     print(f"per-step cost, FCFS / LPM: {ratio:.2f}")
     if args.json:

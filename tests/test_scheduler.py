@@ -9,13 +9,23 @@ import pytest
 import torch
 
 from kvcache import (
-    LLAMA3_8B_H100, BlockHashCacheManager, CostModel, Engine, NaiveCacheManager, PageAllocator,
-    RadixCacheManager, RequestFlow, Scheduler, TinyLlama, TinyLlamaConfig, model_runner,
+    LLAMA3_8B_H100,
+    BlockHashCacheManager,
+    CostModel,
+    Engine,
+    NaiveCacheManager,
+    PageAllocator,
+    RadixCacheManager,
+    RequestFlow,
+    Scheduler,
+    TinyLlama,
+    TinyLlamaConfig,
+    model_runner,
 )
 from kvcache.serving.workloads import mixed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import scheduler_steps  # noqa: E402
+import scheduler_steps
 
 TOL = 1e-4
 
@@ -56,18 +66,29 @@ def checked_runner(engine: Engine, seen: list):
     return run
 
 
-@pytest.mark.parametrize("seed,page_size,victim", [(0, 1, "newest"), (1, 2, "fewest_decoded"), (2, 4, "newest")])
-def test_logits_equal_recomputation_under_chunks_preemption_and_reuse(model, seed, page_size, victim):
+@pytest.mark.parametrize(
+    "seed,page_size,victim", [(0, 1, "newest"), (1, 2, "fewest_decoded"), (2, 4, "newest")]
+)
+def test_logits_equal_recomputation_under_chunks_preemption_and_reuse(
+    model, seed, page_size, victim
+):
     g = torch.Generator().manual_seed(seed)
     system = torch.randint(0, 256, (10,), generator=g)
-    prompts = [torch.cat([system, torch.randint(0, 256, (int(n),), generator=g)])
-               for n in torch.randint(1, 6, (5,), generator=g)]
+    prompts = [
+        torch.cat([system, torch.randint(0, 256, (int(n),), generator=g)])
+        for n in torch.randint(1, 6, (5,), generator=g)
+    ]
     num_pages = 36 // page_size
-    engine = Engine(model, model.new_kv_cache(num_pages, page_size), RadixCacheManager(page_size=page_size),
-                    PageAllocator(num_pages, page_size))
+    engine = Engine(
+        model,
+        model.new_kv_cache(num_pages, page_size),
+        RadixCacheManager(page_size=page_size),
+        PageAllocator(num_pages, page_size),
+    )
     seen: list = []
-    sched = Scheduler(engine.flow, token_budget=7, max_batch=4, victim=victim,
-                      runner=checked_runner(engine, seen))
+    sched = Scheduler(
+        engine.flow, token_budget=7, max_batch=4, victim=victim, runner=checked_runner(engine, seen)
+    )
     for p in prompts:
         sched.submit(p, 6)
     report = sched.run(max_steps=500)
@@ -139,8 +160,12 @@ def test_preempted_request_keeps_its_cached_pages():
         pass
     victim = sched.waiting[0]
     assert victim.sid == 1 and victim.preemptions == 1
-    assert flow.allocator.num_free_pages + flow.manager.size_info.total_size + sum(
-        len(s.flow_req.indices) - s.flow_req.tree_len for s in sched.running) == 12
+    assert (
+        flow.allocator.num_free_pages
+        + flow.manager.size_info.total_size
+        + sum(len(s.flow_req.indices) - s.flow_req.tree_len for s in sched.running)
+        == 12
+    )
     sched.run()
 
 
@@ -160,7 +185,9 @@ def test_lpm_admits_the_longest_cached_prefix_first():
 
 def test_starvation_bound_stops_overtaking():
     for bound, overtaken in ((3, 3), (100, 6)):
-        sched = Scheduler(make_flow(64), token_budget=64, max_batch=1, policy="lpm", starvation_bound=bound)
+        sched = Scheduler(
+            make_flow(64), token_budget=64, max_batch=1, policy="lpm", starvation_bound=bound
+        )
         sched.submit(ids(9, 9, 9, 9), 1, forced=forced(1))
         sched.run()
         lonely = sched.submit(ids(1, 2, 3, 4), 1, forced=forced(1))
@@ -172,12 +199,18 @@ def test_starvation_bound_stops_overtaking():
 
 
 # ------------------------------------------------------------------ misuse
-@pytest.mark.parametrize("kwargs,error", [
-    (dict(token_budget=0), ValueError), (dict(max_batch=0), ValueError),
-    (dict(token_budget=1.5), TypeError), (dict(policy="sjf"), ValueError),
-    (dict(victim="oldest"), ValueError), (dict(starvation_bound=0), ValueError),
-    (dict(cost_model=1.0), TypeError),
-])
+@pytest.mark.parametrize(
+    "kwargs,error",
+    [
+        (dict(token_budget=0), ValueError),
+        (dict(max_batch=0), ValueError),
+        (dict(token_budget=1.5), TypeError),
+        (dict(policy="sjf"), ValueError),
+        (dict(victim="oldest"), ValueError),
+        (dict(starvation_bound=0), ValueError),
+        (dict(cost_model=1.0), TypeError),
+    ],
+)
 def test_bad_settings_are_refused(kwargs, error):
     with pytest.raises(error):
         Scheduler(make_flow(), **kwargs)
@@ -248,8 +281,8 @@ def test_cost_model():
     assert cm.step_seconds(0) == 0.0
     assert cm.step_seconds(1) == pytest.approx(1e-3 + 4.8e-3)  # weight reads dominate
     assert cm.step_seconds(1000) == pytest.approx(1e-3 + 1000 * 32e-6)  # arithmetic dominates
-    assert 2 * 8.03e9 / (989e12 * 0.5) == pytest.approx(cm.prefill_s_per_token, rel=0.02)
-    assert 16.06e9 / 3.35e12 == pytest.approx(cm.decode_s_per_step, rel=0.01)
+    assert pytest.approx(cm.prefill_s_per_token, rel=0.02) == 2 * 8.03e9 / (989e12 * 0.5)
+    assert pytest.approx(cm.decode_s_per_step, rel=0.01) == 16.06e9 / 3.35e12
     with pytest.raises(ValueError):
         CostModel(-1.0, 0.0, 0.0)
 
@@ -284,7 +317,11 @@ def test_benchmark_runs(tmp_path):
 @pytest.mark.parametrize("manager", ["naive", "block_hash", "radix"])
 def test_any_manager_under_pressure(manager):
     page_size, pages = (1, 1000) if manager == "naive" else (4, 250)
-    make = {"naive": NaiveCacheManager, "block_hash": BlockHashCacheManager, "radix": RadixCacheManager}
+    make = {
+        "naive": NaiveCacheManager,
+        "block_hash": BlockHashCacheManager,
+        "radix": RadixCacheManager,
+    }
     m = make[manager]() if manager == "naive" else make[manager](page_size=page_size)
     flow = RequestFlow(m, PageAllocator(pages, page_size))
     sched = Scheduler(flow, token_budget=128, chunk_size=48, max_batch=8, policy="lpm")

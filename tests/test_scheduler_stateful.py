@@ -10,7 +10,7 @@ as forced, and that, when it drains, everything finishes within a bound.
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from collections.abc import Sequence
 
 import torch
 from hypothesis import HealthCheck, settings
@@ -18,7 +18,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvcache import (
-    KVCacheLayout, MHAKVCache, PageAllocator, RadixCacheManager, Request, RequestFlow, Scheduler,
+    KVCacheLayout,
+    MHAKVCache,
+    PageAllocator,
+    RadixCacheManager,
+    Request,
+    RequestFlow,
+    Scheduler,
 )
 
 MOD = 1 << 20  # codes stay exact in float32
@@ -40,7 +46,7 @@ class HashRunner:
         self.pool = pool
         self.fail_next = False
 
-    def __call__(self, items: Sequence[Tuple[Request, int]]) -> None:
+    def __call__(self, items: Sequence[tuple[Request, int]]) -> None:
         for req, q in items:
             lo, hi = req.num_computed, req.num_computed + q
             codes = prefix_codes(req.input_ids[:hi])[lo:hi]
@@ -57,24 +63,43 @@ SYSTEMS = [[7] * 9, [3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]]
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    @initialize(num_pages=st.sampled_from([6, 10, 16]), page_size=st.sampled_from([1, 2, 4]),
-                budget=st.sampled_from([1, 3, 16]), max_batch=st.sampled_from([1, 3, 5]),
-                policy=st.sampled_from(["fcfs", "lpm"]), victim=st.sampled_from(["newest", "fewest_decoded"]),
-                bound=st.sampled_from([1, 4, 50]))
+    @initialize(
+        num_pages=st.sampled_from([6, 10, 16]),
+        page_size=st.sampled_from([1, 2, 4]),
+        budget=st.sampled_from([1, 3, 16]),
+        max_batch=st.sampled_from([1, 3, 5]),
+        policy=st.sampled_from(["fcfs", "lpm"]),
+        victim=st.sampled_from(["newest", "fewest_decoded"]),
+        bound=st.sampled_from([1, 4, 50]),
+    )
     def setup(self, num_pages, page_size, budget, max_batch, policy, victim, bound):
-        self.pool = MHAKVCache(1, 1, 1, num_pages, torch.float32, KVCacheLayout.LayerFirst, "cpu",
-                               page_size=page_size)
-        self.flow = RequestFlow(RadixCacheManager(page_size=page_size), PageAllocator(num_pages, page_size))
+        self.pool = MHAKVCache(
+            1, 1, 1, num_pages, torch.float32, KVCacheLayout.LayerFirst, "cpu", page_size=page_size
+        )
+        self.flow = RequestFlow(
+            RadixCacheManager(page_size=page_size), PageAllocator(num_pages, page_size)
+        )
         self.runner = HashRunner(self.pool)
-        self.sched = Scheduler(self.flow, token_budget=budget, max_batch=max_batch, policy=policy,
-                               victim=victim, starvation_bound=bound, lpm_queue_limit=3,
-                               runner=self.runner)
+        self.sched = Scheduler(
+            self.flow,
+            token_budget=budget,
+            max_batch=max_batch,
+            policy=policy,
+            victim=victim,
+            starvation_bound=bound,
+            lpm_queue_limit=3,
+            runner=self.runner,
+        )
         self.capacity = num_pages * page_size
-        self.forced: Dict[int, Tuple[List[int], int]] = {}
-        self.status: Dict[int, str] = {}
+        self.forced: dict[int, tuple[list[int], int]] = {}
+        self.status: dict[int, str] = {}
 
-    @rule(system=st.integers(0, len(SYSTEMS)), tail=st.lists(st.integers(0, 9), max_size=6),
-          new=st.integers(1, 6), seed=st.integers(0, 99))
+    @rule(
+        system=st.integers(0, len(SYSTEMS)),
+        tail=st.lists(st.integers(0, 9), max_size=6),
+        new=st.integers(1, 6),
+        seed=st.integers(0, 99),
+    )
     def submit(self, system, tail, new, seed):
         prompt = (SYSTEMS[system] if system < len(SYSTEMS) else []) + tail
         if not prompt:
@@ -111,7 +136,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert "on purpose" in str(e)
         self.runner.fail_next = False
 
-    @precondition(lambda self: self.status and any(s in ("waiting", "running") for s in self.status.values()))
+    @precondition(
+        lambda self: self.status and any(s in ("waiting", "running") for s in self.status.values())
+    )
     @rule(pick=st.integers(0, 1000))
     def abort(self, pick):
         live = sorted(sid for sid, s in self.status.items() if s in ("waiting", "running"))
@@ -122,7 +149,11 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.status)
     @rule()
     def drain(self):
-        todo = [self.sched.requests[sid] for sid in self.status if self.status[sid] in ("waiting", "running")]
+        todo = [
+            self.sched.requests[sid]
+            for sid in self.status
+            if self.status[sid] in ("waiting", "running")
+        ]
         bound = 4 * sum(len(s.prompt) + s.max_new_tokens for s in todo) + 10
         self.sched.run(max_steps=bound)  # raises when not done within the bound
         assert self.sched.idle
@@ -137,11 +168,15 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self.status[s.sid] = s.status
         for sid, (forced, new) in self.forced.items():
             out = self.sched.requests[sid].output
-            assert out == forced[:len(out)] and len(out) <= new
+            assert out == forced[: len(out)] and len(out) <= new
             if self.status[sid] == "finished":
                 assert len(out) == new
-        assert {s.sid for s in self.sched.waiting} == {i for i, s in self.status.items() if s == "waiting"}
-        assert {s.sid for s in self.sched.running} == {i for i, s in self.status.items() if s == "running"}
+        assert {s.sid for s in self.sched.waiting} == {
+            i for i, s in self.status.items() if s == "waiting"
+        }
+        assert {s.sid for s in self.sched.running} == {
+            i for i, s in self.status.items() if s == "running"
+        }
         assert len(self.sched.running) <= self.sched.max_batch
 
     @invariant()
@@ -158,7 +193,10 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 SchedulerMachine.TestCase.settings = settings(
-    max_examples=30, stateful_step_count=30, deadline=None, derandomize=True,
+    max_examples=30,
+    stateful_step_count=30,
+    deadline=None,
+    derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestSchedulerMachine = SchedulerMachine.TestCase

@@ -22,8 +22,8 @@ machine; the real wall time of the scheduler's bookkeeping is measured separatel
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -48,15 +48,18 @@ class CostModel:
         """Simulated seconds of a step that runs ``num_tokens`` tokens (0 for an empty step)."""
         if num_tokens <= 0:
             return 0.0
-        return self.step_overhead_s + max(self.decode_s_per_step, num_tokens * self.prefill_s_per_token)
+        return self.step_overhead_s + max(
+            self.decode_s_per_step, num_tokens * self.prefill_s_per_token
+        )
 
 
-# Origin of the numbers: a Llama-3-8B-sized model (8.03e9 parameters, bf16) on one H100 SXM.
-#   prefill: 2 * 8.03e9 FLOP per token / (989 TFLOP/s dense bf16 * 50 % utilisation) = 32 us
-#   decode:  16.06e9 bytes of weights / 3.35 TB/s of HBM3 bandwidth                = 4.8 ms
-#   overhead: about 1 ms of host work per step, the order vLLM and SGLang report before
-#   overlapping the scheduler with the GPU.
-LLAMA3_8B_H100 = CostModel(prefill_s_per_token=32e-6, decode_s_per_step=4.8e-3, step_overhead_s=1e-3)
+#: A Llama-3-8B-sized model (8.03e9 parameters, bf16) on one H100 SXM. Prefill: 2 * 8.03e9
+#: FLOP per token / (989 TFLOP/s dense bf16 * 50 % utilisation) = 32 us. Decode: 16.06e9 bytes
+#: of weights / 3.35 TB/s of HBM3 bandwidth = 4.8 ms. Overhead: about 1 ms of host work per
+#: step, the order vLLM and SGLang report before overlapping the scheduler with the GPU.
+LLAMA3_8B_H100 = CostModel(
+    prefill_s_per_token=32e-6, decode_s_per_step=4.8e-3, step_overhead_s=1e-3
+)
 
 
 @dataclass(frozen=True)
@@ -89,15 +92,17 @@ class ServeReport:
 
     def summary(self) -> str:
         """One line per figure, for printing in a notebook."""
-        return "\n".join([
-            f"requests {self.requests}, steps {self.steps}, simulated {self.seconds:.3f} s",
-            f"throughput {self.throughput:,.0f} output tokens/s",
-            f"TTFT p50 {self.ttft_p50_s * 1e3:.1f} ms, p99 {self.ttft_p99_s * 1e3:.1f} ms",
-            f"hit rate {self.hit_rate:.1%}, computed {self.computed_tokens:,} tokens, "
-            f"recomputed {self.recomputed_tokens:,}",
-            f"preemptions {self.preemptions}, peak pages held {self.peak_pages}, "
-            f"longest wait {self.max_wait_steps} steps",
-        ])
+        return "\n".join(
+            [
+                f"requests {self.requests}, steps {self.steps}, simulated {self.seconds:.3f} s",
+                f"throughput {self.throughput:,.0f} output tokens/s",
+                f"TTFT p50 {self.ttft_p50_s * 1e3:.1f} ms, p99 {self.ttft_p99_s * 1e3:.1f} ms",
+                f"hit rate {self.hit_rate:.1%}, computed {self.computed_tokens:,} tokens, "
+                f"recomputed {self.recomputed_tokens:,}",
+                f"preemptions {self.preemptions}, peak pages held {self.peak_pages}, "
+                f"longest wait {self.max_wait_steps} steps",
+            ]
+        )
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -31,76 +31,18 @@ does not fit nobody overtakes it, so no request waits for ever.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from .._validate import check_positive_int, check_token_ids
+from .batch import Runner, SchedRequest, StepRecord
 from .cost_model import LLAMA3_8B_H100, CostModel, ServeReport, percentile
-from .request_flow import Request, RequestFlow
+from .request_flow import RequestFlow
 
-__all__ = ["SchedRequest", "StepRecord", "Scheduler", "Runner", "model_runner",
-           "ADMISSION_POLICIES", "VICTIM_POLICIES"]
+__all__ = ["Scheduler", "ADMISSION_POLICIES", "VICTIM_POLICIES"]
 
 ADMISSION_POLICIES = ("fcfs", "lpm")
 VICTIM_POLICIES = ("newest", "fewest_decoded")
-
-#: Runs a batch: ``(request, q_len)`` items, each running ``input_ids[num_computed:+q_len]``;
-#: returns logits ``(B, vocab)`` of each item's last token run, or ``None`` (no model).
-Runner = Callable[[Sequence[Tuple[Request, int]]], Optional[torch.Tensor]]
-
-
-@dataclass(eq=False)  # identity: queues hold each request once
-class SchedRequest:
-    """A request as the scheduler sees it. ``status``: waiting, running, finished or aborted.
-
-    ``output`` holds the tokens sampled so far; the flow's request (``flow_req``, while
-    running) holds ``prompt + output[:-1]`` once decoding, the last sampled token being the
-    next one to run.
-    """
-
-    sid: int
-    prompt: torch.Tensor
-    max_new_tokens: int
-    forced: Optional[List[int]]
-    arrival_step: int
-    arrival_time: float
-    status: str = "waiting"
-    output: List[int] = field(default_factory=list)
-    flow_req: Optional[Request] = None
-    enqueued_step: int = 0
-    admitted_at: int = -1
-    preemptions: int = 0
-    high_water: int = 0
-    first_token_time: Optional[float] = None
-    finish_time: Optional[float] = None
-    max_wait: int = 0
-
-    def tokens(self) -> torch.Tensor:
-        """What (re)admission runs: the prompt and every token sampled so far."""
-        if not self.output:
-            return self.prompt
-        return torch.cat([self.prompt, torch.tensor(self.output, dtype=torch.int64)])
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """What one step did. ``prefill``: ``(sid, tokens)`` chunks; the rest are sids."""
-
-    step: int
-    time: float
-    prefill: Tuple[Tuple[int, int], ...]
-    decode: Tuple[int, ...]
-    admitted: Tuple[int, ...]
-    preempted: Tuple[int, ...]
-    finished: Tuple[int, ...]
-    waiting: int
-    pages_held: int
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.prefill) + len(self.decode)
 
 
 class Scheduler:
@@ -118,16 +60,29 @@ class Scheduler:
         cost_model: simulated seconds per step.
     """
 
-    def __init__(self, flow: RequestFlow, *, token_budget: int = 512, max_batch: int = 64,
-                 chunk_size: Optional[int] = None, policy: str = "fcfs", victim: str = "newest",
-                 starvation_bound: int = 64,
-                 lpm_queue_limit: int = 128, runner: Optional[Runner] = None,
-                 cost_model: CostModel = LLAMA3_8B_H100) -> None:
+    def __init__(
+        self,
+        flow: RequestFlow,
+        *,
+        token_budget: int = 512,
+        max_batch: int = 64,
+        chunk_size: int | None = None,
+        policy: str = "fcfs",
+        victim: str = "newest",
+        starvation_bound: int = 64,
+        lpm_queue_limit: int = 128,
+        runner: Runner | None = None,
+        cost_model: CostModel = LLAMA3_8B_H100,
+    ) -> None:
         if not isinstance(flow, RequestFlow):
             raise TypeError(f"flow must be a RequestFlow, got {type(flow).__name__}")
         self.token_budget = check_positive_int(token_budget, "token_budget")
         self.max_batch = check_positive_int(max_batch, "max_batch")
-        self.chunk_size = self.token_budget if chunk_size is None else check_positive_int(chunk_size, "chunk_size")
+        self.chunk_size = (
+            self.token_budget
+            if chunk_size is None
+            else check_positive_int(chunk_size, "chunk_size")
+        )
         self.starvation_bound = check_positive_int(starvation_bound, "starvation_bound")
         self.lpm_queue_limit = check_positive_int(lpm_queue_limit, "lpm_queue_limit")
         if policy not in ADMISSION_POLICIES:
@@ -138,11 +93,11 @@ class Scheduler:
             raise TypeError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
         self.flow, self.policy, self.victim, self.runner = flow, policy, victim, runner
         self.cost_model = cost_model
-        self.waiting: List[SchedRequest] = []
-        self.running: List[SchedRequest] = []  # in admission order
-        self.done: List[SchedRequest] = []
-        self.requests: Dict[int, SchedRequest] = {}
-        self.history: List[StepRecord] = []
+        self.waiting: list[SchedRequest] = []
+        self.running: list[SchedRequest] = []  # in admission order
+        self.done: list[SchedRequest] = []
+        self.requests: dict[int, SchedRequest] = {}
+        self.history: list[StepRecord] = []
         self.clock = 0.0
         self.steps = 0
         self.prompt_tokens = self.reused_tokens = self.computed_tokens = 0
@@ -151,8 +106,9 @@ class Scheduler:
         self._admissions = itertools.count()
 
     # ------------------------------------------------------------------ requests
-    def submit(self, prompt: torch.Tensor, max_new_tokens: int,
-               forced: Optional[torch.Tensor] = None) -> int:
+    def submit(
+        self, prompt: torch.Tensor, max_new_tokens: int, forced: torch.Tensor | None = None
+    ) -> int:
         """Queue a request; returns its id. ``forced``: tokens to emit instead of sampling.
 
         Refused (``ValueError``) when its longest stored sequence, ``len(prompt) +
@@ -165,17 +121,27 @@ class Scheduler:
         if forced is not None:
             check_token_ids(forced, "forced")
             if len(forced) < max_new_tokens:
-                raise ValueError(f"forced holds {len(forced)} tokens, fewer than max_new_tokens={max_new_tokens}")
+                raise ValueError(
+                    f"forced holds {len(forced)} tokens, fewer than max_new_tokens={max_new_tokens}"
+                )
         elif self.runner is None:
             raise ValueError("without a runner there are no logits to sample: pass forced tokens")
         ps, pages = self.flow.page_size, self.flow.allocator.num_pages
         need = -(-(len(prompt) + max_new_tokens - 1) // ps)
         if need > pages:
-            raise ValueError(f"request needs up to {need} pages ({len(prompt)} prompt + {max_new_tokens} "
-                             f"new tokens, page size {ps}); the pool has {pages}: it can never fit")
-        sreq = SchedRequest(next(self._sids), prompt.to(torch.int64, copy=True), max_new_tokens,
-                            None if forced is None else forced.tolist(),
-                            self.steps, self.clock, enqueued_step=self.steps)
+            raise ValueError(
+                f"request needs up to {need} pages ({len(prompt)} prompt + {max_new_tokens} "
+                f"new tokens, page size {ps}); the pool has {pages}: it can never fit"
+            )
+        sreq = SchedRequest(
+            next(self._sids),
+            prompt.to(torch.int64, copy=True),
+            max_new_tokens,
+            None if forced is None else forced.tolist(),
+            self.steps,
+            self.clock,
+            enqueued_step=self.steps,
+        )
         self.requests[sreq.sid] = sreq
         self.waiting.append(sreq)
         return sreq.sid
@@ -186,7 +152,7 @@ class Scheduler:
         if sreq is None or sreq.status not in ("waiting", "running"):
             raise RuntimeError(f"request {sid} is not waiting or running")
         if sreq.status == "running":
-            self.flow.abort(sreq.flow_req)
+            self.flow.abort(sreq.req)
             self.running.remove(sreq)
             sreq.flow_req = None
         else:
@@ -199,14 +165,18 @@ class Scheduler:
         return not self.waiting and not self.running
 
     # ------------------------------------------------------------------ policies
-    def _admission_order(self) -> List[SchedRequest]:
+    def _admission_order(self) -> list[SchedRequest]:
         """Waiting requests in the order admission tries them (starving ones first)."""
-        starving = [s for s in self.waiting if self.steps - s.enqueued_step >= self.starvation_bound]
+        starving = [
+            s for s in self.waiting if self.steps - s.enqueued_step >= self.starvation_bound
+        ]
         starving.sort(key=lambda s: s.enqueued_step)
         rest = [s for s in self.waiting if self.steps - s.enqueued_step < self.starvation_bound]
         if self.policy == "lpm" and len(self.waiting) <= self.lpm_queue_limit:
             # SGLang matches every waiting request too; matching only refreshes LRU and splits.
-            matched = {s.sid: self.flow.manager.match_prefix(s.tokens()[:-1])[0].cached_len for s in rest}
+            matched = {
+                s.sid: self.flow.manager.match_prefix(s.tokens()[:-1])[0].cached_len for s in rest
+            }
             rest.sort(key=lambda s: -matched[s.sid])  # stable: arrival order among ties
         return starving + rest
 
@@ -222,7 +192,7 @@ class Scheduler:
         self.waiting.insert(0, sreq)
 
     def _preempt(self, sreq: SchedRequest) -> None:
-        req = sreq.flow_req
+        req = sreq.req
         if req.num_computed // self.flow.page_size * self.flow.page_size > req.tree_len:
             self.flow.cache(req)  # keep its computed pages in the cache for the readmission
         self.flow.abort(req)
@@ -238,25 +208,25 @@ class Scheduler:
         queue without caching what this step stored, no page leaks, and the error propagates.
         """
         ps, budget = self.flow.page_size, self.token_budget
-        preempted: List[int] = []
-        decoders = [s for s in self.running if s.flow_req.num_computed == len(s.flow_req)][:budget]
-        while sum(len(s.flow_req) % ps == 0 for s in decoders) > self.flow.available_pages():
+        preempted: list[int] = []
+        decoders = [s for s in self.running if s.req.num_computed == len(s.req)][:budget]
+        while sum(len(s.req) % ps == 0 for s in decoders) > self.flow.available_pages():
             victim = self._pick_victim()
             self._preempt(victim)
             preempted.append(victim.sid)
             if victim in decoders:
                 decoders.remove(victim)
-        prefilling = [s for s in self.running if s.flow_req.num_computed < len(s.flow_req)]
-        items: List[Tuple[SchedRequest, int]] = []
-        admitted: List[int] = []
+        prefilling = [s for s in self.running if s.req.num_computed < len(s.req)]
+        items: list[tuple[SchedRequest, int]] = []
+        admitted: list[int] = []
         try:
             for s in decoders:
-                self.flow.extend(s.flow_req, torch.tensor([s.output[-1]], dtype=torch.int64))
+                self.flow.extend(s.req, torch.tensor([s.output[-1]], dtype=torch.int64))
                 items.append((s, 1))
             budget -= len(decoders)
             for s in prefilling:
                 if budget:
-                    left = len(s.flow_req) - s.flow_req.num_computed
+                    left = len(s.req) - s.req.num_computed
                     items.append((s, min(left, budget, self.chunk_size)))
                     budget -= items[-1][1]
             if not preempted:
@@ -264,14 +234,14 @@ class Scheduler:
             logits = self._execute(items)
         except BaseException:
             for s, _ in items:
-                self.flow.abort(s.flow_req)
+                self.flow.abort(s.req)
                 self._requeue(s)
             raise
         finished = self._advance(items, logits)
         return self._record(items, decoders, admitted, preempted, finished)
 
-    def _admit(self, items: List[Tuple[SchedRequest, int]], budget: int) -> List[int]:
-        admitted: List[int] = []
+    def _admit(self, items: list[tuple[SchedRequest, int]], budget: int) -> list[int]:
+        admitted: list[int] = []
         if budget == 0 or len(self.running) >= self.max_batch or not self.waiting:
             return admitted  # nothing can start: spare LPM its matches
         for s in self._admission_order():
@@ -293,17 +263,19 @@ class Scheduler:
             admitted.append(s.sid)
         return admitted
 
-    def _execute(self, items: List[Tuple[SchedRequest, int]]) -> Optional[torch.Tensor]:
-        run = items and self.runner is not None
-        return self.runner([(s.flow_req, q) for s, q in items]) if run else None
+    def _execute(self, items: list[tuple[SchedRequest, int]]) -> torch.Tensor | None:
+        runner = self.runner
+        return runner([(s.req, q) for s, q in items]) if items and runner is not None else None
 
-    def _advance(self, items: List[Tuple[SchedRequest, int]], logits: Optional[torch.Tensor]) -> List[int]:
+    def _advance(
+        self, items: list[tuple[SchedRequest, int]], logits: torch.Tensor | None
+    ) -> list[int]:
         """Mark the tokens computed, cache prefill progress, sample, finish; returns finished sids."""
         ps = self.flow.page_size
         self.clock += self.cost_model.step_seconds(sum(q for _, q in items))
-        finished: List[int] = []
+        finished: list[int] = []
         for row, (s, q) in enumerate(items):
-            req = s.flow_req
+            req = s.req
             start, end = req.num_computed, req.num_computed + q
             self.computed_tokens += q
             self.recomputed_tokens += max(0, min(end, s.high_water) - start)
@@ -315,8 +287,10 @@ class Scheduler:
                 continue
             if s.forced is not None:
                 token = s.forced[len(s.output)]
-            else:
+            elif logits is not None:
                 token = int(logits[row].argmax())
+            else:
+                raise RuntimeError(f"the runner returned no logits to sample request {s.sid}")
             s.output.append(token)
             if s.first_token_time is None:
                 s.first_token_time = self.clock
@@ -328,15 +302,29 @@ class Scheduler:
                 finished.append(s.sid)
         return finished
 
-    def _record(self, items, decoders, admitted, preempted, finished) -> StepRecord:
+    def _record(
+        self,
+        items: list[tuple[SchedRequest, int]],
+        decoders: list[SchedRequest],
+        admitted: list[int],
+        preempted: list[int],
+        finished: list[int],
+    ) -> StepRecord:
         flow = self.flow
         held = flow.allocator.num_pages - flow.available_pages()
         self.peak_pages = max(self.peak_pages, held)
         dec = {s.sid for s in decoders}
-        rec = StepRecord(self.steps, self.clock,
-                         tuple((s.sid, q) for s, q in items if s.sid not in dec),
-                         tuple(s.sid for s in decoders), tuple(admitted), tuple(preempted),
-                         tuple(finished), len(self.waiting), held)
+        rec = StepRecord(
+            self.steps,
+            self.clock,
+            tuple((s.sid, q) for s, q in items if s.sid not in dec),
+            tuple(s.sid for s in decoders),
+            tuple(admitted),
+            tuple(preempted),
+            tuple(finished),
+            len(self.waiting),
+            held,
+        )
         self.history.append(rec)
         self.steps += 1
         return rec
@@ -349,23 +337,35 @@ class Scheduler:
             if self.idle:
                 return self.report()
             if self.step().num_tokens == 0 and not self.running:
-                raise RuntimeError(f"no progress: {len(self.waiting)} requests wait and none can start")
+                raise RuntimeError(
+                    f"no progress: {len(self.waiting)} requests wait and none can start"
+                )
         if not self.idle:
-            raise RuntimeError(f"not done after {max_steps} steps: {len(self.waiting)} waiting, "
-                               f"{len(self.running)} running")
+            raise RuntimeError(
+                f"not done after {max_steps} steps: {len(self.waiting)} waiting, "
+                f"{len(self.running)} running"
+            )
         return self.report()
 
     def report(self) -> ServeReport:
         done = [s for s in self.done if s.status == "finished"]
-        ttft = [s.first_token_time - s.arrival_time for s in done]
+        ttft = [s.first_token_time - s.arrival_time for s in done if s.first_token_time is not None]
         waits = [s.max_wait for s in self.requests.values()]
         return ServeReport(
-            requests=len(done), steps=self.steps, seconds=self.clock,
-            output_tokens=sum(len(s.output) for s in done), prompt_tokens=self.prompt_tokens,
-            reused_tokens=self.reused_tokens, computed_tokens=self.computed_tokens,
-            recomputed_tokens=self.recomputed_tokens, preemptions=self.preemptions,
-            peak_pages=self.peak_pages, ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99),
-            max_wait_steps=max(waits, default=0))
+            requests=len(done),
+            steps=self.steps,
+            seconds=self.clock,
+            output_tokens=sum(len(s.output) for s in done),
+            prompt_tokens=self.prompt_tokens,
+            reused_tokens=self.reused_tokens,
+            computed_tokens=self.computed_tokens,
+            recomputed_tokens=self.recomputed_tokens,
+            preemptions=self.preemptions,
+            peak_pages=self.peak_pages,
+            ttft_p50_s=percentile(ttft, 50),
+            ttft_p99_s=percentile(ttft, 99),
+            max_wait_steps=max(waits, default=0),
+        )
 
     def check_integrity(self) -> None:
         """The flow's page partition, and: no request both waiting and running, each once."""
@@ -377,24 +377,8 @@ class Scheduler:
         if set(waiting) & set(running):
             raise RuntimeError(f"requests both waiting and running: {set(waiting) & set(running)}")
         for s in self.running:
-            if s.status != "running" or self.flow.running.get(s.flow_req.rid) is not s.flow_req:
+            if s.status != "running" or self.flow.running.get(s.req.rid) is not s.flow_req:
                 raise RuntimeError(f"request {s.sid} runs in the scheduler but not in the flow")
         for s in self.waiting:
             if s.status != "waiting" or s.flow_req is not None:
                 raise RuntimeError(f"waiting request {s.sid} still holds a flow request")
-
-
-def model_runner(engine: object) -> Runner:
-    """A `Runner` for an `Engine`: its model runs each item's tokens on its pool (real K/V).
-
-    Item ``(req, q)`` runs ``req.input_ids[num_computed:num_computed + q]`` at slots
-    ``req.indices[num_computed:num_computed + q]``, attending over ``req.indices[:num_computed + q]``.
-    """
-    model, kv_cache = engine.model, engine.kv_cache
-
-    def run(items: Sequence[Tuple[Request, int]]) -> torch.Tensor:
-        ids = torch.cat([r.input_ids[r.num_computed:r.num_computed + q] for r, q in items])
-        slots = [r.indices[:r.num_computed + q] for r, q in items]
-        return model(ids, slots, [q for _, q in items], kv_cache, last_only=True)
-
-    return run
