@@ -56,6 +56,7 @@ class Scheduler:
             so that a long prompt leaves room for others (vLLM's ``long_prefill_token_threshold``).
         policy: ``"fcfs"`` or ``"lpm"``; victim: ``"newest"`` or ``"fewest_decoded"``.
         starvation_bound: steps a request may wait before it goes first, >= 1.
+        lpm_queue_limit: LPM orders the queue only while at most this many wait (SGLang: 128).
         runner: runs each batch (e.g. `model_runner`); ``None`` simulates (forced tokens only).
         cost_model: simulated seconds per step.
     """
