@@ -1,6 +1,6 @@
-"""The step player of chapter 14 works on the built website: clicks change the picture and caption.
+"""The step player of chapter 15 works on the built website: clicks change the picture and caption.
 
-Opens ``_build/html/book/14_explorer.html`` in headless Chromium (the DevTools client of
+Opens ``_build/html/book/15_explorer.html`` in headless Chromium (the DevTools client of
 ``tests/test_site.py``), and with real mouse clicks on the player's buttons checks that
 *next*, *previous*, *last* and *play* / *pause* move the player: exactly one frame (one
 pre-rendered SVG tree) is shown, it is the frame of the current step, it is drawn with a
@@ -37,7 +37,7 @@ from kvcache import RadixCacheManager
 from kvcache.serving.tokenizer import ByteTokenizer
 from kvcache.viz import TreeRecorder, render_svg, step_player
 
-PAGE = HTML / "book" / "14_explorer.html"
+PAGE = HTML / "book" / "15_explorer.html"
 
 needs_chromium = pytest.mark.skipif(find_chromium() is None, reason="Chromium not found")
 
@@ -200,7 +200,7 @@ def check_shows(s: dict, step: int, captions: dict) -> None:
 # Skips (like tests/test_site.py) only when the site was not built: no _build/html/index.html.
 @needs_site
 def test_step_player_clicks_through(browser):  # noqa: F811  (the fixture imported from test_site)
-    assert PAGE.exists(), f"{PAGE} was not built (chapter 14 must be in _toc.yml)"
+    assert PAGE.exists(), f"{PAGE} was not built (chapter 15 must be in _toc.yml)"
     page = Page(browser, PAGE.as_uri())
     try:
         s = page.state()

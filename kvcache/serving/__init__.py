@@ -2,16 +2,23 @@
 
 `PageAllocator` (the free list of pages), `RequestFlow` (the seven steps of a request for any
 manager, with `check_integrity` over pages), `TinyLlama` and `Engine` (a model whose K/V live
-only in the pool), the `ByteTokenizer`, and seeded `workloads`.
+only in the pool), the `Scheduler` that serves many requests at once (continuous batching,
+chunked prefill, preemption, FCFS/LPM admission) with its `CostModel`, the `ByteTokenizer`,
+and seeded `workloads`.
 """
 
 from .allocator import PageAllocator
+from .batch import SchedRequest, StepRecord, model_runner
+from .cost_model import LLAMA3_8B_H100, CostModel, ServeReport
 from .engine import Engine
 from .model import TinyLlama, TinyLlamaConfig
 from .request_flow import FlowEvent, FlowStats, Request, RequestFlow
+from .scheduler import Scheduler
 from .tokenizer import ByteTokenizer
 
 __all__ = [
     "PageAllocator", "RequestFlow", "Request", "FlowStats", "FlowEvent",
     "TinyLlama", "TinyLlamaConfig", "Engine", "ByteTokenizer",
+    "Scheduler", "SchedRequest", "StepRecord", "model_runner", "CostModel", "LLAMA3_8B_H100",
+    "ServeReport",
 ]
