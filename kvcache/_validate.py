@@ -118,6 +118,28 @@ def check_id_tensor(ids: object, name: str, limit: int) -> np.ndarray:
     return arr if arr.dtype == np.int32 else arr.astype(np.int32)
 
 
+def check_slot_tensor(slots: object, name: str, num_slots: int, device: torch.device) -> torch.Tensor:
+    """Token slots of a pool: a 1-D integer tensor on ``device`` of values in ``[0, num_slots)``.
+
+    Checked on the values as given, before any cast (on a GPU the range check reads two
+    numbers back to the host). ``TypeError`` for a non-integer dtype (bool, float, complex),
+    ``ValueError`` for a wrong shape, device or range.
+    """
+    if not isinstance(slots, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(slots).__name__}")
+    if slots.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(slots.shape)}")
+    if slots.dtype not in _INT_DTYPES:
+        raise TypeError(f"{name} must have an integer dtype, got {slots.dtype}")
+    if slots.device != device:
+        raise ValueError(f"{name} must be on device {device}, got {slots.device}")
+    if slots.shape[0]:
+        lo, hi = (int(v) for v in torch.aminmax(slots))
+        if lo < 0 or hi >= num_slots:
+            raise ValueError(f"{name}: {lo if lo < 0 else hi} is outside [0, {num_slots})")
+    return slots
+
+
 def check_same_length(n: int, expected: int, name: str = "indices", expected_name: str = "input_ids") -> None:
     """The length-mismatch error: ``len(name)`` must equal ``len(expected_name)``."""
     if n != expected:

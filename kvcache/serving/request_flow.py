@@ -156,7 +156,7 @@ class RequestFlow:
         check_token_ids(input_ids)
         if input_ids.shape[0] == 0:
             raise ValueError("input_ids must hold at least one token")
-        ids = input_ids.to(torch.int64, copy=True)
+        ids = input_ids.clone() if input_ids.dtype == torch.int64 else input_ids.to(torch.int64)
         rid = next(self._rids)
         handle, prefix = self._match_lock(rid, ids, compute_last)
         try:
@@ -183,7 +183,7 @@ class RequestFlow:
             check_token_ids(p, f"prompts[{i}]")
             if p.shape[0] == 0:
                 raise ValueError(f"prompts[{i}] must hold at least one token")
-        ids = [p.to(torch.int64, copy=True) for p in prompts]
+        ids = [p.clone() if p.dtype == torch.int64 else p.to(torch.int64) for p in prompts]
         rids = [next(self._rids) for _ in ids]
         matched: List[Tuple[BaseCacheHandle, torch.Tensor]] = []
         try:
@@ -233,7 +233,7 @@ class RequestFlow:
             self._get(r)
             check_token_ids(x, f"new_ids[{i}]")
         if len({id(r) for r in reqs}) != len(reqs):
-            raise RuntimeError("each request may be listed only once")
+            raise RuntimeError("every request must be running in this flow, each listed once")
         if reqs:
             self._make_room(reqs[0].rid, sum(self._pages_for(len(r), x.shape[0]) for r, x in zip(reqs, new_ids)))
         return [self._extend(r, x) for r, x in zip(reqs, new_ids)]
@@ -241,16 +241,19 @@ class RequestFlow:
     def _extend(self, req: Request, new_ids: torch.Tensor) -> torch.Tensor:
         k, length = new_ids.shape[0], req.input_ids.shape[0]
         take = min(k, -length % self.page_size)  # free slots left in the last page
-        parts = [req.indices]
+        new = None
         if take:
             last = int(req.indices[length - 1])
-            parts.append(torch.arange(last + 1, last + 1 + take, dtype=torch.int32, device=req.indices.device))
+            new = torch.arange(last + 1, last + 1 + take, dtype=torch.int32, device=req.indices.device)
         if k > take:
-            parts.append(self._allocate(req.rid, k - take))
-        req.input_ids = torch.cat([req.input_ids, new_ids.to(torch.int64)])
-        req.indices = torch.cat(parts)
+            own = self._allocate(req.rid, k - take)
+            new = own if new is None else torch.cat([new, own])
+        if new is None:  # nothing to append
+            return req.indices[:0]
+        req.input_ids = torch.cat([req.input_ids, new_ids if new_ids.dtype == torch.int64 else new_ids.to(torch.int64)])
+        req.indices = torch.cat([req.indices, new])
         self.stats.decoded_tokens += k
-        return req.indices[length:]
+        return new
 
     def _insert(self, req: Request, n: int, keep_running: bool) -> int:
         """Steps 4 and 5 for ``req``'s first ``n`` tokens (a whole number of pages), one walk of
@@ -261,11 +264,16 @@ class RequestFlow:
         running frees those the tree holds too and points its indices at the tree's, then moves
         its lock to the new handle.
         """
-        res = self.manager.insert_and_match(req.input_ids[:n], req.indices[:n])
+        ids, idx = req.input_ids, req.indices
+        length = ids.shape[0]
+        res = self.manager.insert_and_match(ids, idx) if n == length else self.manager.insert_and_match(ids[:n], idx[:n])
         already, lo = res.cached_len, req.tree_len
         self._log(req.rid, 4, "insert_prefix", lambda: f"{n} tokens, {already} already cached")
         if not keep_running:
-            to_free = req.indices[n:] if already <= lo else torch.cat([req.indices[lo:already], req.indices[n:]])
+            if already > lo:
+                to_free = idx[lo:already] if n == length else torch.cat([idx[lo:already], idx[n:]])
+            else:
+                to_free = idx[n:]
             if to_free.shape[0]:
                 self.allocator.free_slots(to_free)
             self._log(req.rid, 5, "free", lambda: f"pages {self.allocator.slots_to_pages(to_free).tolist()}")
