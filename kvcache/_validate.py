@@ -96,21 +96,27 @@ def check_indices(indices: object, device: torch.device, name: str = "indices") 
     return indices
 
 
-def check_id_tensor(ids: object, name: str, limit: int) -> np.ndarray:
-    """Page ids or slots: a 1-D integer tensor (any device) of values in ``[0, limit)``.
+def check_id_array(ids: object, name: str, limit: int) -> np.ndarray:
+    """Page ids or slots: a 1-D integer tensor (any device) or NumPy array, of values in
+    ``[0, limit)``.
 
     The range is checked on the values as given, before any cast, so ``2**32 + 1`` is refused
     instead of wrapping to ``1``. Returns the values on the host as an ``int32`` NumPy array
-    (a view where the tensor already is CPU int32). ``bool``, float and complex tensors are
-    refused with ``TypeError``; values out of range with ``ValueError``.
+    (a view where they already are CPU int32). ``bool``, float and complex dtypes are refused
+    with ``TypeError``; values out of range with ``ValueError``.
     """
-    if not isinstance(ids, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(ids).__name__}")
-    if ids.dim() != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {tuple(ids.shape)}")
-    if ids.dtype not in _INT_DTYPES:
-        raise TypeError(f"{name} must have an integer dtype, got {ids.dtype}")
-    arr = ids.numpy() if ids.device.type == "cpu" else ids.cpu().numpy()
+    if isinstance(ids, torch.Tensor):
+        if ids.dtype not in _INT_DTYPES:
+            raise TypeError(f"{name} must have an integer dtype, got {ids.dtype}")
+        arr = ids.numpy() if ids.device.type == "cpu" else ids.cpu().numpy()
+    elif isinstance(ids, np.ndarray):
+        if ids.dtype.kind not in "iu":
+            raise TypeError(f"{name} must have an integer dtype, got {ids.dtype}")
+        arr = ids
+    else:
+        raise TypeError(f"{name} must be a torch.Tensor or numpy.ndarray, got {type(ids).__name__}")
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(arr.shape)}")
     if arr.shape[0]:
         lo, hi = int(arr.min()), int(arr.max())
         if lo < 0 or hi >= limit:

@@ -170,12 +170,15 @@ def test_free_checks_the_range_before_any_cast():
         with pytest.raises(ValueError, match=r"outside \[0, 4\)"):
             a.free(bad)
         assert a.free_pages().tolist() == before == []
-    for bad in (torch.tensor([True]), torch.tensor([1.0]), torch.tensor([1 + 0j]), t(1).view(1, 1), [1], np.array([1])):
+    for bad in (torch.tensor([True]), torch.tensor([1.0]), torch.tensor([1 + 0j]), t(1).view(1, 1), [1], np.array([1.0]), np.array([True])):
         with pytest.raises((TypeError, ValueError)):
             a.free(bad)
         assert a.num_free_pages == 0
     a.free(t(1))
-    assert a.free_pages().tolist() == [1]
+    a.free(np.array([2], dtype=np.uint64))  # NumPy ids are taken too, range-checked the same way
+    with pytest.raises(ValueError, match="outside"):
+        a.free(np.array([2 ** 32 + 3], dtype=np.uint64))
+    assert a.free_pages().tolist() == [1, 2]
 
 
 @SETTINGS

@@ -14,7 +14,7 @@ from .._validate import (
     MAX_SLOTS,
     Device,
     check_device,
-    check_id_tensor,
+    check_id_array,
     check_int_in,
     check_positive_int,
     check_size,
@@ -103,18 +103,24 @@ class PageAllocator:
 
         ``RuntimeError`` (nothing taken) if too few pages are free.
         """
+        return self._out(self.allocate_host_slots(num_tokens))
+
+    def allocate_host_slots(self, num_tokens: int) -> np.ndarray:
+        """`allocate_slots`, returned as a host NumPy ``int32`` array (for bookkeeping on the host)."""
         n = check_size(num_tokens, "num_tokens")
         pages = self._pop(-(-n // self.page_size))
-        slots = pages if self.page_size == 1 else (pages[:, None] * self.page_size + self._offsets).reshape(-1)[:n]
-        return self._out(slots)
+        if self.page_size == 1:
+            return pages
+        return (pages[:, None] * self.page_size + self._offsets).reshape(-1)[:n]
 
     def free(self, pages: torch.Tensor) -> None:
-        """Return ``pages`` (1-D integer tensor of page ids) to the end of the free list."""
-        self._push(check_id_tensor(pages, "pages", self.num_pages))
+        """Return ``pages`` (1-D integer tensor or NumPy array of page ids) to the end of the free list."""
+        self._push(check_id_array(pages, "pages", self.num_pages))
 
     def free_slots(self, slots: torch.Tensor) -> None:
-        """Return the pages that ``slots`` (1-D integer tensor) touch: ``free(slots_to_pages(slots))``."""
-        arr = check_id_tensor(slots, "slots", self.num_slots)
+        """Return the pages that ``slots`` (1-D integer tensor or NumPy array) touch:
+        ``free(slots_to_pages(slots))``."""
+        arr = check_id_array(slots, "slots", self.num_slots)
         self._push(slots_to_pages(arr, self.page_size))
 
     def _push(self, arr: np.ndarray) -> None:
@@ -141,11 +147,11 @@ class PageAllocator:
     def pages_to_slots(self, pages: torch.Tensor, num_tokens: int | None = None) -> torch.Tensor:
         """Slots of ``pages`` in order, cut to the first ``num_tokens`` (default: all): int32 on
         the device of ``pages``. ``pages`` must be a 1-D integer tensor of ids in ``[0, num_pages)``."""
-        arr = check_id_tensor(pages, "pages", self.num_pages)
+        arr = check_id_array(pages, "pages", self.num_pages)
         total = arr.shape[0] * self.page_size
         n = total if num_tokens is None else check_int_in(num_tokens, "num_tokens", 0, total)
         out = torch.from_numpy(pages_to_slots(arr, self.page_size)[:n])
-        return out if pages.device.type == "cpu" else out.to(pages.device)
+        return out if not isinstance(pages, torch.Tensor) or pages.device.type == "cpu" else out.to(pages.device)
 
     def slots_to_pages(self, slots: torch.Tensor) -> torch.Tensor:
         """The distinct pages that ``slots`` touch, in first-touch order: int32 on the device of
@@ -154,6 +160,6 @@ class PageAllocator:
         Slots of one request are laid out page after page, so a run of slots on one page gives
         that page once.
         """
-        arr = check_id_tensor(slots, "slots", self.num_slots)
+        arr = check_id_array(slots, "slots", self.num_slots)
         out = torch.from_numpy(slots_to_pages(arr, self.page_size))
-        return out if slots.device.type == "cpu" else out.to(slots.device)
+        return out if not isinstance(slots, torch.Tensor) or slots.device.type == "cpu" else out.to(slots.device)

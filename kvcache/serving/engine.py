@@ -23,6 +23,7 @@ from .allocator import PageAllocator
 from ..managers.base import BaseCacheManager
 from ..storage.mha_pool import MHAKVCache
 from .model import TinyLlama
+from .integrity import check_manager
 from .request_flow import FlowStats, Request, RequestFlow
 
 __all__ = ["Engine"]
@@ -52,8 +53,7 @@ class Engine:
         if not isinstance(model, TinyLlama):
             raise TypeError(f"model must be a TinyLlama, got {type(model).__name__}")
         model.check_kv_cache(kv_cache)
-        if not isinstance(manager, BaseCacheManager):
-            raise TypeError(f"manager must be a BaseCacheManager, got {type(manager).__name__}")
+        check_manager(manager)
         if not isinstance(allocator, PageAllocator):
             raise TypeError(f"allocator must be a PageAllocator, got {type(allocator).__name__}")
         for name, flag in (("decode_kernel", decode_kernel), ("trace", trace)):

@@ -5,11 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
+import numpy as np
 import torch
 
 from ..managers.base import BaseCacheHandle
 
-__all__ = ["Request", "FlowStats", "FlowEvent", "Tracer"]
+__all__ = ["Request", "FlowStats", "FlowEvent", "Tracer", "HostCopy"]
 
 
 @dataclass
@@ -88,3 +89,42 @@ class Tracer:
         self.events.append(event)
         if self.sink is not None:
             self.sink(event)
+
+
+class HostCopy:
+    """`RequestFlow`'s host-side copy of one running request: token ids and slots in NumPy.
+
+    ``ids[:length]`` (int64) and ``slots[:length]`` (int32) keep spare capacity, so appending
+    ``k`` tokens costs O(k) and no torch op. The flow computes with these arrays and publishes
+    torch views of them as the request's ``input_ids`` and ``indices`` (``ids_t``/``slots_t``:
+    the tensors last published; on the CPU they share memory with the arrays, so an in-place
+    write through ``request.indices`` is seen here too).
+    """
+
+    __slots__ = ("ids", "slots", "length", "ids_t", "slots_t")
+
+    def __init__(self, ids: np.ndarray, *slots: np.ndarray) -> None:
+        """Copies of ``ids`` and of the ``slots`` arrays laid end to end (as many slots as ids)."""
+        n = ids.shape[0]
+        cap = n + max(16, n // 2)
+        self.ids = np.empty(cap, dtype=np.int64)
+        self.slots = np.empty(cap, dtype=np.int32)
+        self.ids[:n] = ids
+        if len(slots) == 1:
+            self.slots[:n] = slots[0]
+        else:
+            np.concatenate(slots, out=self.slots[:n])
+        self.length = n
+        self.ids_t: Optional[torch.Tensor] = None
+        self.slots_t: Optional[torch.Tensor] = None
+
+    def append(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        """Append ``ids`` and their ``slots`` (same length), growing the arrays by doubling."""
+        n, k = self.length, ids.shape[0]
+        if n + k > self.ids.shape[0]:
+            cap = max(2 * self.ids.shape[0], n + k)
+            self.ids = np.concatenate([self.ids[:n], np.empty(cap - n, dtype=np.int64)])
+            self.slots = np.concatenate([self.slots[:n], np.empty(cap - n, dtype=np.int32)])
+        self.ids[n:n + k] = ids
+        self.slots[n:n + k] = slots
+        self.length = n + k

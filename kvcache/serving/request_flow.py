@@ -27,10 +27,10 @@ import torch
 from .._validate import check_int_in, check_token_ids
 from ..managers.base import BaseCacheHandle, BaseCacheManager
 from .allocator import PageAllocator
-from .request import FlowEvent, FlowStats, Request, Tracer
+from .integrity import check_manager, check_page_partition
+from .request import FlowEvent, FlowStats, HostCopy, Request, Tracer
 
 __all__ = ["Request", "FlowStats", "FlowEvent", "RequestFlow"]
-
 
 class RequestFlow:
     """Drives a `BaseCacheManager` and a `PageAllocator` through the life of requests.
@@ -47,8 +47,7 @@ class RequestFlow:
 
     def __init__(self, manager: BaseCacheManager, allocator: PageAllocator, *, trace: bool = False,
                  on_event: Optional[Callable[[FlowEvent], None]] = None) -> None:
-        if not isinstance(manager, BaseCacheManager):
-            raise TypeError(f"manager must be a BaseCacheManager, got {type(manager).__name__}")
+        check_manager(manager)
         if not isinstance(allocator, PageAllocator):
             raise TypeError(f"allocator must be a PageAllocator, got {type(allocator).__name__}")
         if on_event is not None and not callable(on_event):
@@ -62,6 +61,9 @@ class RequestFlow:
         self.page_size = allocator.page_size
         self.running: Dict[int, Request] = {}
         self.stats = FlowStats()
+        self._device = allocator.device
+        self._on_cpu = allocator.device.type == "cpu"
+        self._host: Dict[int, HostCopy] = {}  # rid -> host copy of a running request's ids and slots
         self._trace = Tracer(on_event) if (trace or on_event is not None) else None
         self._rids = itertools.count()
 
@@ -107,10 +109,10 @@ class RequestFlow:
         self.stats.evictions += 1
         self._log(rid, 3, "evict", lambda: f"evicted {slots.shape[0]} cached tokens to free {short} pages")
 
-    def _allocate(self, rid: int, num_tokens: int) -> torch.Tensor:
-        """Slots for ``num_tokens`` on new pages, evicting first when the free list is short."""
+    def _allocate(self, rid: int, num_tokens: int) -> np.ndarray:
+        """Host slots for ``num_tokens`` on new pages, evicting first when the free list is short."""
         self._make_room(rid, -(-num_tokens // self.page_size))
-        slots = self.allocator.allocate_slots(num_tokens)
+        slots = self.allocator.allocate_host_slots(num_tokens)
         self._log(rid, 3, "allocate", lambda: f"pages {self.allocator.slots_to_pages(slots).tolist()}")
         return slots
 
@@ -125,6 +127,25 @@ class RequestFlow:
         """Whether ``req`` is a request running in this flow (begun, not finished or aborted)."""
         return isinstance(req, Request) and not req.finished and self.running.get(req.rid) is req
 
+    # ------------------------------------------------------------ host copies
+    def _publish(self, req: Request, h: HostCopy) -> None:
+        """Show the host copy as the request's ``input_ids`` and ``indices``."""
+        n = h.length
+        req.input_ids = h.ids_t = torch.from_numpy(h.ids[:n])
+        slots = torch.from_numpy(h.slots[:n])
+        req.indices = h.slots_t = slots if self._on_cpu else slots.to(self._device)
+
+    def _host_of(self, req: Request) -> HostCopy:
+        """The host copy of a running request, taken again if its tensors were replaced."""
+        h = self._host[req.rid]
+        if req.input_ids is not h.ids_t or req.indices is not h.slots_t:
+            if req.indices.shape[0] != req.input_ids.shape[0]:
+                raise RuntimeError(f"request {req.rid}: {len(req.input_ids)} tokens but {len(req.indices)} indices")
+            h = HostCopy(req.input_ids.numpy(), req.indices.cpu().numpy())
+            self._host[req.rid] = h
+            self._publish(req, h)
+        return h
+
     # ------------------------------------------------------------ steps
     def _match_lock(self, rid: int, ids: torch.Tensor, compute_last: bool) -> Tuple[BaseCacheHandle, torch.Tensor]:
         handle, prefix = self.manager.match_prefix(ids[:-1] if compute_last else ids)
@@ -134,14 +155,17 @@ class RequestFlow:
         self._log(rid, 2, "lock_handle", lambda: f"protected={self.manager.size_info.protected_size}")
         return handle, prefix
 
-    def _start(self, rid: int, ids: torch.Tensor, handle: BaseCacheHandle, prefix: torch.Tensor,
-               own: torch.Tensor) -> Request:
+    def _start(self, rid: int, ids: np.ndarray, handle: BaseCacheHandle, prefix: torch.Tensor,
+               own: np.ndarray) -> Request:
         m = handle.cached_len
-        req = Request(rid, ids, torch.cat([prefix, own]) if m else own, handle, m, m)
+        h = HostCopy(ids, prefix.cpu().numpy(), own) if m else HostCopy(ids, own)
+        req = Request(rid, None, None, handle, m, m)  # type: ignore[arg-type]
+        self._publish(req, h)
+        self._host[rid] = h
         self.running[rid] = req
         st = self.stats
         st.requests += 1
-        st.prompt_tokens += ids.shape[0]
+        st.prompt_tokens += h.length
         st.reused_tokens += m
         return req
 
@@ -154,13 +178,14 @@ class RequestFlow:
         lock is then released and no page changes hands (the match's LRU refresh stays).
         """
         check_token_ids(input_ids)
-        if input_ids.shape[0] == 0:
+        n = input_ids.shape[0]
+        if n == 0:
             raise ValueError("input_ids must hold at least one token")
-        ids = input_ids.clone() if input_ids.dtype == torch.int64 else input_ids.to(torch.int64)
+        ids = input_ids.numpy()
         rid = next(self._rids)
-        handle, prefix = self._match_lock(rid, ids, compute_last)
+        handle, prefix = self._match_lock(rid, input_ids, compute_last)
         try:
-            own = self._allocate(rid, ids.shape[0] - handle.cached_len)
+            own = self._allocate(rid, n - handle.cached_len)
         except BaseException:
             self.manager.lock_handle(handle, unlock=True)
             raise
@@ -183,20 +208,19 @@ class RequestFlow:
             check_token_ids(p, f"prompts[{i}]")
             if p.shape[0] == 0:
                 raise ValueError(f"prompts[{i}] must hold at least one token")
-        ids = [p.clone() if p.dtype == torch.int64 else p.to(torch.int64) for p in prompts]
-        rids = [next(self._rids) for _ in ids]
+        rids = [next(self._rids) for _ in prompts]
         matched: List[Tuple[BaseCacheHandle, torch.Tensor]] = []
         try:
-            for rid, x in zip(rids, ids):
-                matched.append(self._match_lock(rid, x, compute_last))
-            new = [x.shape[0] - h.cached_len for x, (h, _) in zip(ids, matched)]
+            for rid, p in zip(rids, prompts):
+                matched.append(self._match_lock(rid, p, compute_last))
+            new = [p.shape[0] - h.cached_len for p, (h, _) in zip(prompts, matched)]
             self._make_room(rids[0], sum(-(-n // self.page_size) for n in new))
         except BaseException:
             for h, _ in matched:
                 self.manager.lock_handle(h, unlock=True)
             raise
-        return [self._start(rid, x, h, prefix, self._allocate(rid, n))
-                for rid, x, (h, prefix), n in zip(rids, ids, matched, new)]
+        return [self._start(rid, p.numpy(), h, prefix, self._allocate(rid, n))
+                for rid, p, (h, prefix), n in zip(rids, prompts, matched, new)]
 
     def mark_computed(self, req: Request, num_tokens: Optional[int] = None) -> None:
         """Record that K/V of the first ``num_tokens`` tokens (default: all) are stored (step 6).
@@ -239,21 +263,22 @@ class RequestFlow:
         return [self._extend(r, x) for r, x in zip(reqs, new_ids)]
 
     def _extend(self, req: Request, new_ids: torch.Tensor) -> torch.Tensor:
-        k, length = new_ids.shape[0], req.input_ids.shape[0]
-        take = min(k, -length % self.page_size)  # free slots left in the last page
-        new = None
-        if take:
-            last = int(req.indices[length - 1])
-            new = torch.arange(last + 1, last + 1 + take, dtype=torch.int32, device=req.indices.device)
-        if k > take:
-            own = self._allocate(req.rid, k - take)
-            new = own if new is None else torch.cat([new, own])
-        if new is None:  # nothing to append
+        h = self._host_of(req)
+        k, length = new_ids.shape[0], h.length
+        if k == 0:
             return req.indices[:0]
-        req.input_ids = torch.cat([req.input_ids, new_ids if new_ids.dtype == torch.int64 else new_ids.to(torch.int64)])
-        req.indices = torch.cat([req.indices, new])
+        take = min(k, -length % self.page_size)  # free slots left in the last page
+        if take:
+            last = int(h.slots[length - 1])
+            tail = np.arange(last + 1, last + 1 + take, dtype=np.int32)
+            new = tail if k == take else np.concatenate([tail, self._allocate(req.rid, k - take)])
+        else:
+            new = self._allocate(req.rid, k)
+        h.append(new_ids.numpy(), new)
+        self._publish(req, h)
         self.stats.decoded_tokens += k
-        return new
+        out = torch.from_numpy(h.slots[length:length + k])
+        return out if self._on_cpu else out.to(self._device)
 
     def _insert(self, req: Request, n: int, keep_running: bool) -> int:
         """Steps 4 and 5 for ``req``'s first ``n`` tokens (a whole number of pages), one walk of
@@ -264,27 +289,33 @@ class RequestFlow:
         running frees those the tree holds too and points its indices at the tree's, then moves
         its lock to the new handle.
         """
-        ids, idx = req.input_ids, req.indices
-        length = ids.shape[0]
-        res = self.manager.insert_and_match(ids, idx) if n == length else self.manager.insert_and_match(ids[:n], idx[:n])
+        h = self._host_of(req)
+        length = h.length
+        if n == length:
+            res = self.manager.insert_and_match(req.input_ids, req.indices)
+        else:
+            idx = torch.from_numpy(h.slots[:n]) if self._on_cpu else req.indices[:n]
+            res = self.manager.insert_and_match(torch.from_numpy(h.ids[:n]), idx)
         already, lo = res.cached_len, req.tree_len
         self._log(req.rid, 4, "insert_prefix", lambda: f"{n} tokens, {already} already cached")
         if not keep_running:
             if already > lo:
-                to_free = idx[lo:already] if n == length else torch.cat([idx[lo:already], idx[n:]])
+                to_free = h.slots[lo:already] if n == length else np.concatenate([h.slots[lo:already], h.slots[n:length]])
             else:
-                to_free = idx[n:]
+                to_free = h.slots[n:length]
             if to_free.shape[0]:
                 self.allocator.free_slots(to_free)
             self._log(req.rid, 5, "free", lambda: f"pages {self.allocator.slots_to_pages(to_free).tolist()}")
             return already
         hi = min(already, res.handle.cached_len)  # a manager caching nothing holds none of them
         if hi > lo:
-            dup = req.indices[lo:hi]
+            dup = h.slots[lo:hi].copy()
             self.allocator.free_slots(dup)
             self._log(req.rid, 5, "free", lambda: f"duplicate pages {self.allocator.slots_to_pages(dup).tolist()}")
-            tree = self.manager.handle_indices(res.handle)
-            req.indices = torch.cat([tree[:hi], req.indices[hi:]])
+            slots = h.slots[:length].copy()  # a new array: tensors handed out before keep their values
+            slots[:hi] = self.manager.handle_indices(res.handle)[:hi].cpu().numpy()
+            h = self._host[req.rid] = HostCopy(h.ids[:length], slots)
+            self._publish(req, h)
         self.manager.lock_handle(res.handle)
         self.manager.lock_handle(req.handle, unlock=True)
         req.handle = res.handle
@@ -316,19 +347,22 @@ class RequestFlow:
         already = self._insert(req, length // self.page_size * self.page_size, keep_running=False)
         self.manager.lock_handle(req.handle, unlock=True)
         self._log(req.rid, 7, "unlock", lambda: f"protected={self.manager.size_info.protected_size}")
-        req.finished = True
-        del self.running[req.rid]
+        self._end(req)
         return already
 
     def abort(self, req: Request) -> None:
         """Drop a request without caching it: free its own pages and unlock its prefix."""
         self._get(req)
-        own = req.indices[req.tree_len:]
+        own = self._host_of(req).slots[req.tree_len:len(req)]
         if own.shape[0]:
             self.allocator.free_slots(own)
         self.manager.lock_handle(req.handle, unlock=True)
+        self._end(req)
+
+    def _end(self, req: Request) -> None:
         req.finished = True
         del self.running[req.rid]
+        del self._host[req.rid]
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix and return its pages to the allocator.
@@ -355,35 +389,6 @@ class RequestFlow:
         """Prove the page partition: free + cached + held by running requests = all, none twice.
 
         Also runs the manager's own check and, where the manager can tell (``handle_indices``),
-        that each request's tree part really is the tree's.
+        that each request's tree part really is the tree's. ``RuntimeError`` on any breach.
         """
-        self.manager.check_integrity()
-        ps, num_pages = self.page_size, self.allocator.num_pages
-        cached = self.manager.cached_indices()
-        total = self.manager.size_info.total_size
-        if cached.shape[0] != total:
-            raise RuntimeError(f"manager holds {cached.shape[0]} slots but reports total_size {total}")
-        if cached.shape[0] % ps:
-            raise RuntimeError(f"cache holds {cached.shape[0]} slots, not whole pages of {ps}")
-        parts = [self.allocator.free_pages().cpu().numpy(), cached.cpu().numpy()[::ps].astype(np.int64) // ps]
-        for req in self.running.values():
-            if req.indices.shape[0] != req.input_ids.shape[0]:
-                raise RuntimeError(f"request {req.rid}: {len(req.input_ids)} tokens but {len(req.indices)} indices")
-            try:
-                ok = torch.equal(self.manager.handle_indices(req.handle), req.indices[:req.tree_len])
-            except NotImplementedError:  # a manager that cannot say
-                ok = True
-            if not ok:
-                raise RuntimeError(f"request {req.rid}: its prefix indices are not the tree's")
-            own = req.indices[req.tree_len:].cpu().numpy().astype(np.int64)
-            if own.shape[0]:
-                pages = own // ps
-                parts.append(pages[np.r_[True, pages[1:] != pages[:-1]]])
-        pages = np.concatenate(parts).astype(np.int64)
-        if pages.shape[0] and (pages.min() < 0 or pages.max() >= num_pages):
-            raise RuntimeError(f"page outside [0, {num_pages}) in use")
-        counts = np.bincount(pages, minlength=num_pages)
-        lost = np.flatnonzero(counts == 0).tolist()
-        twice = np.flatnonzero(counts > 1).tolist()
-        if lost or twice:
-            raise RuntimeError(f"page accounting broken: lost pages {lost[:16]}, pages owned twice {twice[:16]}")
+        check_page_partition(self.manager, self.allocator, self.running.values())

@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional
 import torch
 
 from ..managers.base import BaseCacheHandle, BaseCacheManager, InsertResult, SizeInfo
+from .integrity import check_manager
 from .request_flow import RequestFlow
 
 __all__ = [
@@ -150,8 +151,7 @@ class TimedManager(BaseCacheManager):
     OPS = ("match_prefix", "lock_handle", "insert_prefix", "insert_and_match", "evict")
 
     def __init__(self, manager: BaseCacheManager) -> None:
-        if not isinstance(manager, BaseCacheManager):
-            raise TypeError(f"manager must be a BaseCacheManager, got {type(manager).__name__}")
+        check_manager(manager)
         self.manager = manager
         self.seconds: Dict[str, float] = dict.fromkeys(self.OPS, 0.0)
         self.calls: Dict[str, int] = dict.fromkeys(self.OPS, 0)
