@@ -14,7 +14,9 @@ from typing import Union
 import numpy as np
 import torch
 
-_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+_INT_DTYPES = frozenset((torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8))
+
+_UNSIGNED = {4: np.uint32, 8: np.uint64}
 
 #: Slots are ``torch.int32``: a pool may hold at most this many token slots.
 MAX_SLOTS = 2 ** 31 - 1
@@ -78,7 +80,7 @@ def check_token_ids(input_ids: object, name: str = "input_ids") -> torch.Tensor:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(input_ids.shape)}")
     if input_ids.dtype not in _INT_DTYPES:
         raise TypeError(f"{name} must have an integer dtype, got {input_ids.dtype}")
-    if input_ids.device.type != "cpu":
+    if not input_ids.is_cpu:
         raise ValueError(f"{name} must be on the CPU, got device {input_ids.device}")
     return input_ids
 
@@ -108,7 +110,7 @@ def check_id_array(ids: object, name: str, limit: int) -> np.ndarray:
     if isinstance(ids, torch.Tensor):
         if ids.dtype not in _INT_DTYPES:
             raise TypeError(f"{name} must have an integer dtype, got {ids.dtype}")
-        arr = ids.numpy() if ids.device.type == "cpu" else ids.cpu().numpy()
+        arr = ids.numpy() if ids.is_cpu else ids.cpu().numpy()
     elif isinstance(ids, np.ndarray):
         if ids.dtype.kind not in "iu":
             raise TypeError(f"{name} must have an integer dtype, got {ids.dtype}")
@@ -118,8 +120,10 @@ def check_id_array(ids: object, name: str, limit: int) -> np.ndarray:
     if arr.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(arr.shape)}")
     if arr.shape[0]:
-        lo, hi = int(arr.min()), int(arr.max())
-        if lo < 0 or hi >= limit:
+        # One reduction for both ends: seen as unsigned, a negative value is larger than any limit.
+        wide = arr if arr.itemsize >= 4 else arr.astype(np.int64)
+        if int(wide.view(_UNSIGNED[wide.itemsize]).max()) >= limit:
+            lo, hi = int(arr.min()), int(arr.max())
             raise ValueError(f"{name}: {lo if lo < 0 else hi} is outside [0, {limit})")
     return arr if arr.dtype == np.int32 else arr.astype(np.int32)
 
@@ -196,6 +200,12 @@ def slots_to_pages(slots: np.ndarray, page_size: int) -> np.ndarray:
     keep[0] = True
     np.not_equal(pages[1:], pages[:-1], out=keep[1:])
     return pages[keep]
+
+
+def aligned_run_pages(slots: np.ndarray, page_size: int) -> np.ndarray:
+    """The pages of a run of slots laid page after page from a page start (a request's own slots
+    from a page-aligned position): every ``page_size``-th slot, divided. No checks."""
+    return slots if page_size == 1 else slots[::page_size] // page_size
 
 
 def check_page_aligned(slots: np.ndarray, page_size: int, name: str = "indices") -> None:

@@ -49,7 +49,7 @@ class PageAllocator:
         self.device = check_device(device)
         self.num_pages, self.page_size = num_pages, page_size
         self._on_cpu = self.device.type == "cpu"
-        self._offsets = np.arange(page_size, dtype=np.int32)
+        self._offsets = np.arange(page_size, dtype=np.int64)
         self.reset()
 
     @property
@@ -62,13 +62,14 @@ class PageAllocator:
 
     def free_pages(self) -> torch.Tensor:
         """The free pages, in the order they will be handed out (1-D int32 on ``device``, a copy)."""
-        return self._out(self._take(self._head, self._count))
+        return self._out(self._take(self._head, self._count).astype(np.int32))
 
     def reset(self) -> None:
         """Every page free again, in order ``0 .. num_pages - 1``."""
         # The free list is a ring of capacity num_pages (it never holds more): allocate reads at
         # the head, free writes after the tail, so both cost O(pages moved), not O(pool).
-        self._ring = np.arange(self.num_pages, dtype=np.int32)
+        # int64 (NumPy's index type): fancy indexing with it skips a conversion on every call.
+        self._ring = np.arange(self.num_pages, dtype=np.int64)
         self._head = 0
         self._count = self.num_pages
         self._is_free = np.ones(self.num_pages, dtype=np.bool_)
@@ -95,7 +96,7 @@ class PageAllocator:
 
     def allocate(self, num_pages: int) -> torch.Tensor:
         """Take ``num_pages`` pages off the free list; ``RuntimeError`` if fewer are free."""
-        return self._out(self._pop(check_size(num_pages, "num_pages")))
+        return self._out(self._pop(check_size(num_pages, "num_pages")).astype(np.int32))
 
     def allocate_slots(self, num_tokens: int) -> torch.Tensor:
         """Slots for ``num_tokens`` tokens on ``ceil(num_tokens / page_size)`` new pages, page after
@@ -110,8 +111,8 @@ class PageAllocator:
         n = check_size(num_tokens, "num_tokens")
         pages = self._pop(-(-n // self.page_size))
         if self.page_size == 1:
-            return pages
-        return (pages[:, None] * self.page_size + self._offsets).reshape(-1)[:n]
+            return pages.astype(np.int32)
+        return (pages[:, None] * self.page_size + self._offsets).reshape(-1)[:n].astype(np.int32)
 
     def free(self, pages: torch.Tensor) -> None:
         """Return ``pages`` (1-D integer tensor or NumPy array of page ids) to the end of the free list."""
@@ -123,11 +124,20 @@ class PageAllocator:
         arr = check_id_array(slots, "slots", self.num_slots)
         self._push(slots_to_pages(arr, self.page_size))
 
-    def _push(self, arr: np.ndarray) -> None:
-        """Free ``arr`` (int32 page ids already known to be in range), or change nothing and raise."""
-        n = arr.shape[0]
+    def _push(self, pages: np.ndarray) -> None:
+        """Free ``pages`` (page ids already known to be in range), or change nothing and raise."""
+        n = pages.shape[0]
         if n == 0:
             return
+        if n == 1:  # the common case of a request's partial last page: plain Python, no array ops
+            p = int(pages[0])
+            if self._is_free[p]:
+                raise RuntimeError(f"double free: pages [{p}] are already free")
+            self._is_free[p] = True
+            self._ring[(self._head + self._count) % self.num_pages] = p
+            self._count += 1
+            return
+        arr = pages.astype(np.int64)
         already = self._is_free[arr]
         if already.any():
             raise RuntimeError(f"double free: pages {arr[already].tolist()} are already free")
@@ -140,7 +150,8 @@ class PageAllocator:
         tail = (self._head + self._count) % self.num_pages
         first = min(n, self.num_pages - tail)
         self._ring[tail:tail + first] = arr[:first]
-        self._ring[: n - first] = arr[first:]
+        if first < n:
+            self._ring[: n - first] = arr[first:]
         self._count += n
 
     # ------------------------------------------------------- pages <-> slots

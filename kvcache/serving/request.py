@@ -13,7 +13,6 @@ from ..managers.base import BaseCacheHandle
 __all__ = ["Request", "FlowStats", "FlowEvent", "Tracer", "HostCopy"]
 
 
-@dataclass
 class Request:
     """A running request's view of the cache.
 
@@ -21,15 +20,60 @@ class Request:
     the pool's device, shape ``(L,)``) their KV slots. ``indices[:tree_len]`` are the tree's,
     locked through ``handle``; the rest are the request's own. ``num_computed`` tokens already
     have K/V stored; ``out_loc`` are the slots still to fill.
+
+    Both live on the host in ``host`` (a `HostCopy`, which `RequestFlow` computes with); the
+    tensors are views of it made on first read (on the CPU they share its memory, so a write
+    through ``request.indices`` is a write to the request; on a GPU ``indices`` is a device copy).
+    Assigning ``input_ids`` or ``indices`` replaces the host copy (same length as the other).
     """
 
-    rid: int
-    input_ids: torch.Tensor
-    indices: torch.Tensor
-    handle: BaseCacheHandle
-    reused_len: int
-    num_computed: int
-    finished: bool = False
+    __slots__ = ("rid", "handle", "reused_len", "num_computed", "finished", "host", "device", "_views")
+
+    def __init__(self, rid: int, input_ids: torch.Tensor, indices: torch.Tensor, handle: BaseCacheHandle,
+                 reused_len: int, num_computed: int, finished: bool = False) -> None:
+        if input_ids.shape != indices.shape:
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} and indices {tuple(indices.shape)} differ in shape")
+        self.rid, self.handle, self.reused_len, self.num_computed, self.finished = (
+            rid, handle, reused_len, num_computed, finished)
+        self.device = indices.device
+        self.host = HostCopy(input_ids.numpy(), indices.cpu().numpy())
+        self._views: tuple = (None, -1, None, None)  # (host, length, input_ids, indices) last made
+
+    @classmethod
+    def from_host(cls, rid: int, host: "HostCopy", handle: BaseCacheHandle, reused_len: int,
+                  device: torch.device) -> "Request":
+        """A request over ``host`` (taken as it is, not copied), ``num_computed = reused_len``."""
+        req = cls.__new__(cls)
+        req.rid, req.handle, req.reused_len, req.num_computed, req.finished = rid, handle, reused_len, reused_len, False
+        req.device, req.host = device, host
+        req._views = (None, -1, None, None)
+        return req
+
+    def _tensors(self) -> tuple:
+        h = self.host
+        views = self._views
+        if views[0] is not h or views[1] != h.length:
+            n = h.length
+            slots = torch.from_numpy(h.slots[:n])
+            views = self._views = (h, n, torch.from_numpy(h.ids[:n]),
+                                   slots if self.device.type == "cpu" else slots.to(self.device))
+        return views
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self._tensors()[2]
+
+    @input_ids.setter
+    def input_ids(self, value: torch.Tensor) -> None:
+        self.host = HostCopy(value.numpy(), self.host.slots[:self.host.length])
+
+    @property
+    def indices(self) -> torch.Tensor:
+        return self._tensors()[3]
+
+    @indices.setter
+    def indices(self, value: torch.Tensor) -> None:
+        self.host = HostCopy(self.host.ids[:self.host.length], value.cpu().numpy())
 
     @property
     def tree_len(self) -> int:
@@ -41,7 +85,11 @@ class Request:
         return self.indices[self.num_computed:]
 
     def __len__(self) -> int:
-        return self.input_ids.shape[0]
+        return self.host.length
+
+    def __repr__(self) -> str:
+        return (f"Request(rid={self.rid}, len={len(self)}, tree_len={self.tree_len}, "
+                f"num_computed={self.num_computed}, finished={self.finished})")
 
 
 @dataclass
@@ -92,39 +140,42 @@ class Tracer:
 
 
 class HostCopy:
-    """`RequestFlow`'s host-side copy of one running request: token ids and slots in NumPy.
+    """The host-side copy of one request's token ids and slots, in NumPy.
 
     ``ids[:length]`` (int64) and ``slots[:length]`` (int32) keep spare capacity, so appending
-    ``k`` tokens costs O(k) and no torch op. The flow computes with these arrays and publishes
-    torch views of them as the request's ``input_ids`` and ``indices`` (``ids_t``/``slots_t``:
-    the tensors last published; on the CPU they share memory with the arrays, so an in-place
-    write through ``request.indices`` is seen here too).
+    ``k`` tokens costs O(k) and no torch op; `RequestFlow` computes with these arrays, and a
+    `Request` shows them as tensors.
     """
 
-    __slots__ = ("ids", "slots", "length", "ids_t", "slots_t")
+    __slots__ = ("ids", "slots", "length")
 
-    def __init__(self, ids: np.ndarray, *slots: np.ndarray) -> None:
-        """Copies of ``ids`` and of the ``slots`` arrays laid end to end (as many slots as ids)."""
+    def __init__(self, ids: np.ndarray, slots: np.ndarray, prefix: Optional[np.ndarray] = None) -> None:
+        """Copies of ``ids`` and their slots: ``prefix`` (if given) then ``slots``, as many as ids."""
         n = ids.shape[0]
-        cap = n + max(16, n // 2)
+        cap = n + 16 + (n >> 2)
         self.ids = np.empty(cap, dtype=np.int64)
         self.slots = np.empty(cap, dtype=np.int32)
         self.ids[:n] = ids
-        if len(slots) == 1:
-            self.slots[:n] = slots[0]
+        if prefix is None:
+            if slots.shape[0] != n:
+                raise ValueError(f"{n} ids but {slots.shape[0]} slots")
+            self.slots[:n] = slots
         else:
-            np.concatenate(slots, out=self.slots[:n])
+            m = prefix.shape[0]
+            if m + slots.shape[0] != n:
+                raise ValueError(f"{n} ids but {m + slots.shape[0]} slots")
+            self.slots[:m] = prefix
+            self.slots[m:n] = slots
         self.length = n
-        self.ids_t: Optional[torch.Tensor] = None
-        self.slots_t: Optional[torch.Tensor] = None
 
     def append(self, ids: np.ndarray, slots: np.ndarray) -> None:
         """Append ``ids`` and their ``slots`` (same length), growing the arrays by doubling."""
         n, k = self.length, ids.shape[0]
         if n + k > self.ids.shape[0]:
             cap = max(2 * self.ids.shape[0], n + k)
-            self.ids = np.concatenate([self.ids[:n], np.empty(cap - n, dtype=np.int64)])
-            self.slots = np.concatenate([self.slots[:n], np.empty(cap - n, dtype=np.int32)])
+            grown_ids, grown_slots = np.empty(cap, dtype=np.int64), np.empty(cap, dtype=np.int32)
+            grown_ids[:n], grown_slots[:n] = self.ids[:n], self.slots[:n]
+            self.ids, self.slots = grown_ids, grown_slots
         self.ids[n:n + k] = ids
         self.slots[n:n + k] = slots
         self.length = n + k

@@ -24,7 +24,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .._validate import check_int_in, check_token_ids
+from .._validate import aligned_run_pages, check_int_in, check_token_ids
 from ..managers.base import BaseCacheHandle, BaseCacheManager
 from .allocator import PageAllocator
 from .integrity import check_manager, check_page_partition
@@ -63,7 +63,6 @@ class RequestFlow:
         self.stats = FlowStats()
         self._device = allocator.device
         self._on_cpu = allocator.device.type == "cpu"
-        self._host: Dict[int, HostCopy] = {}  # rid -> host copy of a running request's ids and slots
         self._trace = Tracer(on_event) if (trace or on_event is not None) else None
         self._rids = itertools.count()
 
@@ -72,9 +71,8 @@ class RequestFlow:
         return self._trace.events if self._trace is not None else []
 
     def _log(self, rid: int, step: int, name: str, detail: Callable[[], str]) -> None:
-        """Record a step; ``detail`` is only formatted when someone listens (it calls ``tolist``)."""
-        if self._trace is not None:
-            self._trace(rid, step, name, detail())
+        """Record a step (callers check ``self._trace`` first, so an untraced flow pays nothing)."""
+        self._trace(rid, step, name, detail())  # type: ignore[misc]
 
     # ------------------------------------------------------------ pages
     def available_pages(self) -> int:
@@ -107,13 +105,15 @@ class RequestFlow:
         self.allocator.free_slots(slots)
         self.stats.evicted_tokens += slots.shape[0]
         self.stats.evictions += 1
-        self._log(rid, 3, "evict", lambda: f"evicted {slots.shape[0]} cached tokens to free {short} pages")
+        if self._trace is not None:
+            self._log(rid, 3, "evict", lambda: f"evicted {slots.shape[0]} cached tokens to free {short} pages")
 
     def _allocate(self, rid: int, num_tokens: int) -> np.ndarray:
         """Host slots for ``num_tokens`` on new pages, evicting first when the free list is short."""
         self._make_room(rid, -(-num_tokens // self.page_size))
         slots = self.allocator.allocate_host_slots(num_tokens)
-        self._log(rid, 3, "allocate", lambda: f"pages {self.allocator.slots_to_pages(slots).tolist()}")
+        if self._trace is not None:
+            self._log(rid, 3, "allocate", lambda: f"pages {self.allocator.slots_to_pages(slots).tolist()}")
         return slots
 
     def _get(self, req: Request) -> Request:
@@ -127,45 +127,26 @@ class RequestFlow:
         """Whether ``req`` is a request running in this flow (begun, not finished or aborted)."""
         return isinstance(req, Request) and not req.finished and self.running.get(req.rid) is req
 
-    # ------------------------------------------------------------ host copies
-    def _publish(self, req: Request, h: HostCopy) -> None:
-        """Show the host copy as the request's ``input_ids`` and ``indices``."""
-        n = h.length
-        req.input_ids = h.ids_t = torch.from_numpy(h.ids[:n])
-        slots = torch.from_numpy(h.slots[:n])
-        req.indices = h.slots_t = slots if self._on_cpu else slots.to(self._device)
-
-    def _host_of(self, req: Request) -> HostCopy:
-        """The host copy of a running request, taken again if its tensors were replaced."""
-        h = self._host[req.rid]
-        if req.input_ids is not h.ids_t or req.indices is not h.slots_t:
-            if req.indices.shape[0] != req.input_ids.shape[0]:
-                raise RuntimeError(f"request {req.rid}: {len(req.input_ids)} tokens but {len(req.indices)} indices")
-            h = HostCopy(req.input_ids.numpy(), req.indices.cpu().numpy())
-            self._host[req.rid] = h
-            self._publish(req, h)
-        return h
-
     # ------------------------------------------------------------ steps
     def _match_lock(self, rid: int, ids: torch.Tensor, compute_last: bool) -> Tuple[BaseCacheHandle, torch.Tensor]:
         handle, prefix = self.manager.match_prefix(ids[:-1] if compute_last else ids)
         m = handle.cached_len
-        self._log(rid, 1, "match_prefix", lambda: f"cached_len={m} indices={prefix.tolist()}")
+        if self._trace is not None:
+            self._log(rid, 1, "match_prefix", lambda: f"cached_len={m} indices={prefix.tolist()}")
         self.manager.lock_handle(handle)
-        self._log(rid, 2, "lock_handle", lambda: f"protected={self.manager.size_info.protected_size}")
+        if self._trace is not None:
+            self._log(rid, 2, "lock_handle", lambda: f"protected={self.manager.size_info.protected_size}")
         return handle, prefix
 
     def _start(self, rid: int, ids: np.ndarray, handle: BaseCacheHandle, prefix: torch.Tensor,
                own: np.ndarray) -> Request:
         m = handle.cached_len
-        h = HostCopy(ids, prefix.cpu().numpy(), own) if m else HostCopy(ids, own)
-        req = Request(rid, None, None, handle, m, m)  # type: ignore[arg-type]
-        self._publish(req, h)
-        self._host[rid] = h
+        host = HostCopy(ids, own, prefix.numpy() if prefix.is_cpu else prefix.cpu().numpy()) if m else HostCopy(ids, own)
+        req = Request.from_host(rid, host, handle, m, self._device)
         self.running[rid] = req
         st = self.stats
         st.requests += 1
-        st.prompt_tokens += h.length
+        st.prompt_tokens += host.length
         st.reused_tokens += m
         return req
 
@@ -229,9 +210,10 @@ class RequestFlow:
         float and other non-integers, ``ValueError`` out of range).
         """
         self._get(req)
-        length = req.input_ids.shape[0]
+        length = req.host.length
         n = length if num_tokens is None else check_int_in(num_tokens, "num_tokens", req.num_computed, length)
-        self._log(req.rid, 6, "store_kv", lambda: f"slots {req.indices[req.num_computed:n].tolist()}")
+        if self._trace is not None:
+            self._log(req.rid, 6, "store_kv", lambda: f"slots {req.indices[req.num_computed:n].tolist()}")
         req.num_computed = n
 
     def extend(self, req: Request, new_ids: torch.Tensor) -> torch.Tensor:
@@ -263,7 +245,7 @@ class RequestFlow:
         return [self._extend(r, x) for r, x in zip(reqs, new_ids)]
 
     def _extend(self, req: Request, new_ids: torch.Tensor) -> torch.Tensor:
-        h = self._host_of(req)
+        h = req.host
         k, length = new_ids.shape[0], h.length
         if k == 0:
             return req.indices[:0]
@@ -275,7 +257,6 @@ class RequestFlow:
         else:
             new = self._allocate(req.rid, k)
         h.append(new_ids.numpy(), new)
-        self._publish(req, h)
         self.stats.decoded_tokens += k
         out = torch.from_numpy(h.slots[length:length + k])
         return out if self._on_cpu else out.to(self._device)
@@ -289,37 +270,41 @@ class RequestFlow:
         running frees those the tree holds too and points its indices at the tree's, then moves
         its lock to the new handle.
         """
-        h = self._host_of(req)
+        h = req.host
         length = h.length
-        if n == length:
-            res = self.manager.insert_and_match(req.input_ids, req.indices)
-        else:
-            idx = torch.from_numpy(h.slots[:n]) if self._on_cpu else req.indices[:n]
-            res = self.manager.insert_and_match(torch.from_numpy(h.ids[:n]), idx)
+        idx = torch.from_numpy(h.slots[:n]) if self._on_cpu else req.indices[:n]
+        res = self.manager.insert_and_match(torch.from_numpy(h.ids[:n]), idx)
         already, lo = res.cached_len, req.tree_len
-        self._log(req.rid, 4, "insert_prefix", lambda: f"{n} tokens, {already} already cached")
+        if self._trace is not None:
+            self._log(req.rid, 4, "insert_prefix", lambda: f"{n} tokens, {already} already cached")
         if not keep_running:
+            # Runs from page-aligned positions: their pages are every page_size-th slot.
+            ps = self.page_size
             if already > lo:
-                to_free = h.slots[lo:already] if n == length else np.concatenate([h.slots[lo:already], h.slots[n:length]])
+                to_free = aligned_run_pages(h.slots[lo:already], ps)
+                if n < length:
+                    to_free = np.concatenate([to_free, aligned_run_pages(h.slots[n:length], ps)])
             else:
-                to_free = h.slots[n:length]
+                to_free = aligned_run_pages(h.slots[n:length], ps)
             if to_free.shape[0]:
-                self.allocator.free_slots(to_free)
-            self._log(req.rid, 5, "free", lambda: f"pages {self.allocator.slots_to_pages(to_free).tolist()}")
+                self.allocator.free(to_free)
+            if self._trace is not None:
+                self._log(req.rid, 5, "free", lambda: f"pages {to_free.tolist()}")
             return already
         hi = min(already, res.handle.cached_len)  # a manager caching nothing holds none of them
         if hi > lo:
             dup = h.slots[lo:hi].copy()
             self.allocator.free_slots(dup)
-            self._log(req.rid, 5, "free", lambda: f"duplicate pages {self.allocator.slots_to_pages(dup).tolist()}")
-            slots = h.slots[:length].copy()  # a new array: tensors handed out before keep their values
+            if self._trace is not None:
+                self._log(req.rid, 5, "free", lambda: f"duplicate pages {self.allocator.slots_to_pages(dup).tolist()}")
+            slots = h.slots[:length].copy()  # a new copy: tensors handed out before keep their values
             slots[:hi] = self.manager.handle_indices(res.handle)[:hi].cpu().numpy()
-            h = self._host[req.rid] = HostCopy(h.ids[:length], slots)
-            self._publish(req, h)
+            req.host = HostCopy(h.ids[:length], slots)
         self.manager.lock_handle(res.handle)
         self.manager.lock_handle(req.handle, unlock=True)
         req.handle = res.handle
-        self._log(req.rid, 2, "lock_handle", lambda: f"lock moved to the cached prefix, tree_len={req.tree_len}")
+        if self._trace is not None:
+            self._log(req.rid, 2, "lock_handle", lambda: f"lock moved to the cached prefix, tree_len={req.tree_len}")
         return already
 
     def cache(self, req: Request) -> int:
@@ -338,7 +323,7 @@ class RequestFlow:
         Returns the length that was already cached. Requires every token to be computed.
         """
         self._get(req)
-        length = req.input_ids.shape[0]
+        length = req.host.length
         if req.num_computed != length:
             raise RuntimeError(
                 f"request {req.rid} has {length - req.num_computed} tokens without stored K/V; "
@@ -346,23 +331,23 @@ class RequestFlow:
             )
         already = self._insert(req, length // self.page_size * self.page_size, keep_running=False)
         self.manager.lock_handle(req.handle, unlock=True)
-        self._log(req.rid, 7, "unlock", lambda: f"protected={self.manager.size_info.protected_size}")
+        if self._trace is not None:
+            self._log(req.rid, 7, "unlock", lambda: f"protected={self.manager.size_info.protected_size}")
         self._end(req)
         return already
 
     def abort(self, req: Request) -> None:
         """Drop a request without caching it: free its own pages and unlock its prefix."""
         self._get(req)
-        own = self._host_of(req).slots[req.tree_len:len(req)]
+        own = aligned_run_pages(req.host.slots[req.tree_len:len(req)], self.page_size)
         if own.shape[0]:
-            self.allocator.free_slots(own)
+            self.allocator.free(own)
         self.manager.lock_handle(req.handle, unlock=True)
         self._end(req)
 
     def _end(self, req: Request) -> None:
         req.finished = True
         del self.running[req.rid]
-        del self._host[req.rid]
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix and return its pages to the allocator.

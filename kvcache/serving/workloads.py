@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import torch
@@ -31,8 +30,7 @@ class Job(NamedTuple):
     output: torch.Tensor
 
 
-@dataclass(frozen=True)
-class Sample:
+class Sample(NamedTuple):
     """The cache after request ``step``: cumulative token counts and what the manager holds."""
 
     step: int
@@ -155,6 +153,7 @@ class TimedManager(BaseCacheManager):
         self.manager = manager
         self.seconds: Dict[str, float] = dict.fromkeys(self.OPS, 0.0)
         self.calls: Dict[str, int] = dict.fromkeys(self.OPS, 0)
+        self._bound = {op: getattr(manager, op) for op in self.OPS}
 
     @property
     def total_seconds(self) -> float:
@@ -163,7 +162,7 @@ class TimedManager(BaseCacheManager):
     def _timed(self, op: str, *args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
         try:
-            return getattr(self.manager, op)(*args, **kwargs)
+            return self._bound[op](*args, **kwargs)
         finally:
             self.seconds[op] += time.perf_counter() - t0
             self.calls[op] += 1
@@ -212,7 +211,7 @@ class TimedManager(BaseCacheManager):
         return self.manager.eviction_priority(node)
 
     def __getattr__(self, name: str) -> Any:  # only reached for names TimedManager itself lacks
-        if name == "manager":  # not set yet (during unpickling): no recursion
+        if name in ("manager", "_bound"):  # not set yet (during unpickling): no recursion
             raise AttributeError(name)
         return getattr(self.manager, name)
 
@@ -234,7 +233,7 @@ def replay(flow: RequestFlow, jobs: List[Job], *, decode: bool = True, token_by_
         req = flow.begin(job.prompt)
         try:
             flow.mark_computed(req)
-            if decode and len(job.output):
+            if decode and job.output.shape[0]:
                 for chunk in (job.output.split(1) if token_by_token else (job.output,)):
                     flow.extend(req, chunk)
                     flow.mark_computed(req)
