@@ -223,3 +223,9 @@ def check_page_aligned(slots: np.ndarray, page_size: int, name: str = "indices")
             f"with page_size={page_size} every {page_size} {name} must be the consecutive slots of one page "
             f"(first slot a multiple of {page_size}); got {shown}{' ...' if slots.shape[0] > len(shown) else ''}"
         )
+
+
+def check_count(value: object, name: str = "size") -> int:
+    """A non-negative token count as a Python int: `check_size` under the name the block-hash
+    manager uses (ints, NumPy integers, 0-d integer tensors; never bool, float or complex)."""
+    return check_size(value, name)
