@@ -212,10 +212,9 @@ def test_colours_per_state():
 def test_legend_and_layout_direction():
     manager, _ = source_13_4()
     src = draw_tree(manager, say, legend=True).source
-    assert "cluster_legend" in src and "rankdir=TB" in src
-    for key in ("protected", "evictable", "inserted", "split", "evict", "evicted"):
-        assert f"legend_{key}" in src
-    assert "cluster_legend" not in draw_tree(manager, say).source
+    assert "rankdir=TB" in src and 'fontname="DejaVu Sans"' in src
+    assert "evictable (ref 0)" in src and "protected" not in src.split("label=<<TABLE BORDER=\"1\"")[1]
+    assert "evictable (ref 0)" not in draw_tree(manager, say, legend=False).source
     big = RadixCacheManager()
     for i in range(20):
         big.insert_prefix(torch.tensor([i, 100 + i]), slots(2 * i, 2 * i + 1))
@@ -311,7 +310,7 @@ def test_draw_sequence_clusters_captions_and_eviction_preview():
     assert "kv-evicted" in nodes[f"s4n{there}"]
     assert "evict #" not in "".join(v for k, v in nodes.items() if not k.startswith("s3n"))
     # Rows: two panels side by side (same rank), then the next row below.
-    assert src.count("rank=same") == 3 + 1 and "cluster_legend" in src  # 3 rows, the legend
+    assert src.count("rank=same") == 2 and "evicted (ghost)" in src  # 2 rows (3 + 2 panels), the key
     assert "evict #" not in draw_sequence(rec, say, preview_evictions=False).source
 
 
@@ -433,7 +432,7 @@ def test_a_chain_deeper_than_the_recursion_limit():
     rec.evict(2)
     assert {n.uuid for n in rec.last.evicted} == set(order[:2])
     assert diff_snapshots(snap, rec.last).evicted == rec.last.evicted
-    assert draw_sequence(rec).source.count("subgraph cluster_") == 3  # two panels and the legend
+    assert draw_sequence(rec).source.count("subgraph cluster_") == 2  # two panels
     assert "2. evict(2)" in rec.text()
 
 
@@ -531,7 +530,8 @@ def test_any_text_is_drawn_as_written(text):
     m.insert_prefix(torch.tensor([1, 2]), slots(0, 1))
     snap = replace(snapshot(m), caption=text)
     decode = lambda ids: text  # noqa: E731
-    root = ElementTree.fromstring(render_svg(draw_tree(snap, decode, max_chars=1000)))
+    root = ElementTree.fromstring(render_svg(draw_tree(snap, decode, max_chars=1000, legend=False,
+                                                       title_width=100_000)))  # one line a line
     graph = root.find(f"{SVG_NS}g")
     title = [t.strip() for t in _svg_texts(graph)]
     assert title == [one_line(line).strip() for line in text.split("\n") if line.strip()]
@@ -539,7 +539,7 @@ def test_any_text_is_drawn_as_written(text):
     assert len(nodes) == 2 and _svg_texts(nodes[1], deep=True)[0] == f"“{one_line(text)}”"
     seq = ElementTree.fromstring(render_svg(draw_sequence([snap, snap], decode)))
     clusters = [g for g in seq.find(f"{SVG_NS}g").findall(f"{SVG_NS}g") if g.get("class") == "cluster"]
-    assert len(clusters) == 3  # two panels and the legend
+    assert len(clusters) == 2  # two panels (the key is the graph's label, not a cluster)
 
 
 def test_recorder_forwards_only_public_names():
