@@ -299,15 +299,21 @@ def draw_sequence(snapshots: Iterable[TreeSnapshot], decode: DecodeLike = None, 
         w, h = tree_extent(snap, widths, font_size, direction, show_evicted)
         sizes.append((max(w, _MIN_CAPTION) + _PANEL_PAD, h))
     rows = _panel_grid(len(snaps), per_row, sizes, max_width, direction)
+    captions: List[List[str]] = []
+    for i, snap in enumerate(snaps):
+        width = min(max(sizes[i][0] - _PANEL_PAD, _MIN_CAPTION), max(cap_limit, _MIN_CAPTION))
+        captions.append(_wrapped(f"{i + 1}. {snap.caption}", width, cap_size))
+    for row in rows:  # captions of a row as tall as its tallest, so the panels' tops line up
+        tallest = max(len(captions[i]) for i in row)
+        for i in row:
+            captions[i] += [""] * (tallest - len(captions[i]))
     roots: Dict[int, str] = {}
     depths: Dict[int, int] = {}
     panels = list(enumerate(snaps))
     # dot stacks clusters bottom-up in left-to-right layouts: emit them last first there.
     for i, snap in (panels if direction == "TB" else panels[::-1]):
         upcoming = snaps[i + 1].evict_size if preview_evictions and i + 1 < len(snaps) else None
-        width = min(max(sizes[i][0] - _PANEL_PAD, _MIN_CAPTION), max(cap_limit, _MIN_CAPTION))
-        lines = _wrapped(f"{i + 1}. {snap.caption}", width, cap_size)
-        caption = graphviz.nohtml("".join(_dot_text(line) + "\\l" for line in lines))  # left-justified
+        caption = graphviz.nohtml("".join(_dot_text(line) + "\\l" for line in captions[i]))  # left-justified
         with g.subgraph(name=f"cluster_{i}") as c:
             c.attr(label=caption, labeljust="l", labelloc="t", fontsize=f"{cap_size:g}",
                    fontcolor=INK, style="rounded,filled", fillcolor="#f8fafc", color="#d1d5db", margin="8")
