@@ -24,7 +24,7 @@ from urllib.parse import unquote, urlparse
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_site import HTML, PAGE_TIMEOUT_S, Chromium, DevToolsError, find_chromium, needs_site, page_id  # noqa: E402
+from test_site import HTML, PAGE_TIMEOUT_S, Chromium, DevToolsError, find_chromium, needs_site, page_id
 
 TOLERANCE = 0.75  # points: anti-aliasing and rounding of graphviz's coordinates (2 decimals)
 
@@ -78,7 +78,7 @@ MEASURE = r"""
   });
   return out;
 })()
-""" % {"tol": TOLERANCE}
+""".replace("%(tol)s", str(TOLERANCE))
 
 
 def measure(browser: Chromium, url: str) -> list[dict]:

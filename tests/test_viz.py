@@ -604,7 +604,7 @@ def test_every_label_names_the_one_installed_font():
 
 
 def test_the_key_lists_exactly_the_states_drawn():
-    manager, rec = source_13_4()
+    _, rec = source_13_4()
     rec.evict(1)
     h, _ = rec.match_prefix(words("Hello world"))
     rec.lock_handle(h)
