@@ -55,11 +55,16 @@ MEASURE = r"""
   const inside = (a, b) => a.x0 >= b.x0 - tol && a.y0 >= b.y0 - tol && a.x1 <= b.x1 + tol && a.y1 <= b.y1 + tol;
   const over = (a, b) => Math.max(b.x0 - a.x0, b.y0 - a.y0, a.x1 - b.x1, a.y1 - b.y1).toFixed(1);
   const name = g => { const t = g.querySelector(':scope > title'); return t ? t.textContent : g.id; };
+  // The font graphviz measured with, served by the page itself (book/_static/fonts), not
+  // borrowed from whatever the reader's machine has installed.
+  const served = document.fonts ? [...document.fonts].some(
+      f => f.family.replace(/["']/g, '') === 'DejaVu Sans' && f.status === 'loaded') : false;
   const out = [];
   roots.forEach((svg, index) => {
     const vb = svg.viewBox.baseVal;
     const view = {x0: vb.x, y0: vb.y, x1: vb.x + vb.width, y1: vb.y + vb.height};
-    const fig = {index, width: vb.width, height: vb.height, texts: 0, problems: []};
+    const fig = {index, width: vb.width, height: vb.height, texts: 0, problems: [], served,
+                 inline: document.documentElement.tagName.toLowerCase() !== 'svg'};
     for (const t of svg.querySelectorAll('text')) {
       if (!t.textContent.trim()) continue;
       fig.texts += 1;
@@ -156,6 +161,9 @@ def test_tree_text_fits_its_shapes(browser, page):
            for f in figures if f["problems"]}
     assert not bad, f"{page_id(page)}: text outside its shape or the SVG: {bad}"
     assert all(f["texts"] > 0 for f in figures), f"{page_id(page)}: a tree figure without text"
+    unserved = [f["index"] for f in figures if f["inline"] and not f["served"]]
+    assert not unserved, (f"{page_id(page)}: the page does not serve the figures' font (DejaVu Sans from "
+                          f"_static/fonts/kvcache-figures.css; is it in html_css_files?) for {unserved}")
 
 
 def main(argv: list[str]) -> int:
