@@ -72,7 +72,15 @@ MEASURE = r"""
       if (!inside(tb, view))
         fig.problems.push(`"${t.textContent}" outside the viewBox by ${over(tb, view)}`);
       const owner = t.closest('g.node, g.cluster');
-      if (!owner) continue;
+      if (!owner) {  // the graph's label (title and colour key): inside the box drawn around it
+        const frames = [...svg.querySelectorAll(':scope > g.graph > path, :scope > g.graph > polygon')].slice(1)
+          .map(f => box(f, svg)).filter(f => f.x0 <= tb.x0 + 2 && tb.x0 + 2 <= f.x1 && f.y0 <= (tb.y0 + tb.y1) / 2
+                                            && (tb.y0 + tb.y1) / 2 <= f.y1)
+          .sort((a, b) => (b.x1 - b.x0) * (b.y1 - b.y0) - (a.x1 - a.x0) * (a.y1 - a.y0));
+        if (frames.length && !inside(tb, frames[0]))
+          fig.problems.push(`"${t.textContent}" outside the label's box by ${over(tb, frames[0])}`);
+        continue;
+      }
       const shape = owner.querySelector('path, polygon, ellipse');  // the outline comes first
       if (!shape) continue;
       const sb = box(shape, svg);

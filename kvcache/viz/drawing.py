@@ -92,7 +92,7 @@ def _label(n: NodeSnapshot, policy: str, decode: DecodeLike, max_chars: int,
     ]
     width = max(text_width(one_line(text), font_size), text_width(slots, small), text_width(meta, small))
     label = '<<TABLE BORDER="0" CELLBORDER="0" CELLSPACING="0" CELLPADDING="0">' + "".join(rows) + "</TABLE>>"
-    return label, width + 2 * _MARGIN_PT + 3
+    return label, width * 1.02 + 2 * _MARGIN_PT + 3
 
 
 def _dot_text(text: str) -> str:
@@ -165,7 +165,9 @@ def _add_tree(g: graphviz.Digraph, snap: TreeSnapshot, prefix: str, *, decode: D
         states = _states(snap, n, order)
         used.update(states)
         label, widths[n.uuid] = _label(n, snap.eviction_policy, decode, max_chars, order.get(n.uuid), font_size)
-        g.node(name, label, tooltip=_dot_text(_tooltip(n, decode)), **node_style(states))
+        # width: a minimum, from the font's exact advances (the browser's), not graphviz's hinted ones
+        g.node(name, label, tooltip=_dot_text(_tooltip(n, decode)), width=f"{widths[n.uuid] / 72:.2f}",
+               **node_style(states))
         g.edge(f"{prefix}n{n.parent}", name)
     if show_evicted and snap.evicted:
         used.add("evicted")
@@ -174,7 +176,8 @@ def _add_tree(g: graphviz.Digraph, snap: TreeSnapshot, prefix: str, *, decode: D
             name = f"{prefix}n{n.uuid}"
             label, widths[n.uuid] = _label(n, snap.eviction_policy, decode, max_chars, None, font_size,
                                            ghost=True)
-            g.node(name, label, tooltip=_dot_text("evicted " + _tooltip(n, decode)), **node_style(["evicted"]))
+            g.node(name, label, tooltip=_dot_text("evicted " + _tooltip(n, decode)),
+                   width=f"{widths[n.uuid] / 72:.2f}", **node_style(["evicted"]))
             parent = f"{prefix}n{n.parent}" if n.parent in known else root_name
             g.edge(parent, name, style="dashed", color=PALETTE["evicted"]["color"])
     return root_name, used, widths

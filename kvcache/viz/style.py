@@ -173,7 +173,10 @@ def key_label(keys: Iterable[str], font_size: float, title_lines: Sequence[str] 
     small = font_size * 0.85
     if title_lines:
         text = '<BR ALIGN="LEFT"/>'.join(html.escape(line).replace("\\", "\\\\") for line in title_lines)
-        rows.append(f'<TR><TD ALIGN="LEFT" BALIGN="LEFT"><FONT COLOR="{INK}">{text}</FONT></TD></TR>')
+        # At least as wide as the text in the browser, which sets the font's exact (unhinted)
+        # advances: graphviz measures hinted ones, up to a few percent narrower on a long line.
+        width = math.ceil(max(text_width(line, font_size) for line in title_lines) * 1.03) + 6
+        rows.append(f'<TR><TD ALIGN="LEFT" BALIGN="LEFT" WIDTH="{width}"><FONT COLOR="{INK}">{text}</FONT></TD></TR>')
     if wanted:
         cells, width = [], 0.0
         for i in range(0, len(wanted), per_row):
