@@ -37,7 +37,7 @@ __all__ = ["PALETTE", "FONT", "TreeFigure", "draw_tree", "draw_sequence"]
 _MARGIN_PT = 5.0  # a node's inner margin each side (0.07 in), as `_new_graph` sets it
 
 
-class TreeFigure(graphviz.Digraph):
+class TreeFigure(graphviz.Digraph):  # type: ignore[misc]  # graphviz ships no type hints
     """A `graphviz.Digraph` that Jupyter (and the website) shows as inline SVG.
 
     Its rich display carries the SVG twice: as ``image/svg+xml`` (for tools that want an
@@ -193,10 +193,10 @@ def _check_style(decode: DecodeLike, rankdir: str, max_chars: int, font_size: fl
         raise ValueError(f"font_size must be in (0, 1000), got {font_size}")
 
 
-def _check_width(value: float, name: str) -> None:
+def _check_width(value: object, name: str) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number of points, got {type(value).__name__}")
-    if not 50 <= value <= 100_000:
+    if not 50 <= float(value) <= 100_000:
         raise ValueError(f"{name} must be in [50, 100000] points, got {value}")
 
 

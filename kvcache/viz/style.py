@@ -175,10 +175,11 @@ def key_label(keys: Iterable[str], font_size: float, title_lines: Sequence[str] 
         text = '<BR ALIGN="LEFT"/>'.join(html.escape(line).replace("\\", "\\\\") for line in title_lines)
         # At least as wide as the text in the browser, which sets the font's exact (unhinted)
         # advances: graphviz measures hinted ones, up to a few percent narrower on a long line.
-        width = math.ceil(max(text_width(line, font_size) for line in title_lines) * 1.03) + 6
-        rows.append(f'<TR><TD ALIGN="LEFT" BALIGN="LEFT" WIDTH="{width}"><FONT COLOR="{INK}">{text}</FONT></TD></TR>')
+        title_w = math.ceil(max(text_width(line, font_size) for line in title_lines) * 1.03) + 6
+        rows.append(f'<TR><TD ALIGN="LEFT" BALIGN="LEFT" WIDTH="{title_w}"><FONT COLOR="{INK}">{text}</FONT></TD></TR>')
     if wanted:
-        cells, width = [], 0.0
+        cells: List[str] = []
+        width = 0.0
         for i in range(0, len(wanted), per_row):
             chunk = wanted[i:i + per_row]
             cells.append("<TR>" + "".join(_swatch(k) for k in chunk) + "</TR>")
@@ -212,7 +213,7 @@ def tree_extent(snap: TreeSnapshot, label_widths: Dict[int, float], font_size: f
     if show_evicted:
         for ghost in snap.evicted:
             parent = ghost.parent if ghost.parent in children else snap.root.uuid
-            children.setdefault(parent, []).append(ghost.uuid)  # type: ignore[arg-type]
+            children.setdefault(parent, []).append(ghost.uuid)
             children.setdefault(ghost.uuid, [])
     own = {u: (label_widths.get(u, 26.0), box_h) for u in children}
     order: List[int] = []
