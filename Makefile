@@ -42,10 +42,12 @@ help:
 # --------------------------------------------------------------------------- set-up
 setup: system-deps $(STAMP)
 
-# graphviz's `dot` draws the radix trees; Chromium runs the website test (tests/test_site.py).
+# graphviz's `dot` draws the radix trees, in the one font they name ("DejaVu Sans", which the
+# website also serves: book/_static/fonts); Chromium runs the website tests (tests/test_site*.py).
 system-deps:
 	@missing=""; \
 	command -v dot >/dev/null 2>&1 || missing="$$missing graphviz"; \
+	[ -n "$$(fc-list ':family=DejaVu Sans' family 2>/dev/null)" ] || missing="$$missing fonts-dejavu-core fontconfig"; \
 	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
 	$(PYTHON) -c 'import ensurepip, venv' >/dev/null 2>&1 || missing="$$missing python3-venv"; \
 	if [ -n "$$missing" ]; then \

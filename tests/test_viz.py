@@ -6,6 +6,7 @@ Only the DOT source (``.source``) is checked, never SVG bytes.
 from __future__ import annotations
 
 import copy
+import math
 import re
 import shutil
 import sys
@@ -212,10 +213,9 @@ def test_colours_per_state():
 def test_legend_and_layout_direction():
     manager, _ = source_13_4()
     src = draw_tree(manager, say, legend=True).source
-    assert "cluster_legend" in src and "rankdir=TB" in src
-    for key in ("protected", "evictable", "inserted", "split", "evict", "evicted"):
-        assert f"legend_{key}" in src
-    assert "cluster_legend" not in draw_tree(manager, say).source
+    assert "rankdir=TB" in src and 'fontname="DejaVu Sans"' in src
+    assert "evictable (ref 0)" in src and "protected" not in src.split("label=<<TABLE BORDER=\"1\"")[1]
+    assert "evictable (ref 0)" not in draw_tree(manager, say, legend=False).source
     big = RadixCacheManager()
     for i in range(20):
         big.insert_prefix(torch.tensor([i, 100 + i]), slots(2 * i, 2 * i + 1))
@@ -311,7 +311,7 @@ def test_draw_sequence_clusters_captions_and_eviction_preview():
     assert "kv-evicted" in nodes[f"s4n{there}"]
     assert "evict #" not in "".join(v for k, v in nodes.items() if not k.startswith("s3n"))
     # Rows: two panels side by side (same rank), then the next row below.
-    assert src.count("rank=same") == 3 + 1 and "cluster_legend" in src  # 3 rows, the legend
+    assert src.count("rank=same") == 2 and "evicted (ghost)" in src  # 2 rows (3 + 2 panels), the key
     assert "evict #" not in draw_sequence(rec, say, preview_evictions=False).source
 
 
@@ -433,7 +433,7 @@ def test_a_chain_deeper_than_the_recursion_limit():
     rec.evict(2)
     assert {n.uuid for n in rec.last.evicted} == set(order[:2])
     assert diff_snapshots(snap, rec.last).evicted == rec.last.evicted
-    assert draw_sequence(rec).source.count("subgraph cluster_") == 3  # two panels and the legend
+    assert draw_sequence(rec).source.count("subgraph cluster_") == 2  # two panels
     assert "2. evict(2)" in rec.text()
 
 
@@ -489,6 +489,10 @@ def _bad_calls(m: RadixCacheManager, rec: TreeRecorder):
         (lambda: draw_sequence(rec, per_row=0), ValueError, "per_row"),
         (lambda: draw_sequence(rec, per_row=1.0), TypeError, "per_row"),
         (lambda: draw_sequence(rec, caption_width=None), TypeError, "caption_width"),
+        (lambda: draw_sequence(rec, max_width="wide"), TypeError, "max_width"),
+        (lambda: draw_sequence(rec, max_width=10), ValueError, "max_width"),
+        (lambda: draw_tree(m, title_width=True), TypeError, "title_width"),
+        (lambda: draw_tree(m, title_width=float("nan")), ValueError, "title_width"),
         (lambda: TreeRecorder(m, decode=3), TypeError, "decode"),
         (lambda: TreeRecorder(m, snapshots=[1]), TypeError, "snapshots"),
         (lambda: rec.record(None), TypeError, "caption"),
@@ -531,7 +535,8 @@ def test_any_text_is_drawn_as_written(text):
     m.insert_prefix(torch.tensor([1, 2]), slots(0, 1))
     snap = replace(snapshot(m), caption=text)
     decode = lambda ids: text  # noqa: E731
-    root = ElementTree.fromstring(render_svg(draw_tree(snap, decode, max_chars=1000)))
+    root = ElementTree.fromstring(render_svg(draw_tree(snap, decode, max_chars=1000, legend=False,
+                                                       title_width=100_000)))  # one line a line
     graph = root.find(f"{SVG_NS}g")
     title = [t.strip() for t in _svg_texts(graph)]
     assert title == [one_line(line).strip() for line in text.split("\n") if line.strip()]
@@ -539,7 +544,7 @@ def test_any_text_is_drawn_as_written(text):
     assert len(nodes) == 2 and _svg_texts(nodes[1], deep=True)[0] == f"“{one_line(text)}”"
     seq = ElementTree.fromstring(render_svg(draw_sequence([snap, snap], decode)))
     clusters = [g for g in seq.find(f"{SVG_NS}g").findall(f"{SVG_NS}g") if g.get("class") == "cluster"]
-    assert len(clusters) == 3  # two panels and the legend
+    assert len(clusters) == 2  # two panels (the key is the graph's label, not a cluster)
 
 
 def test_recorder_forwards_only_public_names():
@@ -560,3 +565,115 @@ def test_formatting_takes_any_integer_sequence():
         assert format_tokens(slots_) == "4, 5, 6, 9"
     with pytest.raises(TypeError, match="indices"):
         format_indices(np.array([1.5]))
+
+
+# ------------------------------------- figures: one font, a key of the colours shown, even grids
+def _key_entries(src: str) -> Set[str]:
+    """The states the figure's colour key lists (read back from its words)."""
+    from kvcache.viz.style import LEGEND_TEXT
+
+    key = src.rsplit("label=<<TABLE", 1)[-1] if "label=<<TABLE BORDER=\"1\"" in src else ""
+    return {k for k, words in LEGEND_TEXT.items() if f">{html_escape(words)}<" in key}
+
+
+def html_escape(text: str) -> str:
+    import html
+
+    return html.escape(text)
+
+
+def _drawn_states(src: str) -> Set[str]:
+    """The states of the nodes drawn (their ``kv-*`` classes), the root aside."""
+    classes = re.findall(r'class="([^"]*)"', src)
+    return {c[3:] for cls in classes for c in cls.split() if c.startswith("kv-") and c != "kv-root"}
+
+
+def test_every_label_names_the_one_installed_font():
+    from kvcache.viz.style import FONT
+
+    manager, rec = source_13_4()
+    rec.evict(1)
+    for g in (draw_tree(manager, say, evict_size=1, title="t"), draw_sequence(rec, say)):
+        names = set(re.findall(r'fontname="?([^"\]\s]+(?: [^"\]\s=]+)*)"?', g.source))
+        assert names == {FONT}, names  # graph, node and edge defaults: no fallback list
+        assert "FACE=" not in g.source  # no label overrides it
+        if shutil.which("dot") is not None:
+            families = set(re.findall(r'font-family="([^"]*)"', render_svg(g)))
+            assert families == {FONT}, families
+    if shutil.which("fc-list") is not None:  # `make system-deps` installs it (fonts-dejavu-core)
+        import subprocess
+
+        out = subprocess.run(["fc-list", f":family={FONT}", "family"], capture_output=True, text=True).stdout
+        assert FONT in out, f"{FONT!r} is not installed: graphviz would measure another font"
+
+
+def test_the_key_lists_exactly_the_states_drawn():
+    _, rec = source_13_4()
+    rec.evict(1)
+    h, _ = rec.match_prefix(words("Hello world"))
+    rec.lock_handle(h)
+    rec.insert_prefix(words("Hello there"), slots(1, 3))  # a new leaf next to the protected path
+    for i, snap in enumerate(rec.snapshots):
+        for evict_size in (None, 1):
+            src = draw_tree(snap, say, evict_size=evict_size).source
+            assert _key_entries(src) == _drawn_states(src), (i, evict_size)
+            assert _key_entries(draw_tree(snap, say, evict_size=evict_size, legend=False).source) == set()
+    src = draw_sequence(rec, say).source  # a sequence: the union over its panels
+    assert _key_entries(src) == _drawn_states(src) >= {"protected", "evictable", "inserted", "split",
+                                                       "evict", "evicted"}
+    assert _key_entries(draw_tree(rec.snapshots[0]).source) == set()  # an empty tree: no key
+
+
+@settings(derandomize=True, max_examples=60, deadline=None)
+@given(text=st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=120),
+       width=st.floats(20, 400))
+def test_wrap_keeps_every_character_and_fits_the_width(text, width):
+    from kvcache.viz.style import text_width, wrap
+
+    text = one_line(text)
+    lines = wrap(text, width, 9)
+    assert "".join(lines).replace(" ", "") == text.replace(" ", "")
+    assert all(text_width(line, 9) <= width or len(line.strip()) <= 1 for line in lines)
+
+
+def test_panel_captions_are_wrapped_to_their_panel():
+    from kvcache.viz.drawing import _MIN_CAPTION
+    from kvcache.viz.style import text_width
+
+    m = RadixCacheManager()
+    rec = TreeRecorder(m, decode=say)
+    rec.insert_prefix(words("Hello world"), slots(1, 2))
+    rec.insert_prefix(words("Hello there how are you"), slots(1, 3, 4, 5, 6))
+    src = draw_sequence(rec, say, caption_width=30).source
+    captions = re.findall(r'subgraph cluster_\d+ \{\n\t\t[^\n]*? label="((?:[^"\\]|\\.)*)"', src)
+    assert len(captions) == 3
+    limit = max(_MIN_CAPTION, text_width("n" * 30, 9))
+    for caption in captions:
+        lines = caption.split("\\l")[:-1]
+        assert len(lines) >= 1 and all(text_width(line.replace('\\"', '"'), 9) <= limit for line in lines)
+    assert any(len(c.split("\\l")) > 2 for c in captions)  # the long insert caption did wrap
+
+
+@given(n=st.integers(1, 40), per_row=st.integers(1, 8))
+def test_grid_rows_are_even_and_never_leave_a_panel_alone(n, per_row):
+    from kvcache.viz.style import grid_rows
+
+    rows = grid_rows(n, per_row)
+    assert sum(rows) == n and max(rows) - min(rows) <= 1 and rows == sorted(rows, reverse=True)
+    if per_row == 1:
+        assert rows == [1] * n
+    else:
+        assert max(rows) <= per_row + 1 and (n == 1 or min(rows) >= 2)
+        assert len(rows) in (math.ceil(n / per_row), math.ceil(n / per_row) - 1)
+
+
+@pytest.mark.parametrize("n, per_row, rows", [(4, 3, [2, 2]), (5, 3, [3, 2]), (3, 2, [3]), (7, 3, [3, 2, 2]),
+                                              (9, 4, [3, 3, 3]), (6, 1, [1] * 6)])
+def test_draw_sequence_lays_panels_in_an_even_grid(n, per_row, rows):
+    m = RadixCacheManager()
+    rec = TreeRecorder(m)
+    for i in range(n - 1):
+        rec.insert_prefix(torch.tensor([i]), slots(i))
+    src = draw_sequence(rec, per_row=per_row, max_width=10_000).source
+    groups = re.findall(r"\{\n\t\trank=same\n((?:\t\t\S+\n)+)\t\}", src)
+    assert [len(g.split()) for g in groups] == rows
