@@ -21,7 +21,7 @@ from urllib.parse import urlparse
 import pytest
 
 from test_site import HTML, LOCAL_SCHEMES, PAGE_TIMEOUT_S, QUIET_S, browser  # noqa: F401  (fixture)
-from test_site import Chromium, needs_site
+from test_site import DESKTOP_WIDTH, PHONE_WIDTH, Chromium, needs_site
 
 PAGE = HTML / "book" / "14_explorer.html"
 
@@ -218,3 +218,34 @@ def test_step_player_clicks_through(browser):  # noqa: F811  (the fixture import
         assert not page.js_errors, f"JavaScript errors: {page.js_errors}"
     finally:
         page.close()
+
+
+
+def test_step_player_keeps_its_height(browser):  # noqa: F811  (the fixture imported from test_site)
+    """Stepping through the frames does not move the page: the player is as tall on every step
+    (book/_static/book.css stacks the frames in one grid cell), at a laptop's and a phone's
+    width."""
+    for width in (DESKTOP_WIDTH, PHONE_WIDTH):
+        tab = browser.open_tab(PAGE.as_uri(), width)
+        try:
+            # the theme scrolls smoothly: a click must not land while the page still moves
+            tab.eval("document.documentElement.style.scrollBehavior = 'auto'")
+            n = tab.eval("document.querySelectorAll('.kvp')[0].querySelectorAll('.kvp-frame').length")
+            assert n >= 3, f"the player should have several frames, got {n}"
+            heights = []
+            for step in range(n):
+                box = tab.eval("""(() => {
+                    const p = document.querySelector('.kvp');
+                    p.scrollIntoView({block: 'start'});
+                    const b = p.querySelector('.kvp-next').getBoundingClientRect();
+                    return [p.getBoundingClientRect().height, parseInt(p.getAttribute('data-step')),
+                            b.x + b.width / 2, b.y + b.height / 2];
+                })()""")
+                assert box[1] == step, f"the player should be at step {step}: {box}"
+                heights.append(box[0])
+                if step < n - 1:
+                    tab.click(box[2], box[3])
+            assert max(heights) - min(heights) <= 1, (
+                f"at {width}px the player's height changes between steps: {heights}")
+        finally:
+            tab.close()
