@@ -687,6 +687,29 @@ def test_revealing_an_answer_shows_it(browser):
         tab.close()
 
 
+@needs_site
+def test_search_ranks_the_chapter_named_by_the_query_first(browser):
+    """Searching "radix tree" lists the radix tree chapter first (book/_ext/search_scorer.js),
+    not a page that only has "tree" in a section title (Sphinx's default ranked "Integrity")."""
+    tab = browser.open_tab((HTML / "search.html").as_uri() + "?q=radix+tree", DESKTOP_WIDTH)
+    try:
+        titles = tab.eval("""new Promise(resolve => {
+            const t0 = Date.now();
+            const poll = () => {
+                const items = [...document.querySelectorAll('#search-results li a')];
+                const done = document.querySelector('#search-results p.search-summary');
+                if ((done && items.length) || Date.now() - t0 > 20000) {
+                    resolve(items.map(a => a.textContent.replace(/\\s+/g, ' ').trim()));
+                } else setTimeout(poll, 100);
+            };
+            poll();
+        })""")
+        assert titles, "the search page found nothing for 'radix tree'"
+        assert "The radix tree" in titles[0], f"results for 'radix tree', best first: {titles[:6]}"
+    finally:
+        tab.close()
+
+
 # The sidebar's link to a chapter, and whether a reader can see it (on screen, not covered).
 CHAPTER_LINK_SEEN = r"""
 (() => {
