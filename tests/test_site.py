@@ -710,6 +710,42 @@ def test_search_ranks_the_chapter_named_by_the_query_first(browser):
         tab.close()
 
 
+@needs_site
+def test_printout_shows_answers_and_uncut_code(browser):
+    """Printing (or saving as PDF) opens every fold, answers included (book.js on beforeprint),
+    and the print styles (book.css) wrap code instead of cutting it at the page's edge."""
+    tab = browser.open_tab((HTML / "book" / "10_radix_tree.html").as_uri(), 800)
+    try:
+        b = tab.b
+        b.call("Emulation.setEmulatedMedia", {"media": "print"}, session=tab.session)
+        state = tab.eval("""(async () => {
+            window.dispatchEvent(new Event('beforeprint'));
+            await new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)));
+            const main = document.querySelector('main');
+            const closed = main.querySelectorAll('details:not([open])').length;
+            const cut = [...main.querySelectorAll('pre')].filter(
+                p => p.getClientRects().length && p.scrollWidth - p.clientWidth > 1).length;
+            const answer = [...main.querySelectorAll('div.cell')].find(c =>
+                /#\\s*Your answer/.test((c.querySelector('.cell_input') || {}).textContent || ''));
+            const pre = answer && answer.querySelector('.cell_input pre');
+            const answer_shown = !!pre && pre.checkVisibility();
+            // dropdown admonitions (challenge answers) are printed open too
+            const folded_notes = [...main.querySelectorAll('.admonition.toggle-hidden')].filter(
+                a => [...a.children].some(c => !c.matches('.admonition-title, button')
+                                              && c.getBoundingClientRect().height === 0)).length;
+            window.dispatchEvent(new Event('afterprint'));
+            return {closed, cut, answer_shown, folded_notes,
+                    closed_after: main.querySelectorAll('details:not([open])').length};
+        })()""")
+        assert state["closed"] == 0, f"folds left closed in the printout: {state}"
+        assert state["answer_shown"], f"the answer cell is not in the printout: {state}"
+        assert state["folded_notes"] == 0, f"dropdown answers left folded in the printout: {state}"
+        assert state["cut"] == 0, f"code cut at the printed page's edge: {state}"
+        assert state["closed_after"] > 0, f"the folds did not close again after printing: {state}"
+    finally:
+        tab.close()
+
+
 # The sidebar's link to a chapter, and whether a reader can see it (on screen, not covered).
 CHAPTER_LINK_SEEN = r"""
 (() => {
