@@ -7,7 +7,10 @@
  *    be opened. A click on any other toggle is forwarded to the wired one, which opens the
  *    dialog on a narrow screen and collapses the sidebar on a wide one (the book theme's
  *    handler on that button).
- * 2. Printing: closed dropdowns (answers, hidden exercise cells) are opened for the printout
+ * 2. Long output lines: a cell output that is wider than the page because of a few long lines
+ *    (a repr, an error message) is wrapped; one whose lines are mostly too long (a table)
+ *    keeps its columns and scrolls.
+ * 3. Printing: closed dropdowns (answers, hidden exercise cells) are opened for the printout
  *    and closed again afterwards.
  */
 (function () {
@@ -27,6 +30,25 @@
     },
     true,
   );
+
+  function wrapLongOutputs() {
+    document.querySelectorAll(".cell_output pre").forEach(function (pre) {
+      if (pre.scrollWidth - pre.clientWidth <= 1) return;
+      var lines = pre.textContent.replace(/\n$/, "").split("\n");
+      var longest = Math.max.apply(null, lines.map(function (l) { return l.length; }));
+      var style = getComputedStyle(pre);
+      var inner = pre.scrollWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight);
+      var fits = Math.floor(((pre.clientWidth - parseFloat(style.paddingLeft)
+                              - parseFloat(style.paddingRight)) * longest) / inner);
+      var tooLong = lines.filter(function (l) { return l.length > fits; }).length;
+      if (tooLong <= 2 || tooLong < lines.length / 2) pre.classList.add("kv-wrap");
+    });
+  }
+  if (document.readyState === "loading") {
+    document.addEventListener("DOMContentLoaded", wrapLongOutputs);
+  } else {
+    wrapLongOutputs();
+  }
 
   var openedForPrint = [];
   window.addEventListener("beforeprint", function () {
