@@ -803,6 +803,22 @@ def test_phone_sidebar_toggles_open_the_sidebars(browser, toggle, seen):
         tab.close()
 
 
+@needs_site
+def test_laptop_sidebar_toggle_collapses_and_restores_the_chapter_list(browser):
+    """At 1400 px the article header's button hides the chapter list and brings it back (the
+    book theme's handler sits on the hidden header button; book.js forwards to it)."""
+    tab = browser.open_tab((HTML / "book" / "10_radix_tree.html").as_uri(), DESKTOP_WIDTH)
+    try:
+        shown = "getComputedStyle(document.querySelector('.bd-sidebar-primary')).visibility"
+        assert tab.eval(shown) == "visible"
+        tab.click(*tab.eval(f"{VISIBLE_BUTTON}('.primary-toggle')"))
+        assert tab.eval(shown) == "hidden", "the button did not hide the chapter list"
+        tab.click(*tab.eval(f"{VISIBLE_BUTTON}('.primary-toggle')"))
+        assert tab.eval(shown) == "visible", "the button did not bring the chapter list back"
+    finally:
+        tab.close()
+
+
 # --------------------------------------------------------------------------- by hand
 
 
