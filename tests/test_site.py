@@ -282,7 +282,7 @@ class Chromium:
             self.call("Target.closeTarget", {"targetId": target})
         return visit
 
-    def open_tab(self, url: str, width: int, height: int = 900) -> "Tab":
+    def open_tab(self, url: str, width: int, height: int = 900) -> Tab:
         """A page at the given viewport size, loaded and settled, to drive by hand."""
         target = self.call("Target.createTarget", {"url": "about:blank"})["targetId"]
         session = self.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
