@@ -97,3 +97,34 @@ def test_sanitize_masks_what_varies(varying, masked):
 ])
 def test_sanitize_leaves_the_rest(stable):
     assert sanitize(stable) == stable
+
+
+def _wrap_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("wrap_code_cells", REPO / "scripts" / "wrap_code_cells.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("source", [
+    "result = some_function(first_argument=1, second_argument=2, third_argument=3, fourth=4)  # why",
+    'print(f"{name:<10} has {count:>5} entries and {size:>8,d} bytes in total, {ratio:.2f} per entry")',
+    "# " + "a long comment that explains something at length " * 3,
+    "x = 1",
+])
+def test_wrap_code_cells_keeps_the_program(source):
+    """scripts/wrap_code_cells.py brings a cell within 88 columns with the same syntax tree."""
+    import ast
+
+    wrap = _wrap_module()
+    new = wrap.wrap_cell(source)
+    assert all(len(line) <= wrap.WIDTH for line in new.split("\n")), new
+    assert ast.dump(ast.parse(new)) == ast.dump(ast.parse(source))
+
+
+def test_wrap_code_cells_leaves_ipython_syntax_alone():
+    wrap = _wrap_module()
+    source = "%timeit " + "x" * 100
+    assert wrap.wrap_cell(source) == source
