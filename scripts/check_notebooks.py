@@ -7,7 +7,12 @@ execute_notebooks: "off"), so `make book` runs this first and fails when a chapt
   - holds an error output (a cell raised: show an expected error with try/except instead),
   - was not executed in one fresh run from the top: execution counts must be 1, 2, 3, ... in
     document order, and each execute_result must carry its cell's count,
-  - is not listed in _toc.yml (it would silently be left out of the website).
+  - is not listed in _toc.yml (it would silently be left out of the website),
+  - marks a cell for nbval with a comment (`# NBVAL_IGNORE_OUTPUT`, `# NBVAL_SKIP`) instead of
+    nbval's cell tags (`nbval-ignore-output`, `nbval-skip`), or silences a linter with
+    `# noqa`: the website shows a cell's source, so both would be printed in the chapter,
+  - has a reader's answer cell (a `# Your answer` / `# Your prediction` comment) that the
+    website would show: it must carry the `hide-input` (or `hide-cell`) tag.
 Empty code cells are skipped (Jupyter does not execute them). Fix a failure with
 `make refresh`, which re-executes every chapter in place.
 
@@ -17,10 +22,15 @@ Usage: scripts/check_notebooks.py [NOTEBOOK ...]   (default: book/*.ipynb)
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+NBVAL_COMMENT = re.compile(r"^\s*#\s*NBVAL_(\w+)", re.MULTILINE)
+NOQA = re.compile(r"#\s*noqa\b", re.IGNORECASE)
+ANSWER = re.compile(r"^\s*#\s*Your (answer|prediction)", re.MULTILINE | re.IGNORECASE)
+HIDDEN_INPUT = {"hide-input", "hide-cell", "remove-input", "remove-cell"}
 
 
 def toc_files() -> set[str]:
@@ -57,6 +67,16 @@ def check(path: Path, listed: set[str] | None) -> list[str]:
         count = cell.get("execution_count")
         if not source.strip():
             continue
+        tags = set(cell.get("metadata", {}).get("tags", []))
+        for m in NBVAL_COMMENT.finditer(source):
+            tag = "nbval-" + m.group(1).lower().replace("_", "-")
+            problems.append(f"{where}: `# NBVAL_{m.group(1)}` comment shows on the page; "
+                            f"give the cell nbval's tag {tag!r} instead")
+        if NOQA.search(source):
+            problems.append(f"{where}: `# noqa` shows on the page; write code the linter accepts")
+        if ANSWER.search(source) and not tags & HIDDEN_INPUT:
+            problems.append(f"{where}: a reader's answer cell without the 'hide-input' tag "
+                            "(the website would show the answer before the reader tries)")
         if count is None:
             problems.append(f"{where}: never executed (no execution_count)")
             continue

@@ -14,9 +14,9 @@ CHECK = REPO / "scripts" / "check_notebooks.py"
 SANITIZE = REPO / "tests" / "nbval_sanitize.cfg"
 
 
-def code(source, count, outputs=()):
-    return {"cell_type": "code", "metadata": {}, "source": source,
-            "execution_count": count, "outputs": list(outputs)}
+def code(source, count, outputs=(), tags=()):
+    return {"cell_type": "code", "metadata": {"tags": list(tags)} if tags else {},
+            "source": source, "execution_count": count, "outputs": list(outputs)}
 
 
 def write(tmp_path, cells):
@@ -39,6 +39,15 @@ def test_executed_notebook_passes(tmp_path):
     assert r.returncode == 0, r.stderr
 
 
+def test_tagged_cells_pass(tmp_path):
+    """nbval's tags and a hidden answer cell are the accepted forms."""
+    path = write(tmp_path, [code("print(1)", 1, tags=["nbval-ignore-output"]),
+                            code("print(2)", 2, tags=["nbval-skip"]),
+                            code("# Your answer:\nn = 3", 3, tags=["hide-input"])])
+    r = run_check(path)
+    assert r.returncode == 0, r.stderr
+
+
 @pytest.mark.parametrize("cells, message", [
     ([code("x = 1", 1), code("y = 2", None)], "never executed"),
     ([code("1/0", 1, [{"output_type": "error", "ename": "ZeroDivisionError",
@@ -47,6 +56,12 @@ def test_executed_notebook_passes(tmp_path):
     ([code("a = 1", 1), code("b = 1", 3)], "expected 2"),
     ([code("a", 1, [{"output_type": "execute_result", "execution_count": 7,
                      "data": {"text/plain": "1"}, "metadata": {}}])], "output from execution 7"),
+    # what the website would print in a chapter: nbval's comments, linter markers, answers
+    ([code("# NBVAL_IGNORE_OUTPUT\nprint(1)", 1)], "'nbval-ignore-output' instead"),
+    ([code("x = 1\n# NBVAL_SKIP\n", 1)], "'nbval-skip' instead"),
+    ([code("import os  # noqa: F401", 1)], "`# noqa` shows on the page"),
+    ([code("# Your answer:\nn = 3", 1)], "answer cell without the 'hide-input' tag"),
+    ([code("# Your prediction:\nn = 3", 1, tags=["hide-output"])], "without the 'hide-input'"),
 ])
 def test_check_notebooks_fails(tmp_path, cells, message):
     r = run_check(write(tmp_path, cells))
@@ -82,3 +97,34 @@ def test_sanitize_masks_what_varies(varying, masked):
 ])
 def test_sanitize_leaves_the_rest(stable):
     assert sanitize(stable) == stable
+
+
+def _wrap_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("wrap_code_cells", REPO / "scripts" / "wrap_code_cells.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("source", [
+    "result = some_function(first_argument=1, second_argument=2, third_argument=3, fourth=4)  # why",
+    'print(f"{name:<10} has {count:>5} entries and {size:>8,d} bytes in total, {ratio:.2f} per entry")',
+    "# " + "a long comment that explains something at length " * 3,
+    "x = 1",
+])
+def test_wrap_code_cells_keeps_the_program(source):
+    """scripts/wrap_code_cells.py brings a cell within 88 columns with the same syntax tree."""
+    import ast
+
+    wrap = _wrap_module()
+    new = wrap.wrap_cell(source)
+    assert all(len(line) <= wrap.WIDTH for line in new.split("\n")), new
+    assert ast.dump(ast.parse(new)) == ast.dump(ast.parse(source))
+
+
+def test_wrap_code_cells_leaves_ipython_syntax_alone():
+    wrap = _wrap_module()
+    source = "%timeit " + "x" * 100
+    assert wrap.wrap_cell(source) == source

@@ -37,6 +37,8 @@ BOOK_ROOT = Path(os.environ.get("BOOK_ROOT", REPO)).resolve()
 HTML = BOOK_ROOT / "_build" / "html"
 LOCAL_SCHEMES = {"file", "data", "blob", "about"}
 PAGE_TIMEOUT_S = 60.0
+DESKTOP_WIDTH = 1400  # a laptop: every page is visited (and its layout checked) at this width
+PHONE_WIDTH = 420
 QUIET_S = 1.0  # a page is settled when no request started or finished for this long
 
 
@@ -200,6 +202,9 @@ class Chromium:
             self.call("Network.enable", session=session)
             self.call("Page.enable", session=session)
             self.call("Runtime.enable", session=session)
+            self.call("Emulation.setDeviceMetricsOverride", {
+                "width": DESKTOP_WIDTH, "height": 900, "deviceScaleFactor": 1, "mobile": False,
+            }, session=session)
             # Frames in other processes and workers get their own sessions; hold them until
             # their network is watched, then let them run.
             self.call("Target.setAutoAttach", {"autoAttach": True, "waitForDebuggerOnStart": True,
@@ -257,6 +262,12 @@ class Chromium:
             if "exceptionDetails" in result:
                 raise DevToolsError(f"figure probe failed on {url}: {result['exceptionDetails']}")
             visit.figures = result["result"]["value"]
+            result = self.call("Runtime.evaluate", {
+                "expression": LAYOUT_PROBE, "awaitPromise": True, "returnByValue": True,
+            }, session=session, timeout=PAGE_TIMEOUT_S)
+            if "exceptionDetails" in result:
+                raise DevToolsError(f"layout probe failed on {url}: {result['exceptionDetails']}")
+            visit.layout = result["result"]["value"]
             if screenshot is not None:
                 size = self.call("Page.getLayoutMetrics", session=session)["cssContentSize"]
                 clip = {"x": 0, "y": 0, "width": size["width"], "height": min(size["height"], 8000),
@@ -270,6 +281,55 @@ class Chromium:
         finally:
             self.call("Target.closeTarget", {"targetId": target})
         return visit
+
+    def open_tab(self, url: str, width: int, height: int = 900) -> Tab:
+        """A page at the given viewport size, loaded and settled, to drive by hand."""
+        target = self.call("Target.createTarget", {"url": "about:blank"})["targetId"]
+        session = self.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+        tab = Tab(self, target, session)
+        self.call("Page.enable", session=session)
+        self.call("Emulation.setDeviceMetricsOverride", {
+            "width": width, "height": height, "deviceScaleFactor": 1, "mobile": width < 992,
+        }, session=session)
+        self.take_events()
+        self.send("Page.navigate", {"url": url}, session=session)
+        deadline = time.monotonic() + PAGE_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if any(ev.get("method") == "Page.loadEventFired" and ev.get("sessionId") == session
+                   for ev in self.take_events()):
+                break
+            time.sleep(0.05)
+        tab.wait_idle()
+        return tab
+
+
+class Tab:
+    """One open page: evaluate JavaScript in it and click like a mouse."""
+
+    def __init__(self, browser: Chromium, target: str, session: str):
+        self.b, self.target, self.session = browser, target, session
+
+    def eval(self, expression: str):
+        res = self.b.call("Runtime.evaluate", {"expression": expression, "returnByValue": True,
+                                               "awaitPromise": True}, session=self.session)
+        if "exceptionDetails" in res:
+            raise DevToolsError(f"evaluating {expression[:80]!r}: {res['exceptionDetails']}")
+        return res["result"].get("value")
+
+    def wait_idle(self) -> None:
+        """Until the page's scripts and layout are done (two animation frames after load)."""
+        self.eval("new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")
+        time.sleep(QUIET_S)
+
+    def click(self, x: float, y: float) -> None:
+        """A real mouse click (press and release) at viewport coordinates."""
+        for kind in ("mousePressed", "mouseReleased"):
+            self.b.call("Input.dispatchMouseEvent", {"type": kind, "x": x, "y": y, "button": "left",
+                                                     "clickCount": 1}, session=self.session)
+        self.wait_idle()
+
+    def close(self) -> None:
+        self.b.call("Target.closeTarget", {"targetId": self.target})
 
 
 # Runs in the page once it has settled: make lazy images load, then describe every figure.
@@ -313,6 +373,67 @@ FIGURE_PROBE = r"""
 """
 
 
+# Runs in the page (at DESKTOP_WIDTH) after the figure probe: what a reader would find rough.
+#  overflow: code blocks (cell inputs, outputs, markdown code) and display equations wider
+#            than their box, i.e. that scroll sideways or are cut off;
+#  streams:  cells whose output is split into several stream boxes;
+#  markers:  internal markers (nbval's comments, linter pragmas) in the page's text, shown or
+#            folded away;
+#  answers:  each reader's answer cell (a "# Your answer" comment) and the output of the check
+#            after it: whether either is visible before any click;
+#  sidebar:  the sidebar's links to chapter pages and their text.
+LAYOUT_PROBE = r"""
+(() => {
+  const main = document.querySelector('main') || document.body;
+  const snippet = el => (el.textContent || '').replace(/\s+/g, ' ').trim().slice(0, 70);
+  const shown = el => !!el && el.getClientRects().length > 0 &&
+                      el.getBoundingClientRect().height > 0 && el.checkVisibility();
+  const answers = [];
+  for (const cell of main.querySelectorAll('div.cell')) {
+    const input = cell.querySelector('.cell_input');
+    if (!input || !/#\s*Your (answer|prediction)/i.test(input.textContent)) continue;
+    let check = cell.nextElementSibling;
+    while (check && !(check.matches('div.cell') && check.querySelector('.cell_output'))) {
+      check = check.matches('div.cell') ? null : check.nextElementSibling;
+    }
+    answers.push({text: snippet(input), input_shown: shown(input.querySelector('pre')),
+                  check_output_shown: check ? shown(check.querySelector('.cell_output')) : null});
+  }
+  const streams = [];
+  for (const out of main.querySelectorAll('.cell_output')) {
+    const n = out.querySelectorAll(':scope > .output.stream, :scope > .output.stderr').length;
+    if (n > 1) streams.push({boxes: n, text: snippet(out)});
+  }
+  const text = main.textContent;
+  const markers = [...text.matchAll(/.{0,40}(NBVAL|noqa).{0,20}/g)].map(m => m[0]);
+  const overflow = [];
+  const wider = el => el.scrollWidth - el.clientWidth;
+  // folded code (answers, dropdowns) must fit too once opened: measure with every fold open
+  const folded = [...main.querySelectorAll('details:not([open])')];
+  folded.forEach(d => { d.open = true; });
+  for (const pre of main.querySelectorAll('pre')) {
+    if (!pre.getClientRects().length) continue;
+    const kind = pre.closest('.cell_input') ? 'code cell' : pre.closest('.cell_output') ? 'output'
+               : 'code block';
+    if (wider(pre) > 1) overflow.push({kind, over: wider(pre), text: snippet(pre)});
+  }
+  for (const m of main.querySelectorAll('div.math, mjx-container[display="true"]')) {
+    if (!m.getClientRects().length || (m.matches('mjx-container') && m.closest('div.math'))) continue;
+    const box = m.closest('div.math') || m;
+    const svg = m.querySelector('svg');
+    const cut = svg ? svg.getBoundingClientRect().right - box.getBoundingClientRect().right : 0;
+    const over = Math.max(wider(m), cut);
+    if (over > 1) overflow.push({kind: 'equation', over, text: snippet(m)});
+  }
+  folded.forEach(d => { d.open = false; });
+  const sidebar = [...document.querySelectorAll('.bd-sidebar-primary a.reference.internal')]
+    .filter(a => /\/book\/\d\d_[^/]*\.html$/.test(new URL(a.href).pathname))
+    .map(a => a.textContent.replace(/\s+/g, ' ').trim());
+  return {overflow, streams, markers, answers, sidebar};
+})()
+"""
+
+
 class Visit:
     def __init__(self, url: str):
         self.url = url
@@ -320,6 +441,7 @@ class Visit:
         self.failed: list[str] = []
         self.js_errors: list[str] = []
         self.figures: list[dict] = []
+        self.layout: dict = {}
         self.timed_out = False
 
     @property
@@ -477,6 +599,224 @@ def test_api_links_in_chapters_resolve():
         if bad:
             unresolved[page_id(page)] = bad
     assert not unresolved, f"API references that link nowhere: {unresolved}"
+
+
+# --------------------------------------------------------------------------- reading comfort
+
+
+def layout_findings(browser, key: str) -> dict[str, list]:
+    """What LAYOUT_PROBE reported under ``key``, for every built page where it found some."""
+    found = {}
+    for page in built_pages():
+        items = visit(browser, page).layout.get(key) or []
+        if items:
+            found[page_id(page)] = items
+    return found
+
+
+@needs_site
+@pytest.mark.parametrize("kind", ["code cell", "code block", "equation"])
+def test_nothing_scrolls_sideways_on_a_laptop(browser, kind):
+    """At 1400 px no code (at most ~88 columns) or display equation is wider than the text."""
+    found = {page: [f"{o['over']}px: {o['text']!r}" for o in items if o["kind"] == kind]
+             for page, items in layout_findings(browser, "overflow").items()}
+    found = {page: items for page, items in found.items() if items}
+    n = sum(map(len, found.values()))
+    assert not found, f"{n} {kind}(s) wider than the page at {DESKTOP_WIDTH}px: {found}"
+
+
+@needs_site
+def test_a_cells_output_is_one_stream_box(browser):
+    """A table printed line by line is one box (myst-nb's nb_merge_streams), not one per write."""
+    found = layout_findings(browser, "streams")
+    assert not found, f"cells whose output is split into several stream boxes: {found}"
+
+
+@needs_site
+def test_no_internal_markers_on_pages(browser):
+    """nbval's comments and linter pragmas are for tools: cell tags instead, and legal code."""
+    found = layout_findings(browser, "markers")
+    assert not found, f"pages that show NBVAL or noqa: {found}"
+
+
+@needs_site
+def test_exercise_answers_are_hidden_until_asked(browser):
+    """The reader's answer cell ("# Your answer") and what its check prints stay folded until a
+    click: the reader tries first. The cells still run (and nbval still checks them)."""
+    answers = {page_id(p): visit(browser, p).layout.get("answers") or [] for p in chapter_pages()}
+    assert sum(map(len, answers.values())) >= 10, f"expected the chapters' answer cells: {answers}"
+    shown = {page: [a for a in items if a["input_shown"] or a["check_output_shown"]]
+             for page, items in answers.items()}
+    shown = {page: items for page, items in shown.items() if items}
+    assert not shown, f"answer cells (or their check's output) visible without a click: {shown}"
+
+
+@needs_site
+def test_sidebar_numbers_the_chapters(browser):
+    """The toc numbers the chapters (numbered in _toc.yml), and the sidebar shows the numbers."""
+    links = visit(browser, HTML / "book" / "intro.html").layout["sidebar"]
+    assert len(links) >= 10, f"the sidebar should list the chapters: {links}"
+    unnumbered = [t for t in links if not re.match(r"\d+\.\s", t)]
+    assert not unnumbered, f"chapters without a number in the sidebar: {unnumbered}"
+
+
+@needs_site
+def test_revealing_an_answer_shows_it(browser):
+    """The fold is a real toggle: one click on its summary shows the answer cell."""
+    tab = browser.open_tab((HTML / "book" / "10_radix_tree.html").as_uri(), DESKTOP_WIDTH)
+    try:
+        box = tab.eval("""(() => {
+            const cell = [...document.querySelectorAll('div.cell')].find(c =>
+                /#\\s*Your answer/.test((c.querySelector('.cell_input') || {}).textContent || ''));
+            const summary = cell && cell.querySelector('details summary');
+            if (!summary) return null;
+            summary.scrollIntoView({block: 'center'});
+            const r = summary.getBoundingClientRect();
+            return [r.x + r.width / 2, r.y + r.height / 2];
+        })()""")
+        assert box, "no folded answer cell on the radix tree chapter"
+        tab.click(*box)
+        shown = tab.eval("""(() => {
+            const cell = [...document.querySelectorAll('div.cell')].find(c =>
+                /#\\s*Your answer/.test((c.querySelector('.cell_input') || {}).textContent || ''));
+            const pre = cell.querySelector('.cell_input pre');
+            return pre.checkVisibility() && pre.getBoundingClientRect().height > 0;
+        })()""")
+        assert shown, "clicking the fold's summary did not show the answer cell"
+    finally:
+        tab.close()
+
+
+@needs_site
+def test_search_ranks_the_chapter_named_by_the_query_first(browser):
+    """Searching "radix tree" lists the radix tree chapter first (book/_ext/search_scorer.js),
+    not a page that only has "tree" in a section title (Sphinx's default ranked "Integrity")."""
+    tab = browser.open_tab((HTML / "search.html").as_uri() + "?q=radix+tree", DESKTOP_WIDTH)
+    try:
+        titles = tab.eval("""new Promise(resolve => {
+            const t0 = Date.now();
+            const poll = () => {
+                const items = [...document.querySelectorAll('#search-results li a')];
+                const done = document.querySelector('#search-results p.search-summary');
+                if ((done && items.length) || Date.now() - t0 > 20000) {
+                    resolve(items.map(a => a.textContent.replace(/\\s+/g, ' ').trim()));
+                } else setTimeout(poll, 100);
+            };
+            poll();
+        })""")
+        assert titles, "the search page found nothing for 'radix tree'"
+        assert "The radix tree" in titles[0], f"results for 'radix tree', best first: {titles[:6]}"
+    finally:
+        tab.close()
+
+
+@needs_site
+def test_printout_shows_answers_and_uncut_code(browser):
+    """Printing (or saving as PDF) opens every fold, answers included (book.js on beforeprint),
+    and the print styles (book.css) wrap code instead of cutting it at the page's edge."""
+    tab = browser.open_tab((HTML / "book" / "10_radix_tree.html").as_uri(), 800)
+    try:
+        b = tab.b
+        b.call("Emulation.setEmulatedMedia", {"media": "print"}, session=tab.session)
+        state = tab.eval("""(async () => {
+            window.dispatchEvent(new Event('beforeprint'));
+            await new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)));
+            const main = document.querySelector('main');
+            const closed = main.querySelectorAll('details:not([open])').length;
+            const cut = [...main.querySelectorAll('pre')].filter(
+                p => p.getClientRects().length && p.scrollWidth - p.clientWidth > 1).length;
+            const answer = [...main.querySelectorAll('div.cell')].find(c =>
+                /#\\s*Your answer/.test((c.querySelector('.cell_input') || {}).textContent || ''));
+            const pre = answer && answer.querySelector('.cell_input pre');
+            const answer_shown = !!pre && pre.checkVisibility();
+            // dropdown admonitions (challenge answers) are printed open too
+            const folded_notes = [...main.querySelectorAll('.admonition.toggle-hidden')].filter(
+                a => [...a.children].some(c => !c.matches('.admonition-title, button')
+                                              && c.getBoundingClientRect().height === 0)).length;
+            window.dispatchEvent(new Event('afterprint'));
+            return {closed, cut, answer_shown, folded_notes,
+                    closed_after: main.querySelectorAll('details:not([open])').length};
+        })()""")
+        assert state["closed"] == 0, f"folds left closed in the printout: {state}"
+        assert state["answer_shown"], f"the answer cell is not in the printout: {state}"
+        assert state["folded_notes"] == 0, f"dropdown answers left folded in the printout: {state}"
+        assert state["cut"] == 0, f"code cut at the printed page's edge: {state}"
+        assert state["closed_after"] > 0, f"the folds did not close again after printing: {state}"
+    finally:
+        tab.close()
+
+
+# The sidebar's link to a chapter, and whether a reader can see it (on screen, not covered).
+CHAPTER_LINK_SEEN = r"""
+(() => {
+  const links = [...document.querySelectorAll('a.reference.internal')]
+    .filter(a => /\/book\/01_[^/]*\.html$/.test(new URL(a.href).pathname)
+                 && a.closest('.bd-sidebar-primary, #pst-primary-sidebar-modal'));
+  return links.some(a => {
+    const r = a.getBoundingClientRect();
+    if (!(r.width > 0 && r.height > 0 && r.left >= 0 && r.right <= innerWidth + 1
+          && r.top >= 0 && r.bottom <= innerHeight)) return false;
+    const hit = document.elementFromPoint(r.x + r.width / 2, r.y + r.height / 2);
+    return !!hit && (a === hit || a.contains(hit));
+  });
+})()
+"""
+
+# The page's own table of contents (the secondary sidebar): whether a reader can see it.
+PAGE_TOC_SEEN = r"""
+(() => [...document.querySelectorAll('.bd-toc-nav a, #pst-secondary-sidebar-modal a')].some(a => {
+  const r = a.getBoundingClientRect();
+  return r.width > 0 && r.height > 0 && r.left >= 0 && r.right <= innerWidth + 1
+         && r.top >= 0 && r.bottom <= innerHeight && a.checkVisibility();
+}))()
+"""
+
+VISIBLE_BUTTON = r"""
+((sel) => {
+  const b = [...document.querySelectorAll(sel)].find(e => {
+    const r = e.getBoundingClientRect();
+    return r.width > 0 && r.height > 0 && e.checkVisibility();
+  });
+  if (!b) return null;
+  const r = b.getBoundingClientRect();
+  return [r.x + r.width / 2, r.y + r.height / 2];
+})
+"""
+
+
+@needs_site
+@pytest.mark.parametrize("toggle, seen", [(".primary-toggle", CHAPTER_LINK_SEEN),
+                                          (".secondary-toggle", PAGE_TOC_SEEN)],
+                         ids=["chapter list", "page contents"])
+def test_phone_sidebar_toggles_open_the_sidebars(browser, toggle, seen):
+    """On a phone (420 px) the header's buttons open the chapter list and the page's contents
+    (pydata-sphinx-theme 0.17 listens only on the first toggle of the page, which the book
+    theme hides; book/_static/book.js forwards the visible button's click)."""
+    tab = browser.open_tab((HTML / "book" / "10_radix_tree.html").as_uri(), PHONE_WIDTH)
+    try:
+        assert not tab.eval(seen), "the sidebar is open before any click"
+        box = tab.eval(f"{VISIBLE_BUTTON}({json.dumps(toggle)})")
+        assert box, f"no visible {toggle} button at {PHONE_WIDTH}px"
+        tab.click(*box)
+        assert tab.eval(seen), f"clicking {toggle} at {PHONE_WIDTH}px did not open its sidebar"
+    finally:
+        tab.close()
+
+
+@needs_site
+def test_laptop_sidebar_toggle_collapses_and_restores_the_chapter_list(browser):
+    """At 1400 px the article header's button hides the chapter list and brings it back (the
+    book theme's handler sits on the hidden header button; book.js forwards to it)."""
+    tab = browser.open_tab((HTML / "book" / "10_radix_tree.html").as_uri(), DESKTOP_WIDTH)
+    try:
+        shown = "getComputedStyle(document.querySelector('.bd-sidebar-primary')).visibility"
+        assert tab.eval(shown) == "visible"
+        tab.click(*tab.eval(f"{VISIBLE_BUTTON}('.primary-toggle')"))
+        assert tab.eval(shown) == "hidden", "the button did not hide the chapter list"
+        tab.click(*tab.eval(f"{VISIBLE_BUTTON}('.primary-toggle')"))
+        assert tab.eval(shown) == "visible", "the button did not bring the chapter list back"
+    finally:
+        tab.close()
 
 
 # --------------------------------------------------------------------------- by hand

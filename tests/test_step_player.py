@@ -23,9 +23,11 @@ from urllib.parse import urlparse
 import pytest
 import torch
 from test_site import (  # noqa: F401  (fixture)
+    DESKTOP_WIDTH,
     HTML,
     LOCAL_SCHEMES,
     PAGE_TIMEOUT_S,
+    PHONE_WIDTH,
     QUIET_S,
     Chromium,
     browser,
@@ -311,3 +313,37 @@ def test_hostile_strings_stay_text_in_the_browser(browser, tmp_path):  # noqa: F
         assert not page.external, f"the page requested resources outside file://: {page.external}"
     finally:
         page.close()
+
+
+@needs_site
+def test_step_player_keeps_its_height(browser):  # noqa: F811  (the fixture imported from test_site)
+    """Stepping through the frames does not move the page: the player is as tall on every step
+    (book/_static/book.css stacks the frames in one grid cell), at a laptop's and a phone's
+    width."""
+    for width in (DESKTOP_WIDTH, PHONE_WIDTH):
+        tab = browser.open_tab(PAGE.as_uri(), width)
+        try:
+            # the theme scrolls smoothly: a click must not land while the page still moves
+            tab.eval("document.documentElement.style.scrollBehavior = 'auto'")
+            n = tab.eval(
+                "document.querySelectorAll('.kvp')[0].querySelectorAll('.kvp-frame').length"
+            )
+            assert n >= 3, f"the player should have several frames, got {n}"
+            heights = []
+            for step in range(n):
+                box = tab.eval("""(() => {
+                    const p = document.querySelector('.kvp');
+                    p.scrollIntoView({block: 'start'});
+                    const b = p.querySelector('.kvp-next').getBoundingClientRect();
+                    return [p.getBoundingClientRect().height, parseInt(p.getAttribute('data-step')),
+                            b.x + b.width / 2, b.y + b.height / 2];
+                })()""")
+                assert box[1] == step, f"the player should be at step {step}: {box}"
+                heights.append(box[0])
+                if step < n - 1:
+                    tab.click(box[2], box[3])
+            assert max(heights) - min(heights) <= 1, (
+                f"at {width}px the player's height changes between steps: {heights}"
+            )
+        finally:
+            tab.close()

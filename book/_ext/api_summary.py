@@ -80,7 +80,8 @@ class LayerSummary(Autosummary):
         except ValueError as err:
             raise self.error(f"layer-summary: {err}") from None
         self.content = StringList(
-            [f"~{module_name}.{name}" for name in names], source=self.get_source_info()[0]
+            [f"~{module_name}.{name}" for name in names],
+            source=self.get_source_info()[0],
         )
         self.arguments = []
         return super().run()
@@ -122,7 +123,9 @@ class LayerData(SphinxDirective):
             rst.append("")
         container = nodes.container()
         self.state.nested_parse(
-            StringList(rst, source=self.get_source_info()[0]), self.content_offset, container
+            StringList(rst, source=self.get_source_info()[0]),
+            self.content_offset,
+            container,
         )
         return container.children
 
@@ -140,7 +143,11 @@ def _resolve_across_layers(app: Sphinx, env: Any, node: Any, contnode: Any) -> A
     if "." in target:  # Class.method
         found = [name for name in objects if name.endswith("." + target)]
     else:  # a module-level name only: kvcache.<layer>.<Name>
-        found = [name for name in objects if name.endswith("." + target) and name.count(".") == 2]
+        found = [
+            name
+            for name in objects
+            if name.endswith("." + target) and name.count(".") == 2
+        ]
     found = [name for name in found if name.startswith("kvcache.")]
     if len(found) != 1:
         return None

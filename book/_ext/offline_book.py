@@ -21,7 +21,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-_WIDGET_FONTS = Path(__file__).resolve().parents[1] / "_static" / "vendor" / "jupyter-widgets"
+_WIDGET_FONTS = (
+    Path(__file__).resolve().parents[1] / "_static" / "vendor" / "jupyter-widgets"
+)
 
 
 def _is_thebe(script) -> bool:
