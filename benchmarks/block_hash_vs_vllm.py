@@ -26,17 +26,17 @@ import platform
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Dict, List, Tuple
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from vllm_standin import VllmStandIn  # noqa: E402
+from vllm_standin import VllmStandIn
 
-from kvcache import BaseCacheManager, BlockHashCacheManager, PageAllocator, RequestFlow  # noqa: E402
-from kvcache.serving.workloads import Job, multi_turn_chat  # noqa: E402
+from kvcache import BaseCacheManager, BlockHashCacheManager, PageAllocator, RequestFlow
+from kvcache.serving.workloads import Job, multi_turn_chat
 
 VOCAB = 32000
 #: What the time inside manager calls is measured with: wall clock, or this process's CPU time
@@ -45,26 +45,32 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 clock = time.perf_counter
 
 
-def _toks(rng: random.Random, n: int) -> List[int]:
+def _toks(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(VOCAB) for _ in range(n)]
 
 
-def _job(prompt: List[int], output: List[int]) -> Job:
+def _job(prompt: list[int], output: list[int]) -> Job:
     return Job(torch.tensor(prompt, dtype=torch.int64), torch.tensor(output, dtype=torch.int64))
 
 
-def chat_trace(seed: int = 0) -> List[Job]:
-    return multi_turn_chat(110, 8, system_len=400, message_len=(20, 200), output_len=(20, 300), seed=seed)
+def chat_trace(seed: int = 0) -> list[Job]:
+    return multi_turn_chat(
+        110, 8, system_len=400, message_len=(20, 200), output_len=(20, 300), seed=seed
+    )
 
 
-def few_shot_trace(seed: int = 0, num_requests: int = 800, num_tasks: int = 8) -> List[Job]:
+def few_shot_trace(seed: int = 0, num_requests: int = 800, num_tasks: int = 8) -> list[Job]:
     rng = random.Random(seed)
     prefixes = [_toks(rng, rng.randint(2000, 8000)) for _ in range(num_tasks)]
-    return [_job(rng.choice(prefixes) + _toks(rng, rng.randint(20, 200)), _toks(rng, rng.randint(5, 50)))
-            for _ in range(num_requests)]
+    return [
+        _job(
+            rng.choice(prefixes) + _toks(rng, rng.randint(20, 200)), _toks(rng, rng.randint(5, 50))
+        )
+        for _ in range(num_requests)
+    ]
 
 
-def agent_trace(seed: int = 0, num_requests: int = 800, sessions: int = 100) -> List[Job]:
+def agent_trace(seed: int = 0, num_requests: int = 800, sessions: int = 100) -> list[Job]:
     rng = random.Random(seed)
     tools = _toks(rng, 1500)
     history = [[tools + _toks(rng, rng.randint(100, 300))] for _ in range(sessions)]  # turn states
@@ -80,7 +86,11 @@ def agent_trace(seed: int = 0, num_requests: int = 800, sessions: int = 100) -> 
     return jobs
 
 
-TRACES: Dict[str, Callable[[], List[Job]]] = {"chat": chat_trace, "few-shot": few_shot_trace, "agent": agent_trace}
+TRACES: dict[str, Callable[[], list[Job]]] = {
+    "chat": chat_trace,
+    "few-shot": few_shot_trace,
+    "agent": agent_trace,
+}
 
 
 class Timed(BaseCacheManager):
@@ -134,8 +144,9 @@ class Timed(BaseCacheManager):
         return out
 
 
-def drive(make: Callable[[], BaseCacheManager], jobs: List[Job], pool_tokens: int,
-          page_size: int) -> Tuple[float, float, Dict[str, object]]:
+def drive(
+    make: Callable[[], BaseCacheManager], jobs: list[Job], pool_tokens: int, page_size: int
+) -> tuple[float, float, dict[str, object]]:
     """Replay ``jobs`` (prompt, then the output appended, then finish) and return
     (seconds inside manager calls, of which boundary conversions, decisions)."""
     inner = make()
@@ -154,19 +165,25 @@ def drive(make: Callable[[], BaseCacheManager], jobs: List[Job], pool_tokens: in
         flow.finish(req)
     cached = sorted(inner.cached_indices().tolist())
     decisions = {"reused": reused, "evicted_tokens": flow.stats.evicted_tokens, "cached": cached}
-    return timed.seconds, (getattr(inner, "boundary_seconds", 0.0), getattr(inner, "hash_seconds", 0.0)), decisions
+    return (
+        timed.seconds,
+        (getattr(inner, "boundary_seconds", 0.0), getattr(inner, "hash_seconds", 0.0)),
+        decisions,
+    )
 
 
-def compare(page_size: int, repeats: int, pool_tokens: int) -> Dict[str, Dict[str, float]]:
-    makers: Dict[str, Callable[[], BaseCacheManager]] = {
+def compare(page_size: int, repeats: int, pool_tokens: int) -> dict[str, dict[str, float]]:
+    makers: dict[str, Callable[[], BaseCacheManager]] = {
         "BlockHashCacheManager": lambda: BlockHashCacheManager("cpu", page_size),
         "vLLM stand-in": lambda: VllmStandIn("cpu", page_size),
-        "vLLM stand-in, hashing in match and insert": lambda: VllmStandIn("cpu", page_size, hash_once=False),
+        "vLLM stand-in, hashing in match and insert": lambda: VllmStandIn(
+            "cpu", page_size, hash_once=False
+        ),
     }
-    out: Dict[str, Dict[str, float]] = {}
+    out: dict[str, dict[str, float]] = {}
     for trace, gen in TRACES.items():
         jobs = gen()
-        best: Dict[str, Tuple[float, Tuple[float, float]]] = {}
+        best: dict[str, tuple[float, tuple[float, float]]] = {}
         ref = None
         for _ in range(repeats):  # interleaved, best of each: load on the machine hits both alike
             for name, make in makers.items():
@@ -174,12 +191,17 @@ def compare(page_size: int, repeats: int, pool_tokens: int) -> Dict[str, Dict[st
                 if ref is None:
                     ref = decisions
                 elif decisions != ref:
-                    raise SystemExit(f"{name} decided differently from BlockHashCacheManager on {trace}: void")
+                    raise SystemExit(
+                        f"{name} decided differently from BlockHashCacheManager on {trace}: void"
+                    )
                 if name not in best or secs < best[name][0]:
                     best[name] = (secs, boundary)
         ours = best["BlockHashCacheManager"][0]
-        row: Dict[str, float] = {"requests": len(jobs), "evicted_tokens": ref["evicted_tokens"],  # type: ignore[index]
-                                 "reused_tokens": sum(ref["reused"])}  # type: ignore[index]
+        row: dict[str, float] = {
+            "requests": len(jobs),
+            "evicted_tokens": ref["evicted_tokens"],  # type: ignore[index]
+            "reused_tokens": sum(ref["reused"]),
+        }  # type: ignore[index]
         for name, (secs, (boundary, hashing)) in best.items():
             row[f"{name} seconds"] = secs
             if name != "BlockHashCacheManager":
@@ -190,14 +212,15 @@ def compare(page_size: int, repeats: int, pool_tokens: int) -> Dict[str, Dict[st
     return out
 
 
-def radix_ops_rows(num_requests: int, pool_tokens: int, page_sizes: Tuple[int, ...] = (1, 16),
-                   repeats: int = 2) -> Dict[str, Dict[str, float]]:
+def radix_ops_rows(
+    num_requests: int, pool_tokens: int, page_sizes: tuple[int, ...] = (1, 16), repeats: int = 2
+) -> dict[str, dict[str, float]]:
     """`BlockHashCacheManager` on `benchmarks/radix_ops.py`'s workload (``mixed``, through
     `RequestFlow`), one row per page size: the whole flow and the time inside manager calls."""
     from kvcache.serving.workloads import mixed
 
     jobs = mixed(num_requests, seed=0)
-    rows: Dict[str, Dict[str, float]] = {}
+    rows: dict[str, dict[str, float]] = {}
     for ps in page_sizes:
         flow_s, manager_s = [], []
         for _ in range(repeats):
@@ -213,20 +236,25 @@ def radix_ops_rows(num_requests: int, pool_tokens: int, page_sizes: Tuple[int, .
                 flow.finish(req)
             flow_s.append(time.perf_counter() - t0)
             manager_s.append(timed.seconds)
-        rows[f"page_size_{ps}"] = {"flow_seconds": min(flow_s), "manager_seconds": min(manager_s),
-                                   "requests_per_s": num_requests / min(flow_s),
-                                   "manager_requests_per_s": num_requests / min(manager_s),
-                                   "reused_tokens": flow.stats.reused_tokens}
+        rows[f"page_size_{ps}"] = {
+            "flow_seconds": min(flow_s),
+            "manager_seconds": min(manager_s),
+            "requests_per_s": num_requests / min(flow_s),
+            "manager_requests_per_s": num_requests / min(manager_s),
+            "reused_tokens": flow.stats.reused_tokens,
+        }
     return rows
 
 
-def print_radix_ops_rows(rows: Dict[str, Dict[str, float]]) -> None:
+def print_radix_ops_rows(rows: dict[str, dict[str, float]]) -> None:
     for key, r in rows.items():
         name = f"BlockHash ps={key.rsplit('_', 1)[1]}"
-        print(f"  {name:18s} {r['requests_per_s']:8.0f} req/s {r['manager_requests_per_s']:14.0f} req/s")
+        print(
+            f"  {name:18s} {r['requests_per_s']:8.0f} req/s {r['manager_requests_per_s']:14.0f} req/s"
+        )
 
 
-def main(argv: List[str] | None = None) -> Dict[str, object]:
+def main(argv: list[str] | None = None) -> dict[str, object]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--page-size", type=int, nargs="+", default=[16])
     ap.add_argument("--repeats", type=int, default=3)
@@ -237,21 +265,32 @@ def main(argv: List[str] | None = None) -> Dict[str, object]:
     global clock
     clock = CLOCKS[args.clock]
     torch.set_num_threads(1)
-    info = {"cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
-            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "clock": args.clock}
+    info = {
+        "cpu": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "clock": args.clock,
+    }
     print(f"ran on: {info}")
-    result: Dict[str, object] = {"machine": info}
+    result: dict[str, object] = {"machine": info}
     for ps in args.page_size:
         rows = compare(ps, args.repeats, args.pool)
         result[f"page_size_{ps}"] = rows
-        print(f"\npage size {ps}, pool {args.pool} tokens; seconds inside manager calls (best of {args.repeats}):")
+        print(
+            f"\npage size {ps}, pool {args.pool} tokens; seconds inside manager calls (best of {args.repeats}):"
+        )
         for trace, row in rows.items():
-            print(f"  {trace:9s} ({row['requests']} requests, {row['reused_tokens']} reused, "
-                  f"{row['evicted_tokens']} evicted): ours {row['BlockHashCacheManager seconds']:.3f} s")
+            print(
+                f"  {trace:9s} ({row['requests']} requests, {row['reused_tokens']} reused, "
+                f"{row['evicted_tokens']} evicted): ours {row['BlockHashCacheManager seconds']:.3f} s"
+            )
             for name in ("vLLM stand-in", "vLLM stand-in, hashing in match and insert"):
-                print(f"      {name:44s} {row[name + ' seconds']:.3f} s  ratio {row[name + ' ratio']:.2f}x "
-                      f"(net of tensor/list conversions {row[name + ' net ratio']:.2f}x; "
-                      f"{row[name + ' hash seconds']:.3f} s of it SHA-256)")
+                print(
+                    f"      {name:44s} {row[name + ' seconds']:.3f} s  ratio {row[name + ' ratio']:.2f}x "
+                    f"(net of tensor/list conversions {row[name + ' net ratio']:.2f}x; "
+                    f"{row[name + ' hash seconds']:.3f} s of it SHA-256)"
+                )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))

@@ -28,28 +28,29 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Callable, Dict, List
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from source_radix import SourceRadixCacheManager  # noqa: E402
-from source_radix_paged import PagedSourceRadixCacheManager  # noqa: E402
+from source_radix import SourceRadixCacheManager
+from source_radix_paged import PagedSourceRadixCacheManager
 
-from kvcache import BaseCacheManager, PageAllocator, RadixCacheManager, RequestFlow  # noqa: E402
-from kvcache.serving.workloads import Job, agent, long_few_shot, mixed, multi_turn_chat, replay  # noqa: E402
+from kvcache import BaseCacheManager, PageAllocator, RadixCacheManager, RequestFlow
+from kvcache.serving.workloads import Job, agent, long_few_shot, mixed, multi_turn_chat, replay
 
 # name -> factory(page_size); None where the manager has no such page size.
-MANAGERS: Dict[str, Callable[[int], BaseCacheManager | None]] = {
+MANAGERS: dict[str, Callable[[int], BaseCacheManager | None]] = {
     "source design": lambda ps: SourceRadixCacheManager() if ps == 1 else None,
     "page-aware source": lambda ps: PagedSourceRadixCacheManager(page_size=ps),
     "RadixCacheManager": lambda ps: RadixCacheManager(page_size=ps),
 }
 
 # name -> (jobs, pool size in tokens: small enough that every trace evicts)
-TRACES: Dict[str, Callable[[], tuple]] = {
+TRACES: dict[str, Callable[[], tuple]] = {
     "chat": lambda: (multi_turn_chat(110, 8, seed=0), 40_000),
     "few-shot": lambda: (long_few_shot(800, seed=0), 60_000),
     "agent": lambda: (agent(800, seed=0), 60_000),
@@ -66,8 +67,8 @@ class RecordedCalls:
 
     def __init__(self, manager: BaseCacheManager) -> None:
         self.manager = manager
-        self.calls: List[tuple] = []  # (method, args) with handles as ("handle", call number)
-        self._handles: Dict[int, int] = {}
+        self.calls: list[tuple] = []  # (method, args) with handles as ("handle", call number)
+        self._handles: dict[int, int] = {}
 
     def __getattr__(self, name: str):
         attr = getattr(self.manager, name)
@@ -75,8 +76,14 @@ class RecordedCalls:
             return attr
 
         def recorded(*args, **kwargs):
-            saved = [("handle", self._handles[id(a)]) if id(a) in self._handles
-                     else a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+            saved = [
+                ("handle", self._handles[id(a)])
+                if id(a) in self._handles
+                else a.clone()
+                if isinstance(a, torch.Tensor)
+                else a
+                for a in args
+            ]
             out = attr(*args, **kwargs)
             handle = out[0] if name == "match_prefix" else getattr(out, "handle", None)
             if handle is not None:
@@ -87,12 +94,14 @@ class RecordedCalls:
         return recorded
 
 
-def replay_calls(calls: List[tuple], manager: BaseCacheManager) -> float:
+def replay_calls(calls: list[tuple], manager: BaseCacheManager) -> float:
     """CPU seconds of the thread to make ``calls`` (from `RecordedCalls`) on ``manager``."""
-    handles: Dict[int, object] = {}
+    handles: dict[int, object] = {}
     t0 = time.thread_time()
     for k, (name, args, kwargs) in enumerate(calls):
-        out = getattr(manager, name)(*[handles[a[1]] if type(a) is tuple else a for a in args], **kwargs)
+        out = getattr(manager, name)(
+            *[handles[a[1]] if type(a) is tuple else a for a in args], **kwargs
+        )
         if name == "match_prefix":
             handles[k] = out[0]
         elif name == "insert_and_match":
@@ -100,14 +109,23 @@ def replay_calls(calls: List[tuple], manager: BaseCacheManager) -> float:
     return time.thread_time() - t0
 
 
-def machine() -> Dict[str, str]:
-    return {"cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
-            "torch": torch.__version__, "threads": str(torch.get_num_threads()),
-            "date": time.strftime("%Y-%m-%d")}
+def machine() -> dict[str, str]:
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": str(torch.get_num_threads()),
+        "date": time.strftime("%Y-%m-%d"),
+    }
 
 
-def run(jobs: List[Job], make: Callable[[], BaseCacheManager], num_slots: int, page_size: int,
-        repeats: int) -> Dict[str, float]:
+def run(
+    jobs: list[Job],
+    make: Callable[[], BaseCacheManager],
+    num_slots: int,
+    page_size: int,
+    repeats: int,
+) -> dict[str, float]:
     """Best of ``repeats``: CPU seconds of the whole flow, and of the manager's calls alone.
 
     The flow runs with the bare manager; its manager calls are recorded in one more run and
@@ -123,38 +141,52 @@ def run(jobs: List[Job], make: Callable[[], BaseCacheManager], num_slots: int, p
         flow_s.append(time.thread_time() - t0)
         manager_s.append(replay_calls(recorder.calls, make()))
     n = len(jobs)
-    return {"flow_seconds": min(flow_s), "manager_seconds": min(manager_s),
-            "requests_per_s": n / min(flow_s), "manager_requests_per_s": n / min(manager_s),
-            "reused_tokens": flow.stats.reused_tokens, "evicted_tokens": flow.stats.evicted_tokens,
-            "evictions": flow.stats.evictions}
+    return {
+        "flow_seconds": min(flow_s),
+        "manager_seconds": min(manager_s),
+        "requests_per_s": n / min(flow_s),
+        "manager_requests_per_s": n / min(manager_s),
+        "reused_tokens": flow.stats.reused_tokens,
+        "evicted_tokens": flow.stats.evicted_tokens,
+        "evictions": flow.stats.evictions,
+    }
 
 
-def throughput(num_requests: int, num_slots: int, repeats: int, page_size: int = 1) -> Dict[str, Dict[str, float]]:
+def throughput(
+    num_requests: int, num_slots: int, repeats: int, page_size: int = 1
+) -> dict[str, dict[str, float]]:
     """The mixed workload through every manager that has ``page_size``."""
     jobs = mixed(num_requests, seed=0)
     tokens = sum(len(j.prompt) + len(j.output) for j in jobs)
-    out: Dict[str, Dict[str, float]] = {}
+    out: dict[str, dict[str, float]] = {}
     for name, make in MANAGERS.items():
         if make(page_size) is None:
             continue
-        r = run(jobs, lambda: make(page_size), num_slots, page_size, repeats)  # type: ignore[arg-type, return-value]
+        r = run(jobs, partial(make, page_size), num_slots, page_size, repeats)  # type: ignore[arg-type, return-value]
         r["tokens_per_s"] = tokens / r["flow_seconds"]
         out[name] = r
     return out
 
 
-def traces(page_sizes: List[int], repeats: int) -> Dict[str, Dict[str, Dict[str, Dict[str, float]]]]:
+def traces(
+    page_sizes: list[int], repeats: int
+) -> dict[str, dict[str, dict[str, dict[str, float]]]]:
     """``result[trace][page_size][manager]``, each as `run` returns it."""
-    out: Dict[str, Dict[str, Dict[str, Dict[str, float]]]] = {}
+    out: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
     for trace, build in TRACES.items():
         jobs, num_slots = build()
         out[trace] = {}
         for ps in page_sizes:
-            res = {name: run(jobs, lambda: make(ps), num_slots, ps, repeats)  # type: ignore[arg-type, return-value]
-                   for name, make in MANAGERS.items() if make(ps) is not None}
+            res = {
+                name: run(jobs, partial(make, ps), num_slots, ps, repeats)  # type: ignore[arg-type, return-value]
+                for name, make in MANAGERS.items()
+                if make(ps) is not None
+            }
             decisions = {(r["reused_tokens"], r["evicted_tokens"]) for r in res.values()}
             if len(decisions) != 1:
-                raise SystemExit(f"{trace}, page size {ps}: managers made different cache decisions {res}")
+                raise SystemExit(
+                    f"{trace}, page size {ps}: managers made different cache decisions {res}"
+                )
             out[trace][str(ps)] = res
     return out
 
@@ -166,8 +198,10 @@ def evict_one_leaf(num_leaves: int, make: Callable[[], BaseCacheManager], calls:
     m = make()
     parents = 256
     for i in range(num_leaves):
-        m.insert_prefix(torch.tensor([i % parents, 1000 + i // parents]),
-                        torch.tensor([2 * i, 2 * i + 1], dtype=torch.int32))
+        m.insert_prefix(
+            torch.tensor([i % parents, 1000 + i // parents]),
+            torch.tensor([2 * i, 2 * i + 1], dtype=torch.int32),
+        )
     group = min(20, calls)
     times = []
     for _ in range(max(1, calls // group)):
@@ -178,7 +212,7 @@ def evict_one_leaf(num_leaves: int, make: Callable[[], BaseCacheManager], calls:
     return statistics.median(times)
 
 
-def block_hash_rows(num_requests: int, pool_tokens: int) -> Dict[str, Dict[str, float]]:
+def block_hash_rows(num_requests: int, pool_tokens: int) -> dict[str, dict[str, float]]:
     """`BlockHashCacheManager`'s own lines (page sizes 1 and 16): see benchmarks/block_hash_vs_vllm.py."""
     from block_hash_vs_vllm import print_radix_ops_rows, radix_ops_rows
 
@@ -187,25 +221,37 @@ def block_hash_rows(num_requests: int, pool_tokens: int) -> Dict[str, Dict[str, 
     return rows
 
 
-def print_traces(tr: Dict[str, Dict[str, Dict[str, Dict[str, float]]]]) -> None:
-    print("\ntraces: milliseconds inside manager calls (speed-up of RadixCacheManager), and its whole flow")
+def print_traces(tr: dict[str, dict[str, dict[str, dict[str, float]]]]) -> None:
+    print(
+        "\ntraces: milliseconds inside manager calls (speed-up of RadixCacheManager), and its whole flow"
+    )
     for trace, by_ps in tr.items():
         for ps, res in by_ps.items():
             ours = res["RadixCacheManager"]
-            cells = [f"{name} {r['manager_seconds'] * 1e3:7.1f} ms ({r['manager_seconds'] / ours['manager_seconds']:5.1f}x)"
-                     for name, r in res.items() if name != "RadixCacheManager"]
-            print(f"  {trace:9s} page {ps:>2s}: ours {ours['manager_seconds'] * 1e3:6.1f} ms | " + " | ".join(cells)
-                  + f" | flow {ours['flow_seconds'] * 1e3:6.1f} ms = {ours['flow_seconds'] / ours['manager_seconds']:.1f}x"
-                  f" manager ({ours['evictions']} evictions)")
+            cells = [
+                f"{name} {r['manager_seconds'] * 1e3:7.1f} ms ({r['manager_seconds'] / ours['manager_seconds']:5.1f}x)"
+                for name, r in res.items()
+                if name != "RadixCacheManager"
+            ]
+            print(
+                f"  {trace:9s} page {ps:>2s}: ours {ours['manager_seconds'] * 1e3:6.1f} ms | "
+                + " | ".join(cells)
+                + f" | flow {ours['flow_seconds'] * 1e3:6.1f} ms = {ours['flow_seconds'] / ours['manager_seconds']:.1f}x"
+                f" manager ({ours['evictions']} evictions)"
+            )
 
 
-def main(argv: List[str] | None = None) -> Dict[str, object]:
+def main(argv: list[str] | None = None) -> dict[str, object]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=3000)
     ap.add_argument("--pages", type=int, default=100_000, help="pool size in token slots")
-    ap.add_argument("--page-size", type=int, default=1, help="tokens per page for the mixed workload")
+    ap.add_argument(
+        "--page-size", type=int, default=1, help="tokens per page for the mixed workload"
+    )
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--traces", action="store_true", help="also run the chat, few-shot and agent traces")
+    ap.add_argument(
+        "--traces", action="store_true", help="also run the chat, few-shot and agent traces"
+    )
     ap.add_argument("--trace-page-sizes", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -221,34 +267,59 @@ def main(argv: List[str] | None = None) -> Dict[str, object]:
     base = tp["source design"] if "source design" in tp else tp["page-aware source"]
     if any(r["reused_tokens"] != ours["reused_tokens"] for r in tp.values()):
         raise SystemExit("every manager must cache the same prefixes; the comparison is void")
-    print(f"\nworkload: {args.requests} mixed requests through RequestFlow, pool of {args.pages} token slots, "
-          f"page size {ps} ({ours['evictions']} evict calls, {ours['evicted_tokens']} tokens evicted, "
-          f"{ours['reused_tokens']} reused)")
+    print(
+        f"\nworkload: {args.requests} mixed requests through RequestFlow, pool of {args.pages} token slots, "
+        f"page size {ps} ({ours['evictions']} evict calls, {ours['evicted_tokens']} tokens evicted, "
+        f"{ours['reused_tokens']} reused)"
+    )
     print(f"  {'':18s} {'whole flow':>14s} {'manager calls only':>20s}")
     for name, r in tp.items():
-        print(f"  {name:18s} {r['requests_per_s']:8.0f} req/s {r['manager_requests_per_s']:14.0f} req/s")
+        print(
+            f"  {name:18s} {r['requests_per_s']:8.0f} req/s {r['manager_requests_per_s']:14.0f} req/s"
+        )
     ratio = ours["requests_per_s"] / base["requests_per_s"]
     manager_ratio = ours["manager_requests_per_s"] / base["manager_requests_per_s"]
     print(f"  {'speed-up':18s} {ratio:12.1f}x {manager_ratio:18.1f}x")
-    print(f"  RadixCacheManager whole flow / manager calls: {ours['flow_seconds'] / ours['manager_seconds']:.2f}x")
-    block_hash = block_hash_rows(args.requests, args.pages)  # block-hash manager, page sizes 1 and 16
+    print(
+        f"  RadixCacheManager whole flow / manager calls: {ours['flow_seconds'] / ours['manager_seconds']:.2f}x"
+    )
+    block_hash = block_hash_rows(
+        args.requests, args.pages
+    )  # block-hash manager, page sizes 1 and 16
 
-    result: Dict[str, object] = {"machine": info, "page_size": ps, "throughput": tp, "speedup": ratio,
-                                 "manager_speedup": manager_ratio}
+    result: dict[str, object] = {
+        "machine": info,
+        "page_size": ps,
+        "throughput": tp,
+        "speedup": ratio,
+        "manager_speedup": manager_ratio,
+    }
     if args.traces:
         tr = traces(args.trace_page_sizes, args.repeats)
         print_traces(tr)
         result["traces"] = tr
 
     ev = {n: evict_one_leaf(n, RadixCacheManager, 400) for n in (1_000, 100_000)}
-    ev_base = {n: evict_one_leaf(n, SourceRadixCacheManager, 5 if n > 10_000 else 100) for n in (1_000, 100_000)}
+    ev_base = {
+        n: evict_one_leaf(n, SourceRadixCacheManager, 5 if n > 10_000 else 100)
+        for n in (1_000, 100_000)
+    }
     print("\nevict(1), median seconds per call:")
     for n in ev:
-        print(f"  {n:>7,} leaves: RadixCacheManager {ev[n] * 1e6:8.1f} µs   source design {ev_base[n] * 1e6:10.1f} µs")
+        print(
+            f"  {n:>7,} leaves: RadixCacheManager {ev[n] * 1e6:8.1f} µs   source design {ev_base[n] * 1e6:10.1f} µs"
+        )
     scale = ev[100_000] / ev[1_000]
-    print(f"  RadixCacheManager 100k / 1k leaves: {scale:.2f}x (source design: {ev_base[100_000] / ev_base[1_000]:.0f}x)")
-    result.update({"evict_seconds": {str(k): v for k, v in ev.items()},
-                   "evict_seconds_source": {str(k): v for k, v in ev_base.items()}, "evict_scaling": scale})
+    print(
+        f"  RadixCacheManager 100k / 1k leaves: {scale:.2f}x (source design: {ev_base[100_000] / ev_base[1_000]:.0f}x)"
+    )
+    result.update(
+        {
+            "evict_seconds": {str(k): v for k, v in ev.items()},
+            "evict_seconds_source": {str(k): v for k, v in ev_base.items()},
+            "evict_scaling": scale,
+        }
+    )
     result["block_hash"] = block_hash
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

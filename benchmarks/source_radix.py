@@ -12,7 +12,6 @@ from __future__ import annotations
 import heapq
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -23,8 +22,8 @@ class SourceNode:
     _counter = 0
 
     def __init__(self, timestamp: int = 0) -> None:
-        self.children: Dict[int, SourceNode] = {}
-        self._parent: Optional[SourceNode] = None
+        self.children: dict[int, SourceNode] = {}
+        self._parent: SourceNode | None = None
         self.ref_count = 0
         SourceNode._counter += 1
         self.uuid = SourceNode._counter
@@ -36,7 +35,7 @@ class SourceNode:
     def set_key_value(self, key: torch.Tensor, value: torch.Tensor) -> None:
         self._key, self._value, self._length = key, value, len(key)
 
-    def set_parent(self, parent: "SourceNode") -> None:
+    def set_parent(self, parent: SourceNode) -> None:
         self._parent = parent
         parent.children[int(self._key[0].item())] = self
 
@@ -45,7 +44,7 @@ class SourceNode:
         return self._length
 
     @property
-    def parent(self) -> "SourceNode":
+    def parent(self) -> SourceNode:
         assert self._parent is not None
         return self._parent
 
@@ -64,7 +63,7 @@ class SourceNode:
         diff = (self._key[:n] != input_ids[:n]).nonzero()
         return n if len(diff) == 0 else int(diff[0].item())
 
-    def _split_at(self, pos: int) -> "SourceNode":
+    def _split_at(self, pos: int) -> SourceNode:
         parent = self.parent
         new_node = SourceNode(self.timestamp)
         new_node.set_key_value(self._key[:pos], self._value[:pos])
@@ -74,7 +73,7 @@ class SourceNode:
         self.set_parent(new_node)
         return new_node
 
-    def __lt__(self, other: "SourceNode") -> bool:
+    def __lt__(self, other: SourceNode) -> bool:
         return self.timestamp < other.timestamp
 
 
@@ -97,7 +96,7 @@ class SourceRadixCacheManager(BaseCacheManager):
         self.evictable_size = 0
         self.protected_size = 0
 
-    def _walk(self, input_ids: torch.Tensor) -> Tuple[SourceNode, int]:
+    def _walk(self, input_ids: torch.Tensor) -> tuple[SourceNode, int]:
         prefix_len, node, tic = 0, self.root_node, time.monotonic_ns()
         while prefix_len < len(input_ids):
             this_id = int(input_ids[prefix_len].item())
@@ -113,7 +112,7 @@ class SourceRadixCacheManager(BaseCacheManager):
             node.timestamp = tic
         return node, prefix_len
 
-    def match_prefix(self, input_ids: torch.Tensor) -> Tuple[SourceHandle, torch.Tensor]:
+    def match_prefix(self, input_ids: torch.Tensor) -> tuple[SourceHandle, torch.Tensor]:
         node, prefix_len = self._walk(input_ids)
         if prefix_len == 0:
             return SourceHandle(0, node), self.empty_tensor
@@ -150,7 +149,7 @@ class SourceRadixCacheManager(BaseCacheManager):
                 node.ref_count += 1
                 node = node.parent
 
-    def _collect_leave_nodes_for_evict(self) -> List[SourceNode]:
+    def _collect_leave_nodes_for_evict(self) -> list[SourceNode]:
         stack, leaves = [self.root_node], []
         while stack:
             node = stack.pop()

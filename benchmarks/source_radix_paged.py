@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import heapq
 import time
-from typing import Hashable, Tuple
+from collections.abc import Hashable
 
 import torch
-
 from source_radix import SourceHandle, SourceNode, SourceRadixCacheManager
 
 
@@ -38,7 +37,7 @@ class PagedSourceNode(SourceNode):
         m = super().get_match_len(input_ids)
         return m // self.page_size * self.page_size
 
-    def _split_at(self, pos: int) -> "PagedSourceNode":
+    def _split_at(self, pos: int) -> PagedSourceNode:
         parent = self.parent
         new_node = PagedSourceNode(self.timestamp, self.page_size)
         new_node.set_key_value(self._key[:pos], self._value[:pos])
@@ -62,7 +61,7 @@ class PagedSourceRadixCacheManager(SourceRadixCacheManager):
     def _aligned(self, input_ids: torch.Tensor) -> torch.Tensor:
         return input_ids[: len(input_ids) // self.page_size * self.page_size]
 
-    def _walk(self, input_ids: torch.Tensor) -> Tuple[SourceNode, int]:
+    def _walk(self, input_ids: torch.Tensor) -> tuple[SourceNode, int]:
         prefix_len, node, tic = 0, self.root_node, time.monotonic_ns()
         while prefix_len < len(input_ids):
             this_key = _page_key(input_ids[prefix_len:], self.page_size)
@@ -78,7 +77,7 @@ class PagedSourceRadixCacheManager(SourceRadixCacheManager):
             node.timestamp = tic
         return node, prefix_len
 
-    def match_prefix(self, input_ids: torch.Tensor) -> Tuple[SourceHandle, torch.Tensor]:
+    def match_prefix(self, input_ids: torch.Tensor) -> tuple[SourceHandle, torch.Tensor]:
         return super().match_prefix(self._aligned(input_ids))
 
     def insert_prefix(self, input_ids: torch.Tensor, indices: torch.Tensor) -> int:
@@ -86,7 +85,9 @@ class PagedSourceRadixCacheManager(SourceRadixCacheManager):
         node, prefix_len = self._walk(input_ids)
         if prefix_len < len(input_ids):
             new_node = PagedSourceNode(time.monotonic_ns(), self.page_size)
-            new_node.set_key_value(input_ids[prefix_len:].clone(), indices[prefix_len:len(input_ids)].clone())
+            new_node.set_key_value(
+                input_ids[prefix_len:].clone(), indices[prefix_len : len(input_ids)].clone()
+            )
             new_node.set_parent(node)
             self.evictable_size += new_node.length
         return prefix_len

@@ -27,7 +27,6 @@ import hashlib
 import pickle
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -39,19 +38,21 @@ __all__ = ["VllmStandIn", "StandInHandle"]
 NONE_HASH = hashlib.sha256(b"kvcache stand-in NONE_HASH").digest()
 
 
-def sha256_block_hash(parent: bytes, tokens: Tuple[int, ...]) -> bytes:
-    return hashlib.sha256(pickle.dumps((parent, tokens, None), protocol=pickle.HIGHEST_PROTOCOL)).digest()
+def sha256_block_hash(parent: bytes, tokens: tuple[int, ...]) -> bytes:
+    return hashlib.sha256(
+        pickle.dumps((parent, tokens, None), protocol=pickle.HIGHEST_PROTOCOL)
+    ).digest()
 
 
 class _Block:
-    __slots__ = ("page", "ref_cnt", "block_hash", "prev", "next")
+    __slots__ = ("block_hash", "next", "page", "prev", "ref_cnt")
 
     def __init__(self, page: int, block_hash: bytes) -> None:
         self.page = page
         self.ref_cnt = 0
         self.block_hash = block_hash
-        self.prev: Optional[_Block] = None
-        self.next: Optional[_Block] = None
+        self.prev: _Block | None = None
+        self.next: _Block | None = None
 
 
 class _FreeQueue:
@@ -81,7 +82,7 @@ class _FreeQueue:
 
 @dataclass(frozen=True)
 class StandInHandle(BaseCacheHandle):
-    blocks: Tuple[_Block, ...] = ()
+    blocks: tuple[_Block, ...] = ()
 
 
 class VllmStandIn(BaseCacheManager):
@@ -97,19 +98,21 @@ class VllmStandIn(BaseCacheManager):
         self.reset()
 
     def reset(self) -> None:
-        self.cached: Dict[bytes, _Block] = {}
+        self.cached: dict[bytes, _Block] = {}
         self.free = _FreeQueue()
         self.num_locked = 0
-        self.requests: Dict[Tuple[int, ...], Tuple[List[int], List[bytes]]] = {}  # first block -> request
+        self.requests: dict[
+            tuple[int, ...], tuple[list[int], list[bytes]]
+        ] = {}  # first block -> request
 
     # --------------------------------------------------------- boundary
-    def _tokens(self, input_ids: torch.Tensor) -> List[int]:
+    def _tokens(self, input_ids: torch.Tensor) -> list[int]:
         t0 = self.clock()
         out = input_ids.numpy().tolist()
         self.boundary_seconds += self.clock() - t0
         return out
 
-    def _slots(self, blocks: List[_Block]) -> torch.Tensor:
+    def _slots(self, blocks: list[_Block]) -> torch.Tensor:
         t0 = self.clock()
         ps = self.page_size
         pages = np.fromiter([b.page for b in blocks], dtype=np.int64, count=len(blocks))
@@ -118,31 +121,31 @@ class VllmStandIn(BaseCacheManager):
         return out
 
     # ------------------------------------------------------------ hashes
-    def _block_hashes(self, ids: List[int]) -> List[bytes]:
+    def _block_hashes(self, ids: list[int]) -> list[bytes]:
         """``Request.block_hashes``: every full block's hash, reusing the request's earlier ones."""
         ps = self.page_size
         nb = len(ids) // ps
         if nb == 0:
             return []
-        known: List[bytes] = []
+        known: list[bytes] = []
         key = tuple(ids[:ps])
         if self.hash_once and key in self.requests:
             old_ids, old_hashes = self.requests[key]
             n = min(len(old_hashes), nb)
-            if old_ids[:n * ps] == ids[:n * ps]:
+            if old_ids[: n * ps] == ids[: n * ps]:
                 known = old_hashes[:n]
         hashes = list(known)
         parent = hashes[-1] if hashes else NONE_HASH
         t0 = self.clock()
         for i in range(len(hashes), nb):
-            parent = sha256_block_hash(parent, tuple(ids[i * ps:(i + 1) * ps]))
+            parent = sha256_block_hash(parent, tuple(ids[i * ps : (i + 1) * ps]))
             hashes.append(parent)
         self.hash_seconds += self.clock() - t0
         if self.hash_once:
             self.requests[key] = (ids, hashes)
         return hashes
 
-    def _computed(self, hashes: List[bytes]) -> List[_Block]:
+    def _computed(self, hashes: list[bytes]) -> list[_Block]:
         out = []
         for h in hashes:
             block = self.cached.get(h)
@@ -152,7 +155,7 @@ class VllmStandIn(BaseCacheManager):
         return out
 
     # ------------------------------------------------------------ the API
-    def match_prefix(self, input_ids: torch.Tensor) -> Tuple[StandInHandle, torch.Tensor]:
+    def match_prefix(self, input_ids: torch.Tensor) -> tuple[StandInHandle, torch.Tensor]:
         blocks = self._computed(self._block_hashes(self._tokens(input_ids)))
         return StandInHandle(len(blocks) * self.page_size, tuple(blocks)), self._slots(blocks)
 
@@ -177,10 +180,10 @@ class VllmStandIn(BaseCacheManager):
         hashes = self._block_hashes(self._tokens(input_ids))
         m = len(self._computed(hashes))
         t0 = self.clock()
-        pages = (indices[m * ps:len(hashes) * ps:ps].numpy() // ps).tolist()
+        pages = (indices[m * ps : len(hashes) * ps : ps].numpy() // ps).tolist()
         self.boundary_seconds += self.clock() - t0
         new = []
-        for h, page in zip(hashes[m:], pages):
+        for h, page in zip(hashes[m:], pages, strict=True):
             block = _Block(page, h)
             self.cached[h] = block
             new.append(block)
@@ -202,7 +205,11 @@ class VllmStandIn(BaseCacheManager):
         return SizeInfo(self.free.num_free * self.page_size, self.num_locked * self.page_size)
 
     def cached_indices(self) -> torch.Tensor:
-        return self._slots(list(self.cached.values())) if self.cached else torch.empty(0, dtype=torch.int32)
+        return (
+            self._slots(list(self.cached.values()))
+            if self.cached
+            else torch.empty(0, dtype=torch.int32)
+        )
 
     def check_integrity(self) -> None:
         pass

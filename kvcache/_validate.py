@@ -9,8 +9,6 @@ the bookkeeping arrays are small, and a NumPy op on them costs a fraction of a t
 
 from __future__ import annotations
 
-from typing import Union
-
 import numpy as np
 import torch
 
@@ -19,9 +17,9 @@ _INT_DTYPES = frozenset((torch.int8, torch.int16, torch.int32, torch.int64, torc
 _UNSIGNED = {4: np.uint32, 8: np.uint64}
 
 #: Slots are ``torch.int32``: a pool may hold at most this many token slots.
-MAX_SLOTS = 2 ** 31 - 1
+MAX_SLOTS = 2**31 - 1
 
-Device = Union[torch.device, str]
+Device = torch.device | str
 
 
 # ------------------------------------------------------------------------------ integers
@@ -42,8 +40,11 @@ def as_int(value: object, name: str) -> int:
         return int(value)
     if isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype in _INT_DTYPES:
         return int(value.item())
-    what = f"tensor of dtype {value.dtype} and shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) \
+    what = (
+        f"tensor of dtype {value.dtype} and shape {tuple(value.shape)}"
+        if isinstance(value, torch.Tensor)
         else f"{type(value).__name__} {value!r}"
+    )
     raise TypeError(f"{name} must be an integer (int, or a NumPy/torch integer scalar), got {what}")
 
 
@@ -83,6 +84,13 @@ def check_token_ids(input_ids: object, name: str = "input_ids") -> torch.Tensor:
     if not input_ids.is_cpu:
         raise ValueError(f"{name} must be on the CPU, got device {input_ids.device}")
     return input_ids
+
+
+def reject_one_tensor(values: object, name: str) -> None:
+    """``TypeError`` if ``values``, meant to be a sequence of 1-D token-id tensors, is one tensor
+    (iterating it would give its rows or elements)."""
+    if isinstance(values, torch.Tensor):
+        raise TypeError(f"{name} must be a sequence of 1-D token-id tensors, got one tensor")
 
 
 def check_indices(indices: object, device: torch.device, name: str = "indices") -> torch.Tensor:
@@ -128,7 +136,9 @@ def check_id_array(ids: object, name: str, limit: int) -> np.ndarray:
     return arr if arr.dtype == np.int32 else arr.astype(np.int32)
 
 
-def check_slot_tensor(slots: object, name: str, num_slots: int, device: torch.device) -> torch.Tensor:
+def check_slot_tensor(
+    slots: object, name: str, num_slots: int, device: torch.device
+) -> torch.Tensor:
     """Token slots of a pool: a 1-D integer tensor on ``device`` of values in ``[0, num_slots)``.
 
     Checked on the values as given, before any cast (on a GPU the range check reads two
@@ -150,7 +160,9 @@ def check_slot_tensor(slots: object, name: str, num_slots: int, device: torch.de
     return slots
 
 
-def check_same_length(n: int, expected: int, name: str = "indices", expected_name: str = "input_ids") -> None:
+def check_same_length(
+    n: int, expected: int, name: str = "indices", expected_name: str = "input_ids"
+) -> None:
     """The length-mismatch error: ``len(name)`` must equal ``len(expected_name)``."""
     if n != expected:
         raise ValueError(f"len({name}) ({n}) must equal len({expected_name}) ({expected})")
@@ -172,7 +184,10 @@ def check_device(device: object, name: str = "device") -> torch.device:
         return dev
     try:
         torch.empty(0, device=dev)
-    except (RuntimeError, AssertionError) as e:  # torch raises AssertionError when built without CUDA
+    except (
+        RuntimeError,
+        AssertionError,
+    ) as e:  # torch raises AssertionError when built without CUDA
         raise ValueError(f"{name} {str(dev)!r} is not available on this machine: {e}") from None
     return dev
 
@@ -218,7 +233,7 @@ def check_page_aligned(slots: np.ndarray, page_size: int, name: str = "indices")
     rows = slots.reshape(-1, page_size)
     first = rows[:, 0]
     if (first % page_size).any() or not np.array_equal(rows, first[:, None] + np.arange(page_size)):
-        shown = slots[:4 * page_size].tolist()
+        shown = slots[: 4 * page_size].tolist()
         raise ValueError(
             f"with page_size={page_size} every {page_size} {name} must be the consecutive slots of one page "
             f"(first slot a multiple of {page_size}); got {shown}{' ...' if slots.shape[0] > len(shown) else ''}"

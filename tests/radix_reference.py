@@ -4,14 +4,13 @@ to the slots of its last page and its last-use / insert times. No tree, no heap,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
 
-Prefix = Tuple[int, ...]
+Prefix = tuple[int, ...]
 
 
 @dataclass
 class Entry:
-    slots: Tuple[int, ...]
+    slots: tuple[int, ...]
     used: int
     inserted: int
 
@@ -19,8 +18,8 @@ class Entry:
 class ReferenceCache:
     def __init__(self, page_size: int) -> None:
         self.ps = page_size
-        self.entries: Dict[Prefix, Entry] = {}
-        self.locks: Dict[Prefix, int] = {}  # locked prefix -> number of locks
+        self.entries: dict[Prefix, Entry] = {}
+        self.locks: dict[Prefix, int] = {}  # locked prefix -> number of locks
         self.clock = 0
 
     def _aligned(self, seq: Prefix) -> Prefix:
@@ -32,32 +31,34 @@ class ReferenceCache:
             k += self.ps
         return k
 
-    def slots(self, seq: Prefix, k: int) -> List[int]:
+    def slots(self, seq: Prefix, k: int) -> list[int]:
         return [s for i in range(self.ps, k + 1, self.ps) for s in self.entries[seq[:i]].slots]
 
-    def match(self, seq: Prefix) -> Tuple[int, List[int]]:
+    def match(self, seq: Prefix) -> tuple[int, list[int]]:
         self.clock += 1
         k = self.longest(seq)
         for i in range(self.ps, k + 1, self.ps):
             self.entries[seq[:i]].used = self.clock
         return k, self.slots(seq, k)
 
-    def insert(self, seq: Prefix, slots: List[int]) -> int:
+    def insert(self, seq: Prefix, slots: list[int]) -> int:
         k = self.match(seq)[0]
         seq = self._aligned(seq)
         for i in range(k + self.ps, len(seq) + 1, self.ps):
-            self.entries[seq[:i]] = Entry(tuple(slots[i - self.ps:i]), self.clock, self.clock)
+            self.entries[seq[:i]] = Entry(tuple(slots[i - self.ps : i]), self.clock, self.clock)
         return k
 
     def locked(self, prefix: Prefix) -> bool:
         return any(lock[: len(prefix)] == prefix for lock in self.locks)
 
-    def sizes(self) -> Tuple[int, int]:
+    def sizes(self) -> tuple[int, int]:
         protected = sum(self.ps for p in self.entries if self.locked(p))
         return len(self.entries) * self.ps - protected, protected
 
-    def leaves(self) -> List[Prefix]:
-        return [p for p in self.entries if not any(q[: len(p)] == p and q != p for q in self.entries)]
+    def leaves(self) -> list[Prefix]:
+        return [
+            p for p in self.entries if not any(q[: len(p)] == p and q != p for q in self.entries)
+        ]
 
-    def owner_of_slots(self) -> Dict[int, Prefix]:
+    def owner_of_slots(self) -> dict[int, Prefix]:
         return {s: p for p, e in self.entries.items() for s in e.slots}

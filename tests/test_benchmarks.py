@@ -7,11 +7,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-import radix_ops  # noqa: E402
-from source_radix import SourceRadixCacheManager  # noqa: E402
+import radix_ops
+from source_radix import SourceRadixCacheManager
 
-from kvcache import PageAllocator, RadixCacheManager, RequestFlow  # noqa: E402
-from kvcache.serving.workloads import mixed, replay  # noqa: E402
+from kvcache import PageAllocator, RadixCacheManager, RequestFlow
+from kvcache.serving.workloads import mixed, replay
 
 
 def test_source_design_makes_the_same_cache_decisions():
@@ -29,8 +29,18 @@ def test_radix_ops_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(radix_ops, "evict_one_leaf", lambda n, make, calls: 1e-6)
     threads = torch.get_num_threads()
     try:
-        result = radix_ops.main(["--requests", "60", "--pages", "2000", "--repeats", "1",
-                                 "--json", str(tmp_path / "r.json")])
+        result = radix_ops.main(
+            [
+                "--requests",
+                "60",
+                "--pages",
+                "2000",
+                "--repeats",
+                "1",
+                "--json",
+                str(tmp_path / "r.json"),
+            ]
+        )
     finally:
         torch.set_num_threads(threads)
     assert (tmp_path / "r.json").exists() and result["speedup"] > 0

@@ -7,7 +7,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache import BlockHashCacheManager, NaiveCacheManager, PageAllocator, RadixCacheManager, RequestFlow
+from kvcache import (
+    BlockHashCacheManager,
+    NaiveCacheManager,
+    PageAllocator,
+    RadixCacheManager,
+    RequestFlow,
+)
 
 
 def serve(flow: RequestFlow, ids: list) -> None:
@@ -17,9 +23,11 @@ def serve(flow: RequestFlow, ids: list) -> None:
 
 
 def make(kind: str, page_size: int) -> RequestFlow:
-    manager = {"radix": lambda: RadixCacheManager(page_size=page_size),
-               "block": lambda: BlockHashCacheManager(page_size=page_size),
-               "naive": lambda: NaiveCacheManager()}[kind]()
+    manager = {
+        "radix": lambda: RadixCacheManager(page_size=page_size),
+        "block": lambda: BlockHashCacheManager(page_size=page_size),
+        "naive": lambda: NaiveCacheManager(),
+    }[kind]()
     return RequestFlow(manager, PageAllocator(16, manager.page_size))  # the naive manager's is 1
 
 
@@ -39,10 +47,20 @@ def test_reset_refused_while_running_changes_nothing(kind):
     flow = make(kind, 2)
     serve(flow, [1, 2, 3, 4])
     r = flow.begin(torch.tensor([1, 2, 3, 4, 5]))
-    before = (flow.manager.size_info, flow.allocator.free_pages().tolist(), r.indices.tolist(), r.tree_len)
+    before = (
+        flow.manager.size_info,
+        flow.allocator.free_pages().tolist(),
+        r.indices.tolist(),
+        r.tree_len,
+    )
     with pytest.raises(RuntimeError, match="1 requests are running"):
         flow.reset_prefix_cache()
-    assert (flow.manager.size_info, flow.allocator.free_pages().tolist(), r.indices.tolist(), r.tree_len) == before
+    assert (
+        flow.manager.size_info,
+        flow.allocator.free_pages().tolist(),
+        r.indices.tolist(),
+        r.tree_len,
+    ) == before
     flow.check_integrity()
     flow.abort(r)
     flow.reset_prefix_cache()
@@ -51,8 +69,11 @@ def test_reset_refused_while_running_changes_nothing(kind):
 
 
 @settings(max_examples=30, deadline=None, derandomize=True)
-@given(kind=st.sampled_from(["radix", "block", "naive"]), page_size=st.sampled_from([1, 2, 4]),
-       prompts=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=12), min_size=1, max_size=8))
+@given(
+    kind=st.sampled_from(["radix", "block", "naive"]),
+    page_size=st.sampled_from([1, 2, 4]),
+    prompts=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=12), min_size=1, max_size=8),
+)
 def test_reset_returns_every_cached_page(kind, page_size, prompts):
     flow = make(kind, page_size)
     for p in prompts:

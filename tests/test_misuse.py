@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import copy
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -11,7 +11,6 @@ import torch
 from kvcache import (
     NaiveCacheManager,
     PageAllocator,
-    RadixCacheHandle,
     RadixCacheManager,
     RequestFlow,
     SizeInfo,
@@ -29,16 +28,31 @@ def s(*xs: int) -> torch.Tensor:
 def radix_state(m: RadixCacheManager) -> Any:
     """Everything observable about the tree, for before/after comparison."""
     return (
-        m.size_info, m.num_nodes, m.clock,
-        [(n.uuid, None if n.parent is None else n.parent.uuid, n.key.tolist(), n.value.tolist(),
-          n.ref_count, n.timestamp, sorted(map(str, n.children))) for n in m.nodes()],
+        m.size_info,
+        m.num_nodes,
+        m.clock,
+        [
+            (
+                n.uuid,
+                None if n.parent is None else n.parent.uuid,
+                n.key.tolist(),
+                n.value.tolist(),
+                n.ref_count,
+                n.timestamp,
+                sorted(map(str, n.children)),
+            )
+            for n in m.nodes()
+        ],
     )
 
 
 def populated(page_size: int = 1) -> RadixCacheManager:
     m = RadixCacheManager(page_size=page_size)
     m.insert_prefix(torch.arange(2 * page_size), torch.arange(2 * page_size, dtype=torch.int32))
-    m.insert_prefix(torch.arange(100, 100 + page_size), torch.arange(8 * page_size, 9 * page_size, dtype=torch.int32))
+    m.insert_prefix(
+        torch.arange(100, 100 + page_size),
+        torch.arange(8 * page_size, 9 * page_size, dtype=torch.int32),
+    )
     h, _ = m.match_prefix(torch.arange(page_size))
     m.lock_handle(h)
     return m
@@ -53,14 +67,34 @@ def unchanged(m: RadixCacheManager, call: Callable[[], Any], exc: type, match: s
 
 
 RADIX_MISUSES = [
-    ("insert lengths differ", lambda m: m.insert_prefix(t(1, 2, 3), s(1, 2)), ValueError, r"len\(indices\) \(2\).*\(3\)"),
-    ("insert float ids", lambda m: m.insert_prefix(torch.tensor([1.0]), s(1)), TypeError, "integer dtype"),
+    (
+        "insert lengths differ",
+        lambda m: m.insert_prefix(t(1, 2, 3), s(1, 2)),
+        ValueError,
+        r"len\(indices\) \(2\).*\(3\)",
+    ),
+    (
+        "insert float ids",
+        lambda m: m.insert_prefix(torch.tensor([1.0]), s(1)),
+        TypeError,
+        "integer dtype",
+    ),
     ("insert 2-D ids", lambda m: m.insert_prefix(t(1, 2).view(1, 2), s(1, 2)), ValueError, "1-D"),
-    ("insert int64 indices", lambda m: m.insert_prefix(t(1), torch.tensor([1])), TypeError, "torch.int32"),
+    (
+        "insert int64 indices",
+        lambda m: m.insert_prefix(t(1), torch.tensor([1])),
+        TypeError,
+        "torch.int32",
+    ),
     ("insert list ids", lambda m: m.insert_prefix([1, 2], s(1, 2)), TypeError, "torch.Tensor"),
     ("match 2-D ids", lambda m: m.match_prefix(t(1, 2).view(2, 1)), ValueError, "1-D"),
     ("match float ids", lambda m: m.match_prefix(torch.tensor([0.5])), TypeError, "integer dtype"),
-    ("evict more than evictable", lambda m: m.evict(3), RuntimeError, "cannot evict 3 tokens: only 2"),
+    (
+        "evict more than evictable",
+        lambda m: m.evict(3),
+        RuntimeError,
+        "cannot evict 3 tokens: only 2",
+    ),
     ("evict negative", lambda m: m.evict(-1), ValueError, ">= 0, got -1"),
     ("evict float", lambda m: m.evict(1.5), TypeError, "int"),
     ("reset while locked", lambda m: m.reset(), RuntimeError, "locked"),
@@ -105,15 +139,28 @@ def test_handle_after_reset_is_refused():
 
 def test_page_unaligned_indices_are_refused():
     m = populated(page_size=4)
-    unchanged(m, lambda: m.insert_prefix(torch.arange(50, 54), s(1, 2, 3, 4)), ValueError, "consecutive slots")
-    unchanged(m, lambda: m.insert_prefix(torch.arange(50, 54), s(4, 5, 7, 6)), ValueError, "consecutive slots")
+    unchanged(
+        m,
+        lambda: m.insert_prefix(torch.arange(50, 54), s(1, 2, 3, 4)),
+        ValueError,
+        "consecutive slots",
+    )
+    unchanged(
+        m,
+        lambda: m.insert_prefix(torch.arange(50, 54), s(4, 5, 7, 6)),
+        ValueError,
+        "consecutive slots",
+    )
 
 
-@pytest.mark.parametrize("kwargs,exc,match", [
-    ({"page_size": 0}, ValueError, ">= 1, got 0"),
-    ({"page_size": 2.0}, TypeError, "int"),
-    ({"eviction_policy": "random"}, ValueError, "one of \\['fifo', 'lru'\\]"),
-])
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        ({"page_size": 0}, ValueError, ">= 1, got 0"),
+        ({"page_size": 2.0}, TypeError, "int"),
+        ({"eviction_policy": "random"}, ValueError, "one of \\['fifo', 'lru'\\]"),
+    ],
+)
 def test_radix_constructor_misuse(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         RadixCacheManager(**kwargs)
@@ -133,7 +180,12 @@ def test_root_handle_lock_is_a_no_op():
 def test_naive_manager_contract():
     m = NaiveCacheManager()
     h, idx = m.match_prefix(t(1, 2, 3))
-    assert h.cached_len == 0 and idx.dtype == torch.int32 and idx.numel() == 0 and idx.device == m.device
+    assert (
+        h.cached_len == 0
+        and idx.dtype == torch.int32
+        and idx.numel() == 0
+        and idx.device == m.device
+    )
     assert m.insert_prefix(t(1, 2, 3), s(4, 5, 6)) == 3
     assert m.evict(0).numel() == 0
     with pytest.raises(NotImplementedError, match="cannot evict 1"):
@@ -174,7 +226,9 @@ def test_allocator_misuse_changes_nothing():
     assert a.slots_to_pages(s(6, 7, 2)).tolist() == [3, 1]
 
 
-@pytest.mark.parametrize("kwargs,exc", [({"num_pages": 0}, ValueError), ({"num_pages": 4, "page_size": 0}, ValueError)])
+@pytest.mark.parametrize(
+    "kwargs,exc", [({"num_pages": 0}, ValueError), ({"num_pages": 4, "page_size": 0}, ValueError)]
+)
 def test_allocator_constructor_misuse(kwargs, exc):
     with pytest.raises(exc):
         PageAllocator(**kwargs)
@@ -182,8 +236,11 @@ def test_allocator_constructor_misuse(kwargs, exc):
 
 # ----------------------------------------------------------------------------- request flow
 def flow_state(flow: RequestFlow) -> Any:
-    return (flow.allocator.free_pages().tolist(), radix_state(flow.manager),
-            {rid: (r.indices.tolist(), r.num_computed, r.tree_len) for rid, r in flow.running.items()})
+    return (
+        flow.allocator.free_pages().tolist(),
+        radix_state(flow.manager),
+        {rid: (r.indices.tolist(), r.num_computed, r.tree_len) for rid, r in flow.running.items()},
+    )
 
 
 def test_flow_out_of_pages_changes_no_ownership():

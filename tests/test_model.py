@@ -23,9 +23,15 @@ from kvcache.serving.model import TinyLlama, TinyLlamaConfig
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 SYSTEM = "You are a terse assistant. "
-PROMPT30 = "Explain paged KV caches, now: "  # 30 bytes: page size 16 decode fills a tail, then a new page
-COMBOS = [(KVCacheLayout.LayerFirst, 1), (KVCacheLayout.PageFirst, 1),
-          (KVCacheLayout.LayerFirst, 16), (KVCacheLayout.PageFirst, 16)]
+PROMPT30 = (
+    "Explain paged KV caches, now: "  # 30 bytes: page size 16 decode fills a tail, then a new page
+)
+COMBOS = [
+    (KVCacheLayout.LayerFirst, 1),
+    (KVCacheLayout.PageFirst, 1),
+    (KVCacheLayout.LayerFirst, 16),
+    (KVCacheLayout.PageFirst, 16),
+]
 IDS = [f"{layout.name}-ps{ps}" for layout, ps in COMBOS]
 
 
@@ -51,11 +57,17 @@ def model() -> TinyLlama:
     return TinyLlama(TinyLlamaConfig(num_layers=2, seed=0))
 
 
-def make_engine(model: TinyLlama, layout: KVCacheLayout, page_size: int, num_slots: int = 256,
-                **kw) -> Engine:
+def make_engine(
+    model: TinyLlama, layout: KVCacheLayout, page_size: int, num_slots: int = 256, **kw
+) -> Engine:
     pages = num_slots // page_size
-    return Engine(model, model.new_kv_cache(pages, page_size, layout),
-                  RadixCacheManager(page_size=page_size), PageAllocator(pages, page_size), **kw)
+    return Engine(
+        model,
+        model.new_kv_cache(pages, page_size, layout),
+        RadixCacheManager(page_size=page_size),
+        PageAllocator(pages, page_size),
+        **kw,
+    )
 
 
 def reused(shared: int, page_size: int) -> int:
@@ -80,8 +92,12 @@ def test_cached_prefill_on_empty_cache_equals_dense(model, layout, page_size):
     prompts = [ids("Hi, KV cache!"), ids("Paged attention.")]
     reqs = [e.flow.begin(p, compute_last=True) for p in prompts]
     assert [r.reused_len for r in reqs] == [0, 0]
-    logits = model(torch.cat(prompts), [r.indices for r in reqs], [len(p) for p in prompts], e.kv_cache)
-    torch.testing.assert_close(logits, torch.cat([model.reference_logits(p) for p in prompts]), **TOL)
+    logits = model(
+        torch.cat(prompts), [r.indices for r in reqs], [len(p) for p in prompts], e.kv_cache
+    )
+    torch.testing.assert_close(
+        logits, torch.cat([model.reference_logits(p) for p in prompts]), **TOL
+    )
 
 
 # ------------------------------------------------------------------------------------ (2) (4)
@@ -137,10 +153,14 @@ def test_random_interleaved_workload_with_evictions(model, torch_store, layout, 
     for _ in range(40):
         op = rand(3)
         if op == 0 or not running:  # admit
-            prompt = torch.cat([ids(prefixes[rand(3)]), torch.randint(32, 127, (1 + rand(12),), generator=g)])
+            prompt = torch.cat(
+                [ids(prefixes[rand(3)]), torch.randint(32, 127, (1 + rand(12),), generator=g)]
+            )
             try:
                 req = prefill_checked(e, prompt)
-            except RuntimeError as err:  # the running requests hold the pool: refused, nothing moved
+            except (
+                RuntimeError
+            ) as err:  # the running requests hold the pool: refused, nothing moved
                 assert "out of KV pages" in str(err)
                 e.flow.check_integrity()
                 continue
@@ -154,8 +174,10 @@ def test_random_interleaved_workload_with_evictions(model, torch_store, layout, 
                 assert "out of KV pages" in str(err)
                 assert [len(r) for r in running] == [len(s) for s in seqs]
                 continue
-            seqs = [torch.cat([s, t.view(1)]) for s, t in zip(seqs, toks)]
-            torch.testing.assert_close(logits, torch.stack([model.reference_logits(s)[-1] for s in seqs]), **TOL)
+            seqs = [torch.cat([s, t.view(1)]) for s, t in zip(seqs, toks, strict=True)]
+            torch.testing.assert_close(
+                logits, torch.stack([model.reference_logits(s)[-1] for s in seqs]), **TOL
+            )
         if (op == 2 or len(running) > 3) and running:
             i = rand(len(running))
             e.finish(running.pop(i))
@@ -185,7 +207,7 @@ def test_greedy_decode_matches_full_recompute(model, torch_store, layout, page_s
     e.finish(req)
     # generate() gives the same tokens, and a second turn reuses the first, answer included.
     new = e.generate(prompt, 5)
-    assert new.tolist() == seq[len(prompt):].tolist()
+    assert new.tolist() == seq[len(prompt) :].tolist()
     turn2 = torch.cat([seq, ids(" More?")])
     before = e.computed_tokens
     r2 = prefill_checked(e, turn2)
@@ -201,12 +223,18 @@ def test_batched_prefill_and_decode(model, torch_store, layout, page_size):
     e.finish(prefill_checked(e, ids(SYSTEM + "Warm the cache.")))
     prompts = [ids(SYSTEM + "One?"), ids("Two, unrelated."), ids(SYSTEM + "Three!")]
     reqs, logits = e.prefill_batch(prompts)
-    assert [r.reused_len for r in reqs] == [reused(len(SYSTEM), page_size), 0, reused(len(SYSTEM), page_size)]
+    assert [r.reused_len for r in reqs] == [
+        reused(len(SYSTEM), page_size),
+        0,
+        reused(len(SYSTEM), page_size),
+    ]
     seqs = list(prompts)
     for _ in range(2):
-        torch.testing.assert_close(logits, torch.stack([model.reference_logits(s)[-1] for s in seqs]), **TOL)
+        torch.testing.assert_close(
+            logits, torch.stack([model.reference_logits(s)[-1] for s in seqs]), **TOL
+        )
         toks = logits.argmax(-1)
-        seqs = [torch.cat([s, t.view(1)]) for s, t in zip(seqs, toks)]
+        seqs = [torch.cat([s, t.view(1)]) for s, t in zip(seqs, toks, strict=True)]
         logits = e.decode_batch(reqs, toks)
         e.flow.check_integrity()
     for r in reqs:
@@ -233,7 +261,9 @@ def test_kv_lives_only_in_the_pool(model, torch_store):
     req, logits = e.prefill(ids(SYSTEM))
     e.kv_cache.buffer.zero_()  # forget every stored K/V: decode must now see garbage
     seq = torch.cat([ids(SYSTEM), logits.argmax().view(1)])
-    assert not torch.allclose(e.decode(req, int(logits.argmax())), model.reference_logits(seq)[-1], atol=1e-3)
+    assert not torch.allclose(
+        e.decode(req, int(logits.argmax())), model.reference_logits(seq)[-1], atol=1e-3
+    )
 
 
 def test_naive_manager_recomputes_everything(model, torch_store):
@@ -275,7 +305,7 @@ def test_misuse_raises(model, torch_store):
     with pytest.raises(RuntimeError, match="out of KV pages"):
         e.prefill(ids("x" * 40))
     assert not e.flow.running and e.flow.allocator.num_free_pages == 32  # nothing leaked
-    req, logits = e.prefill(ids("x" * 32))
+    req, _logits = e.prefill(ids("x" * 32))
     with pytest.raises(RuntimeError, match="out of KV pages"):
         e.decode(req, 0)
     with pytest.raises(ValueError, match="vocab_size"):

@@ -9,19 +9,21 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-import radix_ops  # noqa: E402
-from source_radix_paged import PagedSourceRadixCacheManager  # noqa: E402
+import radix_ops
+from source_radix_paged import PagedSourceRadixCacheManager
 
-from kvcache import PageAllocator, RadixCacheManager, RequestFlow  # noqa: E402
-from kvcache.serving.workloads import agent, long_few_shot, mixed, replay  # noqa: E402
+from kvcache import PageAllocator, RadixCacheManager, RequestFlow
+from kvcache.serving.workloads import agent, long_few_shot, mixed, replay
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_page_aware_source_makes_the_same_cache_decisions(page_size):
     jobs = mixed(80, seed=5) + agent(40, seed=5, system_len=(50, 150), step_len=(5, 40))
     stats = []
-    for make in (lambda: PagedSourceRadixCacheManager(page_size=page_size),
-                 lambda: RadixCacheManager(page_size=page_size)):
+    for make in (
+        lambda: PagedSourceRadixCacheManager(page_size=page_size),
+        lambda: RadixCacheManager(page_size=page_size),
+    ):
         flow = RequestFlow(make(), PageAllocator(4000 // page_size, page_size))
         samples = replay(flow, jobs)
         stats.append([(s.reused_tokens, s.cached_tokens, s.evicted_tokens) for s in samples])
@@ -37,8 +39,11 @@ def test_new_workload_shapes_share_what_they_claim():
     runs = agent(60, num_agents=2, seed=1)
     # Multi-turn: some prompt continues an earlier prompt + output exactly.
     seen = [torch.cat([j.prompt, j.output]) for j in runs]
-    assert any(len(b.prompt) > len(a) and torch.equal(b.prompt[:len(a)], a)
-               for i, a in enumerate(seen) for b in runs[i + 1:])
+    assert any(
+        len(b.prompt) > len(a) and torch.equal(b.prompt[: len(a)], a)
+        for i, a in enumerate(seen)
+        for b in runs[i + 1 :]
+    )
 
 
 def test_radix_ops_runs_at_page_size_16_with_traces(tmp_path, monkeypatch):
@@ -47,8 +52,21 @@ def test_radix_ops_runs_at_page_size_16_with_traces(tmp_path, monkeypatch):
     monkeypatch.setattr(radix_ops, "TRACES", small)
     threads = torch.get_num_threads()
     try:
-        result = radix_ops.main(["--requests", "40", "--pages", "2000", "--repeats", "1", "--page-size", "16",
-                                 "--traces", "--json", str(tmp_path / "r.json")])
+        result = radix_ops.main(
+            [
+                "--requests",
+                "40",
+                "--pages",
+                "2000",
+                "--repeats",
+                "1",
+                "--page-size",
+                "16",
+                "--traces",
+                "--json",
+                str(tmp_path / "r.json"),
+            ]
+        )
     finally:
         torch.set_num_threads(threads)
     tp = result["throughput"]

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import given, settings
-from hypothesis import strategies as st
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvcache import EVICTION_POLICIES, RadixCacheManager, SizeInfo, register_eviction_policy
 
@@ -124,17 +124,42 @@ def node(m: RadixCacheManager, *path: int):
 
 
 CORRUPTIONS = {
-    "sizes disagree": (lambda m: setattr(m, "_evictable_size", m._evictable_size + 1), "sizes disagree"),
+    "sizes disagree": (
+        lambda m: setattr(m, "_evictable_size", m._evictable_size + 1),
+        "sizes disagree",
+    ),
     "negative ref count": (lambda m: setattr(node(m, 1, 4), "ref_count", -1), "negative ref_count"),
-    "ref count below a child's": (lambda m: setattr(node(m, 1), "ref_count", 0), "exceeds its parent"),
-    "empty node": (lambda m: (setattr(node(m, 1, 4), "_kb", b""),
-                              setattr(node(m, 1, 4), "_value", np.empty(0, np.int32))), "empty node"),
-    "filed under wrong token": (lambda m: node(m, 1).children.__setitem__(5, node(m, 1).children.pop(4)), "filed under 5"),
-    "wrong parent link": (lambda m: setattr(node(m, 1, 4), "_parent", node(m, 1, 3)), "parent link"),
-    "index twice": (lambda m: setattr(node(m, 1, 4), "_value", np.array([0], np.int32)), "more than once"),
-    "key/value lengths differ": (lambda m: setattr(node(m, 1, 4), "_value", np.array([3, 9], np.int32)),
-                                 "1 tokens but 2 indices"),
-    "held-slot record wrong": (lambda m: setattr(node(m, 1, 4), "_value", np.array([7], np.int32)), "held slots"),
+    "ref count below a child's": (
+        lambda m: setattr(node(m, 1), "ref_count", 0),
+        "exceeds its parent",
+    ),
+    "empty node": (
+        lambda m: (
+            setattr(node(m, 1, 4), "_kb", b""),
+            setattr(node(m, 1, 4), "_value", np.empty(0, np.int32)),
+        ),
+        "empty node",
+    ),
+    "filed under wrong token": (
+        lambda m: node(m, 1).children.__setitem__(5, node(m, 1).children.pop(4)),
+        "filed under 5",
+    ),
+    "wrong parent link": (
+        lambda m: setattr(node(m, 1, 4), "_parent", node(m, 1, 3)),
+        "parent link",
+    ),
+    "index twice": (
+        lambda m: setattr(node(m, 1, 4), "_value", np.array([0], np.int32)),
+        "more than once",
+    ),
+    "key/value lengths differ": (
+        lambda m: setattr(node(m, 1, 4), "_value", np.array([3, 9], np.int32)),
+        "1 tokens but 2 indices",
+    ),
+    "held-slot record wrong": (
+        lambda m: setattr(node(m, 1, 4), "_value", np.array([7], np.int32)),
+        "held slots",
+    ),
     "evictable leaf not filed": (lambda m: m._leaves.clear(), "missing from the eviction heap"),
 }
 
@@ -151,7 +176,9 @@ def test_check_integrity_catches(name):
 # ----------------------------------------------------------------------------- misuse
 def state(m):
     """Everything a refused call must leave as it was."""
-    nodes = [(n.uuid, n.ref_count, n.timestamp, n.length, tuple(n.value.tolist())) for n in m.nodes()]
+    nodes = [
+        (n.uuid, n.ref_count, n.timestamp, n.length, tuple(n.value.tolist())) for n in m.nodes()
+    ]
     return m.size_info, m.clock, m.num_nodes, nodes
 
 
@@ -237,7 +264,9 @@ def test_a_handle_made_invalid_is_refused_clearly():
 
 
 @pytest.mark.parametrize("page_size", [1, 2])
-@pytest.mark.parametrize("case", ["held", "twice", "negative", "misaligned", "bool", "float", "complex", "int64"])
+@pytest.mark.parametrize(
+    "case", ["held", "twice", "negative", "misaligned", "bool", "float", "complex", "int64"]
+)
 def test_insert_refuses_slots_it_cannot_hold(page_size, case):
     """Issue 9 item 4: a slot held twice would be freed by one eviction while another prefix
     still serves it."""
@@ -249,10 +278,12 @@ def test_insert_refuses_slots_it_cannot_hold(page_size, case):
     good = torch.arange(20 * ps, 26 * ps, dtype=torch.int32)
     bad = {
         "held": good.clone().index_fill_(0, torch.tensor([3 * ps]), 10 * ps),
-        "twice": torch.cat([good[: 4 * ps], good[2 * ps: 4 * ps]]),
+        "twice": torch.cat([good[: 4 * ps], good[2 * ps : 4 * ps]]),
         "negative": torch.cat([good[: 5 * ps], torch.arange(-ps, 0, dtype=torch.int32)]),
         "misaligned": good + 1,
-        "bool": good.to(torch.bool), "float": good.float(), "complex": good.to(torch.complex64),
+        "bool": good.to(torch.bool),
+        "float": good.float(),
+        "complex": good.to(torch.complex64),
         "int64": good.long(),
     }[case]
     if case == "misaligned" and ps == 1:
@@ -264,14 +295,24 @@ def test_insert_refuses_slots_it_cannot_hold(page_size, case):
     assert state(m) == before
     m.check_integrity()
     # The cached part is not the caller's to give: it may hold anything, even held slots.
-    assert m.insert_prefix(ids, torch.cat([torch.zeros(2 * ps, dtype=torch.int32), good[2 * ps:]])) == 2 * ps
+    assert (
+        m.insert_prefix(ids, torch.cat([torch.zeros(2 * ps, dtype=torch.int32), good[2 * ps :]]))
+        == 2 * ps
+    )
     m.check_integrity()
 
 
 @settings(max_examples=150, deadline=None, derandomize=True)
-@given(ops=st.lists(st.tuples(st.lists(st.integers(0, 2), min_size=1, max_size=6),
-                              st.lists(st.integers(-1, 9), min_size=6, max_size=6),
-                              st.booleans()), max_size=12))
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.lists(st.integers(0, 2), min_size=1, max_size=6),
+            st.lists(st.integers(-1, 9), min_size=6, max_size=6),
+            st.booleans(),
+        ),
+        max_size=12,
+    )
+)
 def test_insert_accepts_exactly_the_slots_it_can_hold(ops):
     """Against a model: an insert is refused iff a slot entering the tree is negative, held, or
     listed twice; a refused insert changes nothing; evicting frees slots for reuse."""
@@ -282,11 +323,17 @@ def test_insert_accepts_exactly_the_slots_it_can_hold(ops):
         k = 0
         while k < len(seq) and seq[: k + 1] in cached:
             k += 1
-        new = slots[k:len(seq)]
-        ok = all(x >= 0 for x in new) and len(set(new)) == len(new) and not set(new) & set(cached.values())
+        new = slots[k : len(seq)]
+        ok = (
+            all(x >= 0 for x in new)
+            and len(set(new)) == len(new)
+            and not set(new) & set(cached.values())
+        )
         before = state(m)
         try:
-            got = m.insert_prefix(torch.tensor(seq), torch.tensor(slots[: len(seq)], dtype=torch.int32))
+            got = m.insert_prefix(
+                torch.tensor(seq), torch.tensor(slots[: len(seq)], dtype=torch.int32)
+            )
         except ValueError:
             assert not ok and state(m) == before
         else:
@@ -323,7 +370,7 @@ def test_every_method_works_on_a_chain_1100_nodes_deep(page_size):
     repr(h)
     assert h == m.match_prefix(ids)[0] and hash(h) == hash(m.match_prefix(ids)[0])
     m.lock_handle(h, unlock=True)
-    half, _ = m.match_prefix(ids[: depth // 2 * ps])  # no split: a node boundary
+    _half, _ = m.match_prefix(ids[: depth // 2 * ps])  # no split: a node boundary
     assert m.num_nodes == depth
     assert sorted(m.evict(depth * ps).tolist()) == slots.tolist()  # one leaf after another
     m.check_integrity()
@@ -333,14 +380,26 @@ def test_every_method_works_on_a_chain_1100_nodes_deep(page_size):
 
 
 @pytest.mark.parametrize("make", ["naive", "radix1", "radix4"])
-@pytest.mark.parametrize("bad", [torch.tensor([1.0, 2.0]), torch.tensor([True, False]),
-                                 torch.tensor([1 + 0j]), torch.tensor([[1, 2]]), [1, 2], np.array([1, 2])])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        torch.tensor([1.0, 2.0]),
+        torch.tensor([True, False]),
+        torch.tensor([1 + 0j]),
+        torch.tensor([[1, 2]]),
+        [1, 2],
+        np.array([1, 2]),
+    ],
+)
 def test_token_ids_and_counts_must_be_real_integers(make, bad):
     """Issue 9 item 5 for the managers: never truncate a float, never read a bool as a token."""
     from kvcache import NaiveCacheManager
 
-    m = {"naive": NaiveCacheManager, "radix1": RadixCacheManager,
-         "radix4": lambda: RadixCacheManager(page_size=4)}[make]()
+    m = {
+        "naive": NaiveCacheManager,
+        "radix1": RadixCacheManager,
+        "radix4": lambda: RadixCacheManager(page_size=4),
+    }[make]()
     m.insert_prefix(torch.arange(8), torch.arange(8, dtype=torch.int32))
     before = (m.size_info, [n.ref_count for n in m.nodes()] if make != "naive" else None)
     with pytest.raises((TypeError, ValueError), match="input_ids"):

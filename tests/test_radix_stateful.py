@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
-from typing import List, Tuple
-
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-
-from kvcache import RadixCacheHandle, RadixCacheManager, SizeInfo
 from radix_reference import ReferenceCache
 
-SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.too_slow])
+from kvcache import RadixCacheHandle, RadixCacheManager, SizeInfo
+
+SETTINGS = settings(
+    max_examples=60,
+    stateful_step_count=40,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 
 def make_machine(page_size: int, policy: str):
@@ -26,11 +29,11 @@ def make_machine(page_size: int, policy: str):
             self.m = RadixCacheManager(page_size=page_size, eviction_policy=policy)
             self.ref = ReferenceCache(page_size)
             self.next_slot = 0
-            self.handles: List[Tuple[RadixCacheHandle, tuple]] = []  # locked
-            self.matched: List[Tuple[RadixCacheHandle, tuple]] = []
+            self.handles: list[tuple[RadixCacheHandle, tuple]] = []  # locked
+            self.matched: list[tuple[RadixCacheHandle, tuple]] = []
             self.stale: set = set()  # ids of handles whose path lost a node to eviction
 
-        def fresh_slots(self, n: int) -> List[int]:
+        def fresh_slots(self, n: int) -> list[int]:
             pages = -(-n // page_size)
             first = self.next_slot
             self.next_slot += pages * page_size
@@ -66,11 +69,15 @@ def make_machine(page_size: int, policy: str):
             held = sorted(self.ref.owner_of_slots())
             page = held[pick % len(held)] // page_size
             at = k + (where % ((aligned - k) // page_size)) * page_size
-            slots[at:at + page_size] = range(page * page_size, page * page_size + page_size)
+            slots[at : at + page_size] = range(page * page_size, page * page_size + page_size)
             before = (self.m.size_info, self.m.clock, sorted(self.m.cached_indices().tolist()))
             with pytest.raises(ValueError, match="already holds"):
                 self.m.insert_prefix(torch.tensor(seq), torch.tensor(slots, dtype=torch.int32))
-            assert (self.m.size_info, self.m.clock, sorted(self.m.cached_indices().tolist())) == before
+            assert (
+                self.m.size_info,
+                self.m.clock,
+                sorted(self.m.cached_indices().tolist()),
+            ) == before
 
         @precondition(lambda self: self.matched)
         @rule(i=st.integers(0, 1000))
@@ -129,7 +136,11 @@ def make_machine(page_size: int, policy: str):
             owner = self.ref.owner_of_slots()
             gone = {owner[s] for s in out}
             assert all(not self.ref.locked(p) for p in gone)
-            prio = (lambda p: self.ref.entries[p].used) if policy == "lru" else (lambda p: self.ref.entries[p].inserted)
+            prio = (
+                (lambda p: self.ref.entries[p].used)
+                if policy == "lru"
+                else (lambda p: self.ref.entries[p].inserted)
+            )
             oldest_evicted = max(prio(p) for p in gone) if gone else None
             before = {p: prio(p) for p in leaves_before}
             for h, prefix in self.matched:
@@ -138,16 +149,24 @@ def make_machine(page_size: int, policy: str):
             for p in gone:
                 del self.ref.entries[p]
             # Still prefix-closed: nothing cached hangs below an evicted prefix.
-            assert all(q[:i] in self.ref.entries for q in self.ref.entries for i in range(page_size, len(q), page_size))
+            assert all(
+                q[:i] in self.ref.entries
+                for q in self.ref.entries
+                for i in range(page_size, len(q), page_size)
+            )
             if gone:
                 # Among leaves that were candidates from the start, none kept is older than one taken.
                 taken = [t for p, t in before.items() if p in gone]
                 kept = [t for p, t in before.items() if p not in gone]
-                assert not taken or not kept or max(taken) <= min(kept), "evicted a newer leaf before an older one"
+                assert not taken or not kept or max(taken) <= min(kept), (
+                    "evicted a newer leaf before an older one"
+                )
                 if policy == "lru":
                     # LRU pops in non-decreasing time: a parent is never older than its children.
                     remaining = [prio(p) for p in self.ref.leaves() if not self.ref.locked(p)]
-                    assert all(oldest_evicted <= r for r in remaining), "evicted a newer leaf before an older one"
+                    assert all(oldest_evicted <= r for r in remaining), (
+                        "evicted a newer leaf before an older one"
+                    )
 
         @precondition(lambda self: not any(prefix for _, prefix in self.handles))
         @rule()

@@ -57,17 +57,25 @@ def test_assigning_tensors_replaces_the_host_copy():
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
-@given(start=st.integers(0, 40), chunks=st.lists(st.integers(0, 70), max_size=8), prefix=st.integers(0, 20))
+@given(
+    start=st.integers(0, 40),
+    chunks=st.lists(st.integers(0, 70), max_size=8),
+    prefix=st.integers(0, 20),
+)
 def test_host_copy_appends_match_a_list(start, chunks, prefix):
     rng = np.random.default_rng(start)
     ids = list(rng.integers(0, 1000, start))
     slots = list(rng.integers(0, 1000, start).astype(np.int32))
     m = min(prefix, start)
-    h = HostCopy(np.array(ids, dtype=np.int64), np.array(slots[m:], dtype=np.int32), np.array(slots[:m], dtype=np.int32))
+    h = HostCopy(
+        np.array(ids, dtype=np.int64),
+        np.array(slots[m:], dtype=np.int32),
+        np.array(slots[:m], dtype=np.int32),
+    )
     for k in chunks:
         new_ids, new_slots = list(rng.integers(0, 1000, k)), list(rng.integers(0, 1000, k))
         h.append(np.array(new_ids, dtype=np.int64), np.array(new_slots, dtype=np.int32))
         ids += new_ids
         slots += new_slots
         assert h.length == len(ids)
-        assert h.ids[:h.length].tolist() == ids and h.slots[:h.length].tolist() == slots
+        assert h.ids[: h.length].tolist() == ids and h.slots[: h.length].tolist() == slots

@@ -128,7 +128,7 @@ def _section13_4_tree():
 
 
 def test_section13_4_tree_shape_and_refcounts():
-    flow, r1, r2, r3 = _section13_4_tree()
+    flow, r1, r2, _r3 = _section13_4_tree()
     m = flow.manager
     (node1,) = m.root_node.children.values()
     assert node1.key.tolist() == [HELLO]

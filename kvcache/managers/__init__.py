@@ -13,9 +13,18 @@ from .naive import NaiveCacheHandle, NaiveCacheManager
 from .radix import RadixCacheHandle, RadixCacheManager, RadixTreeNode
 
 __all__ = [
-    "BaseCacheHandle", "BaseCacheManager", "InsertResult", "SizeInfo",
-    "NaiveCacheHandle", "NaiveCacheManager",
-    "RadixTreeNode", "RadixCacheHandle", "RadixCacheManager",
-    "BlockHashCacheManager", "BlockHashCacheHandle", "CachedBlock",
-    "EVICTION_POLICIES", "register_eviction_policy",
+    "BaseCacheHandle",
+    "BaseCacheManager",
+    "InsertResult",
+    "SizeInfo",
+    "NaiveCacheHandle",
+    "NaiveCacheManager",
+    "RadixTreeNode",
+    "RadixCacheHandle",
+    "RadixCacheManager",
+    "BlockHashCacheManager",
+    "BlockHashCacheHandle",
+    "CachedBlock",
+    "EVICTION_POLICIES",
+    "register_eviction_policy",
 ]

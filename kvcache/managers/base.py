@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Tuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -67,7 +67,7 @@ class BaseCacheManager(ABC):
     page_size: int = 1
 
     @abstractmethod
-    def match_prefix(self, input_ids: torch.Tensor) -> Tuple[BaseCacheHandle, torch.Tensor]:
+    def match_prefix(self, input_ids: torch.Tensor) -> tuple[BaseCacheHandle, torch.Tensor]:
         """Longest cached prefix of ``input_ids`` (1-D, CPU) and its slots (1-D int32)."""
 
     @abstractmethod
@@ -127,7 +127,7 @@ class BaseCacheManager(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} cannot give a handle's indices")
 
-    def eviction_priority(self, node: Any) -> Tuple[int, ...]:
+    def eviction_priority(self, node: Any) -> tuple[int, ...]:
         """The sort key under which ``node`` would be evicted: smaller goes first.
 
         Public so that drawings can preview an eviction without reading a manager's private

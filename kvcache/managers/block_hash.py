@@ -45,9 +45,9 @@ keeps the queue in least-recently-used order; locking and evicting only remove b
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
+from collections.abc import Iterator, Sequence
 from itertools import islice, repeat
 from operator import attrgetter
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -56,12 +56,25 @@ from .._validate import check_count, check_indices, check_positive_int, check_to
 from .base import BaseCacheHandle, BaseCacheManager, InsertResult, SizeInfo
 from .block_hash_chain import ROOT_HASH_SEED, ChainHasher, HashFn, default_block_hash, token_array
 from .block_lookup import RequestHashes, walk
-from .block_pool import BlockHashCacheHandle, CachedBlock, check_pool, handle_chain, new_pages
+from .block_pool import (
+    BlockHashCacheHandle,
+    CachedBlock,
+    check_pool,
+    handle_chain,
+    lock_blocks,
+    new_blocks,
+    new_pages,
+    release_blocks,
+)
 
-__all__ = ["CachedBlock", "BlockHashCacheHandle", "BlockHashCacheManager", "ROOT_HASH_SEED",
-           "default_block_hash"]
+__all__ = [
+    "CachedBlock",
+    "BlockHashCacheHandle",
+    "BlockHashCacheManager",
+    "ROOT_HASH_SEED",
+    "default_block_hash",
+]
 
-_MASK = (1 << 64) - 1
 _PARENT = attrgetter("parent_hash")
 _KEY = attrgetter("block_hash")
 _CHILDREN = attrgetter("num_children")
@@ -80,8 +93,13 @@ class BlockHashCacheManager(BaseCacheManager):
             collision handling; results stay correct, lookups get slower.
     """
 
-    def __init__(self, device: torch.device | str = "cpu", page_size: int = 16, *,
-                 hash_fn: Optional[HashFn] = None) -> None:
+    def __init__(
+        self,
+        device: torch.device | str = "cpu",
+        page_size: int = 16,
+        *,
+        hash_fn: HashFn | None = None,
+    ) -> None:
         check_positive_int(page_size, "page_size")
         if hash_fn is not None and not callable(hash_fn):
             raise TypeError(f"hash_fn must be callable, got {type(hash_fn).__name__}")
@@ -98,18 +116,18 @@ class BlockHashCacheManager(BaseCacheManager):
 
     # ------------------------------------------------------------------ state
     def _init_state(self) -> None:
-        self._blocks: Dict[int, CachedBlock] = {}
-        self._free: "OrderedDict[int, None]" = OrderedDict()  # head = next to evict
-        self._page_owner: Dict[int, int] = {}  # page -> block hash
+        self._blocks: dict[int, CachedBlock] = {}
+        self._free: OrderedDict[int, None] = OrderedDict()  # head = next to evict
+        self._page_owner: dict[int, int] = {}  # page -> block hash
         self._num_locked = 0  # blocks with ref_count > 0
         self._max_probe = 0
         # locked handle -> (times locked, the blocks it locked)
-        self._locks: Dict[BlockHashCacheHandle, Tuple[int, Tuple[CachedBlock, ...]]] = {}
+        self._locks: dict[BlockHashCacheHandle, tuple[int, tuple[CachedBlock, ...]]] = {}
         self._pending = RequestHashes(self.page_size)
         # A match's refresh of the LRU order (chain, clock), applied by the next call unless that
         # call locks the very chain: the flow matches and locks at once, and a lock takes the
         # blocks out of the queue anyway.
-        self._touch: Optional[Tuple[Tuple[CachedBlock, ...], int]] = None
+        self._touch: tuple[tuple[CachedBlock, ...], int] | None = None
         self._epoch += 1
 
     @property
@@ -136,16 +154,16 @@ class BlockHashCacheManager(BaseCacheManager):
         self._flush()
         return iter(list(self._blocks.values()))
 
-    def get_block(self, block_hash: int) -> Optional[CachedBlock]:
+    def get_block(self, block_hash: int) -> CachedBlock | None:
         self._flush()
         return self._blocks.get(block_hash)
 
-    def free_queue(self) -> List[int]:
+    def free_queue(self) -> list[int]:
         """Hashes of the evictable blocks in eviction order (head first)."""
         self._flush()
         return list(self._free)
 
-    def locked_handles(self) -> Dict[BlockHashCacheHandle, int]:
+    def locked_handles(self) -> dict[BlockHashCacheHandle, int]:
         """Each locked handle and how many times it is locked (a copy)."""
         return {h: n for h, (n, _) in self._locks.items()}
 
@@ -176,7 +194,7 @@ class BlockHashCacheManager(BaseCacheManager):
         """The full blocks of ``input_ids`` (validated) as an ``(n, page_size)`` int64 array."""
         ids = token_array(check_token_ids(input_ids))
         nb = len(ids) // self.page_size
-        return ids[:nb * self.page_size].reshape(nb, self.page_size)
+        return ids[: nb * self.page_size].reshape(nb, self.page_size)
 
     def _flush(self) -> None:
         """Apply the last match's deferred LRU refresh, if any."""
@@ -194,13 +212,14 @@ class BlockHashCacheManager(BaseCacheManager):
             block.last_use = tic
             move(block.block_hash)
 
-    def _handle(self, chain: List[CachedBlock]) -> BlockHashCacheHandle:
+    def _handle(self, chain: list[CachedBlock]) -> BlockHashCacheHandle:
         hashes = tuple(map(_KEY, chain))
-        return BlockHashCacheHandle(len(chain) * self.page_size, hashes, tuple(chain),
-                                    (self._token, self._epoch, hashes))
+        return BlockHashCacheHandle(
+            len(chain) * self.page_size, hashes, tuple(chain), (self._token, self._epoch, hashes)
+        )
 
     # ------------------------------------------------------------- public
-    def match_prefix(self, input_ids: torch.Tensor) -> Tuple[BlockHashCacheHandle, torch.Tensor]:
+    def match_prefix(self, input_ids: torch.Tensor) -> tuple[BlockHashCacheHandle, torch.Tensor]:
         """Longest cached chain of full blocks of ``input_ids`` and its slots, in order.
 
         Not read-only: the matched blocks count as used (they move to the tail of the free queue).
@@ -233,11 +252,15 @@ class BlockHashCacheManager(BaseCacheManager):
         cached, chain = self._insert(input_ids, indices)
         return InsertResult(cached, self._handle(chain))
 
-    def _insert(self, input_ids: torch.Tensor, indices: torch.Tensor) -> Tuple[int, List[CachedBlock]]:
+    def _insert(
+        self, input_ids: torch.Tensor, indices: torch.Tensor
+    ) -> tuple[int, list[CachedBlock]]:
         rows = self._rows(input_ids)
         check_indices(indices, self.device)
         if indices.shape[0] != input_ids.shape[0]:
-            raise ValueError(f"len(indices) ({len(indices)}) must equal len(input_ids) ({len(input_ids)})")
+            raise ValueError(
+                f"len(indices) ({len(indices)}) must equal len(input_ids) ({len(input_ids)})"
+            )
         self._flush()
         hashes, known = self._pending.recall(rows, self._blocks, self._hasher)
         chain = walk(self._blocks, self._max_probe, rows, hashes, known)
@@ -247,39 +270,18 @@ class BlockHashCacheManager(BaseCacheManager):
             self._use(chain, self._clock)
             self._pending.remember(rows, hashes, chain)
             return m * ps, chain
-        pages = new_pages(indices[m * ps:nb * ps], ps, self._page_owner)
-        # Keys of the new blocks (probing past taken ones), computed before anything changes.
-        taken = self._blocks
-        new_hashes = keys = hashes[m:]
-        probes: Optional[List[int]] = None
-        probe_max = self._max_probe
-        if any(map(taken.__contains__, keys)) or len(set(keys)) != len(keys):
-            keys, probes, mine = [], [], set()
-            for h in new_hashes:
-                key, probe = h, 0
-                while key in taken or key in mine:
-                    probe += 1
-                    key = (h + probe) & _MASK
-                probe_max = max(probe_max, probe)
-                keys.append(key)
-                probes.append(probe)
-                mine.add(key)
-        raw = rows[m:].tobytes()
-        width = 8 * ps
-        tokens = [raw[j:j + width] for j in range(0, len(raw), width)]
-        n = len(keys)
+        pages = new_pages(indices[m * ps : nb * ps], ps, self._page_owner)
         # Validation done; from here on nothing raises.
         self._clock += 1
         tic = self._clock
-        parents: List[Optional[int]] = [chain[-1].block_hash if m else None]
-        parents += keys[:-1]
-        created = list(map(CachedBlock, keys, new_hashes, parents, tokens, pages, repeat(tic, n),
-                           repeat(0) if probes is None else probes,
-                           [1] * (n - 1) + [0]))
+        parent = chain[-1].block_hash if m else None
+        keys, created, probe_max = new_blocks(
+            hashes[m:], parent, rows[m:], pages, self._blocks, self._max_probe, tic
+        )
         if m:
             chain[-1].num_children += 1
-        self._blocks.update(zip(keys, created))
-        self._page_owner.update(zip(pages, keys))
+        self._blocks.update(zip(keys, created, strict=True))
+        self._page_owner.update(zip(pages, keys, strict=True))
         self._free.update(zip(reversed(keys), repeat(None)))  # deepest first
         self._max_probe = probe_max
         self._use(chain, tic)
@@ -287,7 +289,7 @@ class BlockHashCacheManager(BaseCacheManager):
         self._pending.remember(rows, hashes, chain)
         return m * ps, chain
 
-    def _chain(self, handle: BaseCacheHandle) -> Tuple[CachedBlock, ...]:
+    def _chain(self, handle: BaseCacheHandle) -> tuple[CachedBlock, ...]:
         """The blocks behind ``handle``, root first, after checking the handle names them."""
         return handle_chain(handle, self._blocks, self.page_size, (self._token, self._epoch))
 
@@ -319,12 +321,7 @@ class BlockHashCacheManager(BaseCacheManager):
                 self._flush()
         record = self._locks.get(handle)  # type: ignore[call-overload]
         self._locks[handle] = (record[0] + 1, record[1]) if record else (1, chain)  # type: ignore[index]
-        free = self._free
-        for block in chain:
-            if block.ref_count == 0:
-                del free[block.block_hash]
-                self._num_locked += 1
-            block.ref_count += 1
+        self._num_locked += lock_blocks(chain, self._free)
 
     def _unlock(self, handle: BaseCacheHandle) -> None:
         if not isinstance(handle, BlockHashCacheHandle) or not handle.cached_len:
@@ -345,13 +342,7 @@ class BlockHashCacheManager(BaseCacheManager):
             del self._locks[handle]
         else:
             self._locks[handle] = (times - 1, locked_chain)
-        free, clock = self._free, self._clock
-        for block in reversed(chain):
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                block.last_use = clock
-                free[block.block_hash] = None
-                self._num_locked -= 1
+        self._num_locked -= release_blocks(chain, self._free, self._clock)
 
     def evict(self, size: int) -> torch.Tensor:
         """Evict free blocks from the head of the free queue until at least ``size`` tokens are freed.
@@ -393,5 +384,13 @@ class BlockHashCacheManager(BaseCacheManager):
     def check_integrity(self) -> None:
         """Check every block, the free queue, the locked handles and the sizes; ``RuntimeError`` on the first fault."""
         self._flush()
-        check_pool(self._blocks, self._free, self._page_owner, self._num_locked, self._max_probe,
-                   self._hasher, self.page_size, self.locked_handles())
+        check_pool(
+            self._blocks,
+            self._free,
+            self._page_owner,
+            self._num_locked,
+            self._max_probe,
+            self._hasher,
+            self.page_size,
+            self.locked_handles(),
+        )

@@ -16,7 +16,7 @@ nothing but the tokens: equal in every process and run.
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Tuple
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -30,7 +30,7 @@ _P = 0x9E3779B97F4A7C15  # token weights: powers of the golden-ratio constant
 _M = 0xD6E8FEB86659FD93  # chain multiplier (odd)
 _M_INV = pow(_M, -1, 1 << 64)
 
-HashFn = Callable[[int, Tuple[int, ...]], int]
+HashFn = Callable[[int, tuple[int, ...]], int]
 
 
 _K = 0xBF58476D1CE4E5B9
@@ -48,7 +48,7 @@ def _mix64_np(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def default_block_hash(parent_hash: int, tokens: Tuple[int, ...]) -> int:
+def default_block_hash(parent_hash: int, tokens: tuple[int, ...]) -> int:
     """``H(parent_hash, tokens)`` as an unsigned 64-bit int (the module docstring's formula).
 
     Tokens are taken as 64-bit two's-complement integers. Equal to what `ChainHasher` computes
@@ -83,7 +83,7 @@ class ChainHasher:
     leaves the manager as it was.
     """
 
-    def __init__(self, page_size: int, hash_fn: Optional[HashFn] = None) -> None:
+    def __init__(self, page_size: int, hash_fn: HashFn | None = None) -> None:
         self.page_size = page_size
         self.custom = hash_fn is not None and hash_fn is not default_block_hash
         self.hash_fn: HashFn = hash_fn if self.custom else default_block_hash  # type: ignore[assignment]
@@ -91,20 +91,20 @@ class ChainHasher:
         self._m_pow = _powers(_M, 1)
         self._m_inv_pow = _powers(_M_INV, 1)
 
-    def one(self, parent_hash: int, tokens: Tuple[int, ...]) -> int:
+    def one(self, parent_hash: int, tokens: tuple[int, ...]) -> int:
         """The hash of one block; ``TypeError`` when a custom ``hash_fn`` returns a non-int."""
         h = self.hash_fn(parent_hash, tokens)
         if isinstance(h, bool) or not isinstance(h, int):
             raise TypeError(f"hash_fn must return an int, got {type(h).__name__} ({h!r})")
         return h & _MASK
 
-    def chain(self, blocks: np.ndarray, seed: int = ROOT_HASH_SEED) -> List[int]:
+    def chain(self, blocks: np.ndarray, seed: int = ROOT_HASH_SEED) -> list[int]:
         """Hashes of the rows of ``blocks`` (shape ``(num_blocks, page_size)``, int64), in order."""
         nb = blocks.shape[0]
         if nb == 0:
             return []
         if self.custom:
-            out: List[int] = []
+            out: list[int] = []
             parent = seed
             for row in blocks.tolist():
                 parent = self.one(parent, tuple(row))
@@ -119,4 +119,5 @@ class ChainHasher:
         s = np.cumsum(c, dtype=np.uint64)
         s += np.uint64((seed * _M) & _MASK)
         s *= self._m_pow[:nb]
-        return s.tolist()
+        hashes: list[int] = s.tolist()
+        return hashes

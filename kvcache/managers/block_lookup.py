@@ -4,8 +4,10 @@ the block hashes a request carries from `match_prefix` to `insert_prefix`."""
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
+from contextlib import suppress
 from operator import attrgetter
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import cast
 
 import numpy as np
 
@@ -20,8 +22,13 @@ _TOKENS = attrgetter("token_bytes")
 _KEY = attrgetter("block_hash")
 
 
-def walk(blocks: Dict[int, CachedBlock], max_probe: int, rows: np.ndarray, hashes: List[int],
-         known: Sequence[CachedBlock] = ()) -> List[CachedBlock]:
+def walk(
+    blocks: dict[int, CachedBlock],
+    max_probe: int,
+    rows: np.ndarray,
+    hashes: list[int],
+    known: Sequence[CachedBlock] = (),
+) -> list[CachedBlock]:
     """The cached chain matching the longest prefix of ``rows`` (read-only).
 
     ``rows`` is ``(n, page_size)`` int64; ``hashes[i]`` is the chained hash of ``rows[:i + 1]``;
@@ -32,37 +39,45 @@ def walk(blocks: Dict[int, CachedBlock], max_probe: int, rows: np.ndarray, hashe
     """
     get = blocks.get
     i0 = len(known)
-    parent: Optional[int] = known[-1].block_hash if i0 else None
+    parent: int | None = known[-1].block_hash if i0 else None
     if max_probe == 0:
-        chain = list(map(get, hashes[i0:] if i0 else hashes))
-        try:
-            del chain[chain.index(None):]  # a miss ends the chain
-        except ValueError:
-            pass
+        found = list(map(get, hashes[i0:] if i0 else hashes))
+        with suppress(ValueError):
+            del found[found.index(None) :]  # a miss ends the chain
+        chain = cast("list[CachedBlock]", found)  # no None is left
         k = len(chain)
         if k:
             parents = list(map(_PARENT, chain))
-            if parents[0] != parent or parents[1:] != hashes[i0:i0 + k - 1]:  # a collision
-                k = next(i for i, p in enumerate(parents) if p != (hashes[i0 + i - 1] if i else parent))
+            if parents[0] != parent or parents[1:] != hashes[i0 : i0 + k - 1]:  # a collision
+                k = next(
+                    i for i, p in enumerate(parents) if p != (hashes[i0 + i - 1] if i else parent)
+                )
                 del chain[k:]
-        if k and b"".join(map(_TOKENS, chain)) != rows[i0:i0 + k].tobytes():
-            for i, block in enumerate(chain):  # a collision: keep what really matches
-                if block.token_bytes != rows[i0 + i].tobytes():
+        if k and b"".join(map(_TOKENS, chain)) != rows[i0 : i0 + k].tobytes():
+            for i, b in enumerate(chain):  # a collision: keep what really matches
+                if b.token_bytes != rows[i0 + i].tobytes():
                     del chain[i:]
                     break
         return [*known, *chain] if i0 else chain
     chain = list(known)
-    for h, row in zip(hashes[i0:], rows[i0:]):
-        tokens = row.tobytes()
-        for k in range(max_probe + 1):
-            block = get((h + k) & _MASK)
-            if block is not None and block.parent_hash == parent and block.token_bytes == tokens:
-                break
-        else:
+    for h, row in zip(hashes[i0:], rows[i0:], strict=True):
+        block = _probe(blocks, h, max_probe, parent, row.tobytes())
+        if block is None:
             return chain
         chain.append(block)
         parent = block.block_hash
     return chain
+
+
+def _probe(
+    blocks: dict[int, CachedBlock], h: int, max_probe: int, parent: int | None, tokens: bytes
+) -> CachedBlock | None:
+    """The block under key ``h + k`` (``k <= max_probe``) with this parent and these tokens."""
+    for k in range(max_probe + 1):
+        block = blocks.get((h + k) & _MASK)
+        if block is not None and block.parent_hash == parent and block.token_bytes == tokens:
+            return block
+    return None
 
 
 class RequestHashes:
@@ -78,9 +93,11 @@ class RequestHashes:
     def __init__(self, page_size: int, capacity: int = 64) -> None:
         self.width = 8 * page_size
         self.capacity = capacity
-        self._entries: "OrderedDict[bytes, Tuple[bytes, List[int], List[CachedBlock], Tuple[int, ...]]]" = OrderedDict()
+        self._entries: OrderedDict[
+            bytes, tuple[bytes, list[int], list[CachedBlock], tuple[int, ...]]
+        ] = OrderedDict()
 
-    def remember(self, rows: np.ndarray, hashes: List[int], chain: List[CachedBlock]) -> None:
+    def remember(self, rows: np.ndarray, hashes: list[int], chain: list[CachedBlock]) -> None:
         if len(rows):
             entries = self._entries
             key = rows[0].tobytes()
@@ -89,21 +106,25 @@ class RequestHashes:
             if len(entries) > self.capacity:
                 entries.popitem(last=False)
 
-    def recall(self, rows: np.ndarray, blocks: Dict[int, CachedBlock],
-               hasher: ChainHasher) -> Tuple[List[int], List[CachedBlock]]:
+    def recall(
+        self, rows: np.ndarray, blocks: dict[int, CachedBlock], hasher: ChainHasher
+    ) -> tuple[list[int], list[CachedBlock]]:
         """The hashes of every row of ``rows`` (only rows not remembered are hashed) and the longest
         remembered chain that still matches them (possibly empty)."""
         entry = self._entries.get(rows[0].tobytes()) if len(rows) else None
         if entry is not None:
             raw, hashes, chain, keys = entry
             n = min(len(hashes), len(rows))
-            if rows[:n].tobytes() == (raw if n == len(hashes) else raw[:n * self.width]):
+            if rows[:n].tobytes() == (raw if n == len(hashes) else raw[: n * self.width]):
                 if n < len(rows):
                     hashes = hashes[:n] + hasher.chain(rows[n:], hashes[n - 1])
                 elif n < len(hashes):
                     hashes = hashes[:n]
                 now = list(map(blocks.get, keys[:n]))
                 if now != chain[:n]:
-                    now = chain[:next(i for i, (a, b) in enumerate(zip(now, chain)) if a is not b)]
-                return hashes, now
+                    first = next(
+                        i for i, (a, b) in enumerate(zip(now, chain, strict=False)) if a is not b
+                    )
+                    return hashes, chain[:first]
+                return hashes, cast("list[CachedBlock]", now)  # equal to chain[:n]: no None
         return hasher.chain(rows), []

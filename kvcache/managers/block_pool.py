@@ -3,8 +3,9 @@ integrity check over the whole pool of blocks."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
-from typing import Dict, Hashable, Iterable, List, Mapping, Optional, Tuple
+from itertools import repeat
 
 import numpy as np
 import torch
@@ -12,7 +13,16 @@ import torch
 from .base import BaseCacheHandle
 from .block_hash_chain import ROOT_HASH_SEED, ChainHasher
 
-__all__ = ["CachedBlock", "BlockHashCacheHandle", "handle_chain", "check_pool", "new_pages"]
+__all__ = [
+    "CachedBlock",
+    "BlockHashCacheHandle",
+    "handle_chain",
+    "check_pool",
+    "new_pages",
+    "new_blocks",
+    "lock_blocks",
+    "release_blocks",
+]
 
 _MASK = (1 << 64) - 1
 
@@ -30,11 +40,29 @@ class CachedBlock:
     gives them as a tuple of ints. Read-only for callers.
     """
 
-    __slots__ = ("block_hash", "base", "parent_hash", "token_bytes", "page", "ref_count",
-                 "num_children", "last_use", "probe")
+    __slots__ = (
+        "base",
+        "block_hash",
+        "last_use",
+        "num_children",
+        "page",
+        "parent_hash",
+        "probe",
+        "ref_count",
+        "token_bytes",
+    )
 
-    def __init__(self, block_hash: int, base: int, parent_hash: Optional[int], token_bytes: bytes,
-                 page: int, last_use: int, probe: int = 0, num_children: int = 0) -> None:
+    def __init__(
+        self,
+        block_hash: int,
+        base: int,
+        parent_hash: int | None,
+        token_bytes: bytes,
+        page: int,
+        last_use: int,
+        probe: int = 0,
+        num_children: int = 0,
+    ) -> None:
         self.block_hash = block_hash
         self.base = base
         self.parent_hash = parent_hash
@@ -46,14 +74,16 @@ class CachedBlock:
         self.probe = probe
 
     @property
-    def tokens(self) -> Tuple[int, ...]:
+    def tokens(self) -> tuple[int, ...]:
         return tuple(np.frombuffer(self.token_bytes, dtype=np.int64).tolist())
 
     def __repr__(self) -> str:
         toks = list(self.tokens)
-        shown = toks if len(toks) <= 8 else toks[:4] + ["..."] + toks[-2:]
-        return (f"CachedBlock(hash={self.block_hash:#018x}, page={self.page}, tokens={shown}, "
-                f"ref_count={self.ref_count}, last_use={self.last_use})")
+        shown = toks if len(toks) <= 8 else [*toks[:4], "...", *toks[-2:]]
+        return (
+            f"CachedBlock(hash={self.block_hash:#018x}, page={self.page}, tokens={shown}, "
+            f"ref_count={self.ref_count}, last_use={self.last_use})"
+        )
 
 
 @dataclass(frozen=True)
@@ -68,15 +98,19 @@ class BlockHashCacheHandle(BaseCacheHandle):
     ``cached_len`` and ``block_hashes`` only: equal handles are the same claim.
     """
 
-    block_hashes: Tuple[int, ...]
-    blocks: Tuple[CachedBlock, ...] = field(default=(), compare=False, repr=False)
+    block_hashes: tuple[int, ...]
+    blocks: tuple[CachedBlock, ...] = field(default=(), compare=False, repr=False)
     #: (manager token, manager epoch, the ``block_hashes`` object) when made; lets the manager
     #: skip re-checking a handle made since its last eviction.
-    stamp: Optional[Tuple[object, int, object]] = field(default=None, compare=False, repr=False)
+    stamp: tuple[object, int, object] | None = field(default=None, compare=False, repr=False)
 
 
-def handle_chain(handle: BaseCacheHandle, blocks: Mapping[int, CachedBlock], page_size: int,
-                 stamp: Tuple[object, int]) -> Tuple[CachedBlock, ...]:
+def handle_chain(
+    handle: BaseCacheHandle,
+    blocks: Mapping[int, CachedBlock],
+    page_size: int,
+    stamp: tuple[object, int],
+) -> tuple[CachedBlock, ...]:
     """The blocks ``handle`` names, root first, checked to be the content it was made for.
 
     ``stamp`` is the manager's (token, epoch): a handle made by that manager since its last
@@ -95,19 +129,28 @@ def handle_chain(handle: BaseCacheHandle, blocks: Mapping[int, CachedBlock], pag
         )
     made = handle.blocks
     mine = handle.stamp
-    if (mine is not None and mine[0] is stamp[0] and mine[1] == stamp[1] and mine[2] is hashes
-            and len(made) == len(hashes)):
+    if (
+        mine is not None
+        and mine[0] is stamp[0]
+        and mine[1] == stamp[1]
+        and mine[2] is hashes
+        and len(made) == len(hashes)
+    ):
         return made  # nothing has left the cache since the handle was made
-    chain: List[CachedBlock] = []
-    parent: Optional[int] = None
+    chain: list[CachedBlock] = []
+    parent: int | None = None
     for i, h in enumerate(hashes):
         block = blocks.get(h)
         if block is None:
-            raise RuntimeError(f"handle's block {i} ({h:#018x}) was evicted; match the prefix again")
+            raise RuntimeError(
+                f"handle's block {i} ({h:#018x}) was evicted; match the prefix again"
+            )
         if block.parent_hash != parent:
             raise RuntimeError(f"handle's block {i} ({h:#018x}) does not chain from block {i - 1}")
         if i >= len(made) or not isinstance(made[i], CachedBlock):
-            raise RuntimeError(f"handle does not carry the tokens of block {i}; make handles with match_prefix")
+            raise RuntimeError(
+                f"handle does not carry the tokens of block {i}; make handles with match_prefix"
+            )
         if made[i] is not block and made[i].token_bytes != block.token_bytes:
             raise RuntimeError(
                 f"handle's block {i} ({h:#018x}) was evicted and its key now holds other tokens; "
@@ -118,7 +161,7 @@ def handle_chain(handle: BaseCacheHandle, blocks: Mapping[int, CachedBlock], pag
     return tuple(chain)
 
 
-def new_pages(part: torch.Tensor, page_size: int, page_owner: Mapping[int, int]) -> List[int]:
+def new_pages(part: torch.Tensor, page_size: int, page_owner: Mapping[int, int]) -> list[int]:
     """The pages of the new blocks' slots ``part`` (validated int32, whole blocks), checked.
 
     Each block's slots must be the ``page_size`` consecutive slots of one page (``>= 0``, the
@@ -128,14 +171,16 @@ def new_pages(part: torch.Tensor, page_size: int, page_owner: Mapping[int, int])
     ps = page_size
     new = (part.numpy() if part.device.type == "cpu" else part.cpu().numpy()).reshape(-1, ps)
     first = new[:, 0]
-    if ps > 1 and ((first % ps).any() or (new != first[:, None] + np.arange(ps, dtype=np.int32)).any()):
+    if ps > 1 and (
+        (first % ps).any() or (new != first[:, None] + np.arange(ps, dtype=np.int32)).any()
+    ):
         if (new < 0).any():
             raise ValueError(f"indices must be >= 0, got {int(new.min())}")
         raise ValueError(
             f"with page_size={ps} every {ps} indices must be the consecutive slots of one page "
             f"(first slot a multiple of {ps}); got {part.tolist()}"
         )
-    pages = (first // ps).tolist()
+    pages: list[int] = (first // ps).tolist()
     if pages and min(pages) < 0:
         raise ValueError(f"indices must be >= 0, got {min(pages) * ps}")
     for page in pages:
@@ -150,20 +195,105 @@ def new_pages(part: torch.Tensor, page_size: int, page_owner: Mapping[int, int])
     return pages
 
 
-def check_pool(blocks: Mapping[int, CachedBlock], free: Iterable[int], page_owner: Mapping[int, int],
-               num_locked: int, max_probe: int, hasher: ChainHasher, page_size: int,
-               locks: Mapping[Hashable, int]) -> None:
+def new_blocks(
+    new_hashes: list[int],
+    parent: int | None,
+    rows: np.ndarray,
+    pages: list[int],
+    taken: Mapping[int, CachedBlock],
+    max_probe: int,
+    tic: int,
+) -> tuple[list[int], list[CachedBlock], int]:
+    """The blocks an insert adds: one per row of ``rows`` (``(n, page_size)`` int64) with chained
+    hash ``new_hashes[i]`` on page ``pages[i]``, the first chaining from key ``parent``.
+
+    Each block's key is its hash, or the next key (``hash + 1``, ...) that neither ``taken`` nor
+    an earlier new block holds. Returns the keys, the blocks (free, used at ``tic``, each but the
+    last with one child) and the largest probe offset now in use (at least ``max_probe``).
+    Changes nothing.
+    """
+    keys = new_hashes
+    probes: list[int] | None = None
+    if any(map(taken.__contains__, keys)) or len(set(keys)) != len(keys):
+        keys, probes, mine = [], [], set()
+        for h in new_hashes:
+            key, probe = h, 0
+            while key in taken or key in mine:
+                probe += 1
+                key = (h + probe) & _MASK
+            max_probe = max(max_probe, probe)
+            keys.append(key)
+            probes.append(probe)
+            mine.add(key)
+    raw = rows.tobytes()
+    width = rows.itemsize * rows.shape[1]
+    tokens = [raw[j : j + width] for j in range(0, len(raw), width)]
+    n = len(keys)
+    parents: list[int | None] = [parent, *keys[:-1]]
+    created = list(
+        map(
+            CachedBlock,
+            keys,
+            new_hashes,
+            parents,
+            tokens,
+            pages,
+            repeat(tic, n),
+            repeat(0) if probes is None else probes,
+            [1] * (n - 1) + [0],
+        )
+    )
+    return keys, created, max_probe
+
+
+def lock_blocks(chain: Sequence[CachedBlock], free: MutableMapping[int, None]) -> int:
+    """``ref_count += 1`` on every block of ``chain``; a block locked for the first time leaves
+    the ``free`` queue. Returns how many did."""
+    newly = 0
+    for block in chain:
+        if block.ref_count == 0:
+            del free[block.block_hash]
+            newly += 1
+        block.ref_count += 1
+    return newly
+
+
+def release_blocks(
+    chain: Sequence[CachedBlock], free: MutableMapping[int, None], clock: int
+) -> int:
+    """``ref_count -= 1`` on every block of ``chain``, deepest first; a block left unlocked joins
+    the tail of the ``free`` queue, used at ``clock``. Returns how many did."""
+    released = 0
+    for block in reversed(chain):
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            block.last_use = clock
+            free[block.block_hash] = None
+            released += 1
+    return released
+
+
+def check_pool(
+    blocks: Mapping[int, CachedBlock],
+    free: Iterable[int],
+    page_owner: Mapping[int, int],
+    num_locked: int,
+    max_probe: int,
+    hasher: ChainHasher,
+    page_size: int,
+    locks: Mapping[BlockHashCacheHandle, int],
+) -> None:
     """Every check of `BlockHashCacheManager.check_integrity`; ``RuntimeError`` on the first fault.
 
     ``locks`` maps each locked handle to its lock count: every block's ``ref_count`` must equal
     the locks of the handles through it.
     """
-    children: Dict[int, int] = {}
-    expected_refs: Dict[int, int] = {}
+    children: dict[int, int] = {}
+    expected_refs: dict[int, int] = {}
     for handle, n in locks.items():
         if n <= 0:
             raise RuntimeError(f"handle {handle} recorded with lock count {n}")
-        for key in handle.block_hashes:  # type: ignore[attr-defined]
+        for key in handle.block_hashes:
             expected_refs[key] = expected_refs.get(key, 0) + n
     free_list = list(free)
     free_set = set(free_list)
@@ -172,7 +302,9 @@ def check_pool(blocks: Mapping[int, CachedBlock], free: Iterable[int], page_owne
     for key, block in blocks.items():
         where = f"block {key:#018x}"
         if block.block_hash != key:
-            raise RuntimeError(f"{where}: filed under the wrong key (says {block.block_hash:#018x})")
+            raise RuntimeError(
+                f"{where}: filed under the wrong key (says {block.block_hash:#018x})"
+            )
         if not isinstance(block.token_bytes, bytes) or len(block.token_bytes) != 8 * page_size:
             raise RuntimeError(f"{where}: tokens {block.token_bytes!r} are not {page_size} ints")
         if not 0 <= block.probe <= max_probe:
@@ -181,7 +313,10 @@ def check_pool(blocks: Mapping[int, CachedBlock], free: Iterable[int], page_owne
         if block.parent_hash is not None and parent is None:
             raise RuntimeError(f"{where}: parent {block.parent_hash:#018x} is not cached")
         parent_base = parent.base if parent is not None else ROOT_HASH_SEED
-        if block.base != hasher.one(parent_base, block.tokens) or key != (block.base + block.probe) & _MASK:
+        if (
+            block.base != hasher.one(parent_base, block.tokens)
+            or key != (block.base + block.probe) & _MASK
+        ):
             raise RuntimeError(f"{where}: hash does not match its parent and tokens")
         content = (block.parent_hash, block.token_bytes)
         if content in contents:
@@ -217,7 +352,9 @@ def check_pool(blocks: Mapping[int, CachedBlock], free: Iterable[int], page_owne
             )
     stray = [k for k in expected_refs if k not in blocks]
     if stray:
-        raise RuntimeError(f"locked handles name {len(stray)} blocks that are not cached: {stray[:4]}")
+        raise RuntimeError(
+            f"locked handles name {len(stray)} blocks that are not cached: {stray[:4]}"
+        )
     if len(page_owner) != len(blocks):
         raise RuntimeError(f"{len(page_owner)} pages recorded for {len(blocks)} blocks")
     extra = [h for h in free_list if h not in blocks]
@@ -231,6 +368,8 @@ def check_pool(blocks: Mapping[int, CachedBlock], free: Iterable[int], page_owne
             raise RuntimeError(f"free queue out of LRU order at block {h:#018x}")
         last = block.last_use
         if block.parent_hash in position and position[block.parent_hash] < position[h]:
-            raise RuntimeError(f"block {h:#018x} is queued after its parent: the parent would be evicted first")
+            raise RuntimeError(
+                f"block {h:#018x} is queued after its parent: the parent would be evicted first"
+            )
     if locked != num_locked:
         raise RuntimeError(f"recorded {num_locked} locked blocks, counted {locked}")

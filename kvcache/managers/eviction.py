@@ -12,10 +12,18 @@ heap then compares plain ints (the built-in policies pack ``(time, uuid)`` as
 from __future__ import annotations
 
 import heapq
-from typing import Callable, Dict, List, Protocol, Tuple, Type
+from collections.abc import Callable
+from typing import Generic, Protocol, TypeVar
 
-__all__ = ["EvictableNode", "EvictionPolicy", "LRUPolicy", "FIFOPolicy", "EVICTION_POLICIES",
-           "register_eviction_policy", "LeafHeap"]
+__all__ = [
+    "EvictableNode",
+    "EvictionPolicy",
+    "LRUPolicy",
+    "FIFOPolicy",
+    "EVICTION_POLICIES",
+    "register_eviction_policy",
+    "LeafHeap",
+]
 
 
 class EvictableNode(Protocol):
@@ -29,19 +37,19 @@ class EvictableNode(Protocol):
 class EvictionPolicy(Protocol):
     name: str
 
-    def priority(self, node: EvictableNode) -> Tuple[int, ...]:
+    def priority(self, node: EvictableNode) -> tuple[int, ...]:
         """Smaller goes first. A pure function of the node's fields that never decreases while
         the node is in the tree (`LeafHeap` relies on it)."""
         ...
 
 
-EVICTION_POLICIES: Dict[str, Type[EvictionPolicy]] = {}
+EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {}
 
 
-def register_eviction_policy(name: str) -> Callable[[Type[EvictionPolicy]], Type[EvictionPolicy]]:
+def register_eviction_policy(name: str) -> Callable[[type[EvictionPolicy]], type[EvictionPolicy]]:
     """Class decorator: make a policy available as ``RadixCacheManager(eviction_policy=name)``."""
 
-    def wrap(cls: Type[EvictionPolicy]) -> Type[EvictionPolicy]:
+    def wrap(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:
         if name in EVICTION_POLICIES:
             raise ValueError(f"eviction policy {name!r} is already registered")
         cls.name = name
@@ -57,7 +65,7 @@ class LRUPolicy:
 
     name = "lru"
 
-    def priority(self, node: EvictableNode) -> Tuple[int, int]:
+    def priority(self, node: EvictableNode) -> tuple[int, int]:
         return (node.timestamp, node.uuid)
 
     def flat_priority(self, node: EvictableNode) -> int:
@@ -70,14 +78,18 @@ class FIFOPolicy:
 
     name = "fifo"
 
-    def priority(self, node: EvictableNode) -> Tuple[int, int]:
+    def priority(self, node: EvictableNode) -> tuple[int, int]:
         return (node.insert_time, node.uuid)
 
     def flat_priority(self, node: EvictableNode) -> int:
         return node.insert_time << 64 | node.uuid
 
 
-class LeafHeap:
+#: The node type a `LeafHeap` holds (`pop` returns the type that was filed).
+N = TypeVar("N", bound=EvictableNode)
+
+
+class LeafHeap(Generic[N]):
     """The evictable leaves of a tree, smallest priority first, at most one entry per node.
 
     Lazy by design: a node's entry may hold a priority older (smaller) than the node's current
@@ -88,25 +100,25 @@ class LeafHeap:
     evictable leaf; an entry for a node that is no longer one is dropped when popped.
     """
 
-    def __init__(self, key: Callable[[EvictableNode], object]) -> None:
+    def __init__(self, key: Callable[[N], object]) -> None:
         self._key = key
         self.clear()
 
     def clear(self) -> None:
-        self._heap: List[Tuple[object, int, EvictableNode]] = []
-        self._filed: Dict[int, object] = {}  # uuid -> priority of the node's entry
+        self._heap: list[tuple[object, int, N]] = []
+        self._filed: dict[int, object] = {}  # uuid -> priority of the node's entry
 
     def __len__(self) -> int:
         return len(self._heap)
 
-    def file(self, node: EvictableNode) -> None:
+    def file(self, node: N) -> None:
         """Give ``node`` an entry under its current priority, unless it has one."""
         if node.uuid not in self._filed:
             priority = self._key(node)
             self._filed[node.uuid] = priority
             heapq.heappush(self._heap, (priority, node.uuid, node))
 
-    def pop(self, evictable: Callable[[EvictableNode], bool]) -> EvictableNode:
+    def pop(self, evictable: Callable[[N], bool]) -> N:
         """Remove and return the evictable node with the smallest current priority.
 
         Raises ``RuntimeError`` when no filed node is evictable (the caller's sizes are wrong).
@@ -124,7 +136,7 @@ class LeafHeap:
             heapq.heappush(heap, (current, uuid, node))
         raise RuntimeError("internal error: no evictable leaf is filed")
 
-    def is_filed(self, node: EvictableNode) -> bool:
+    def is_filed(self, node: N) -> bool:
         """Whether ``node`` has an entry no newer than its current priority (what `pop` needs)."""
         priority = self._filed.get(node.uuid)
         return priority is not None and not self._key(node) < priority  # type: ignore[operator]

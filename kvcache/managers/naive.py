@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Any
 
 import torch
 
@@ -31,9 +31,9 @@ class NaiveCacheManager(BaseCacheManager):
         self.device = torch.device(device)
         self.page_size = check_positive_int(page_size, "page_size")
         self.empty_tensor = torch.empty(0, dtype=torch.int32, device=self.device)
-        self._locks: Dict[int, List] = {}  # id(handle) -> [handle, times locked]
+        self._locks: dict[int, list[Any]] = {}  # id(handle) -> [handle, times locked]
 
-    def match_prefix(self, input_ids: torch.Tensor) -> Tuple[NaiveCacheHandle, torch.Tensor]:
+    def match_prefix(self, input_ids: torch.Tensor) -> tuple[NaiveCacheHandle, torch.Tensor]:
         check_token_ids(input_ids)
         return NaiveCacheHandle(0), self.empty_tensor
 
@@ -67,7 +67,9 @@ class NaiveCacheManager(BaseCacheManager):
     def evict(self, size: int) -> torch.Tensor:
         if check_size(size) == 0:
             return self.empty_tensor
-        raise NotImplementedError(f"NaiveCacheManager caches nothing and cannot evict {size} tokens")
+        raise NotImplementedError(
+            f"NaiveCacheManager caches nothing and cannot evict {size} tokens"
+        )
 
     def reset(self) -> None:
         pass

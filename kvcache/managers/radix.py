@@ -17,7 +17,8 @@ No method recurses over the tree's depth.
 from __future__ import annotations
 
 import struct
-from typing import Dict, Iterator, List, Optional, Tuple
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,13 +26,25 @@ import torch
 from .._validate import check_positive_int, check_size
 from .base import BaseCacheHandle, BaseCacheManager, InsertResult, SizeInfo
 from .eviction import EVICTION_POLICIES, EvictionPolicy, LeafHeap
-from .radix_node import (ITEM, RadixCacheHandle, RadixTreeNode, TreeInfo, check_child, common_tokens,
-                         key_reader, slot_array, token_array)
+from .radix_node import (
+    ITEM,
+    RadixCacheHandle,
+    RadixTreeNode,
+    TreeInfo,
+    census_tree,
+    common_tokens,
+    key_reader,
+    lock_path,
+    path_slots,
+    slot_array,
+    token_array,
+    unlock_path,
+)
 from .slot_owners import SlotOwners
 
 __all__ = ["RadixTreeNode", "RadixCacheHandle", "RadixCacheManager"]
 
-_Walk = Tuple[List[RadixTreeNode], int, Optional[RadixTreeNode], int]
+_Walk = tuple[list[RadixTreeNode], int, RadixTreeNode | None, int]
 
 
 class RadixCacheManager(BaseCacheManager):
@@ -44,16 +57,21 @@ class RadixCacheManager(BaseCacheManager):
             (``"lru"`` or ``"fifo"`` built in).
     """
 
-    def __init__(self, device: torch.device | str = "cpu", page_size: int = 1,
-                 eviction_policy: str = "lru") -> None:
+    def __init__(
+        self, device: torch.device | str = "cpu", page_size: int = 1, eviction_policy: str = "lru"
+    ) -> None:
         check_positive_int(page_size, "page_size")
         if eviction_policy not in EVICTION_POLICIES:
-            raise ValueError(f"eviction_policy must be one of {sorted(EVICTION_POLICIES)}, got {eviction_policy!r}")
+            raise ValueError(
+                f"eviction_policy must be one of {sorted(EVICTION_POLICIES)}, got {eviction_policy!r}"
+            )
         self.device = torch.device(device)
         self.page_size = page_size
         self.eviction_policy = eviction_policy
         self._policy: EvictionPolicy = EVICTION_POLICIES[eviction_policy]()
-        self._leaves = LeafHeap(getattr(self._policy, "flat_priority", None) or self._policy.priority)
+        self._leaves: LeafHeap[RadixTreeNode] = LeafHeap(
+            getattr(self._policy, "flat_priority", None) or self._policy.priority
+        )
         self.empty_tensor = torch.empty(0, dtype=torch.int32, device=self.device)
         self._on_cpu = self.device.type == "cpu"
         self._key_of = key_reader(page_size)
@@ -65,18 +83,20 @@ class RadixCacheManager(BaseCacheManager):
     # ------------------------------------------------------------------ state
     def _init_tree(self) -> None:
         self._tree = TreeInfo(self.device)
-        self.root_node = RadixTreeNode(self._next_uuid(), b"", np.empty(0, dtype=np.int32),
-                                       self._clock, self._clock, self._tree)
+        self.root_node = self._node(b"", np.empty(0, dtype=np.int32), self._clock, self._clock)
         self.root_node.ref_count = 1  # the root is never evicted
         self._evictable_size = self._protected_size = 0
         self._num_nodes = 0  # excluding the root
         self._leaves.clear()
-        self._locks: Dict[int, List] = {}  # id(handle) -> [handle, times locked]
+        self._locks: dict[int, list[Any]] = {}  # id(handle) -> [handle, times locked]
         self._owners.clear()
 
-    def _next_uuid(self) -> int:
+    def _node(
+        self, kb: bytes, value: np.ndarray, timestamp: int, insert_time: int
+    ) -> RadixTreeNode:
+        """A new node of this tree under the next uuid."""
         self._uuid += 1
-        return self._uuid - 1
+        return RadixTreeNode(self._uuid - 1, kb, value, timestamp, insert_time, self._tree)
 
     def _tick(self) -> int:
         self._clock += 1
@@ -116,7 +136,9 @@ class RadixCacheManager(BaseCacheManager):
     def reset(self) -> None:
         """Forget every prefix. Locks on empty (root) handles are forgotten with them."""
         if self._protected_size > 0:
-            raise RuntimeError(f"cannot reset while {self._protected_size} tokens are locked; unlock every handle first")
+            raise RuntimeError(
+                f"cannot reset while {self._protected_size} tokens are locked; unlock every handle first"
+            )
         for node in self.nodes():
             node._in_tree = False
         self._init_tree()
@@ -127,7 +149,9 @@ class RadixCacheManager(BaseCacheManager):
         return out if self._on_cpu else out.to(self.device)
 
     def _is_evictable_leaf(self, node: RadixTreeNode) -> bool:
-        return node._in_tree and node.ref_count == 0 and not node.children and node._parent is not None
+        return (
+            node._in_tree and node.ref_count == 0 and not node.children and node._parent is not None
+        )
 
     # --------------------------------------------------------------- tree
     def _split_at(self, node: RadixTreeNode, pos: int) -> RadixTreeNode:
@@ -138,8 +162,7 @@ class RadixCacheManager(BaseCacheManager):
         """
         parent = node._parent
         cut = pos * ITEM
-        new = RadixTreeNode(self._next_uuid(), node._kb[:cut], node._value[:pos],
-                            node.timestamp, node.insert_time, self._tree)
+        new = self._node(node._kb[:cut], node._value[:pos], node.timestamp, node.insert_time)
         new.ref_count = node.ref_count
         new._parent = parent
         parent.children[self._key_of(node._kb, 0)] = new  # type: ignore[union-attr]
@@ -157,7 +180,7 @@ class RadixCacheManager(BaseCacheManager):
         and the node after them matching only its first ``cut`` tokens (whole pages), or ``None``.
         """
         node, pos, n = self.root_node, 0, len(ids_b)
-        path: List[RadixTreeNode] = []
+        path: list[RadixTreeNode] = []
         append, startswith = path.append, ids_b.startswith  # bound once: this loop is the hot path
         # The filing key of the page at byte ``pos``: the token (``ids.item``) or a tuple of them.
         one, item, unpack = self.page_size == 1, ids.item, self._unpack
@@ -187,7 +210,7 @@ class RadixCacheManager(BaseCacheManager):
         return path[-1] if path else self.root_node
 
     # ------------------------------------------------------------- public
-    def match_prefix(self, input_ids: torch.Tensor) -> Tuple[RadixCacheHandle, torch.Tensor]:
+    def match_prefix(self, input_ids: torch.Tensor) -> tuple[RadixCacheHandle, torch.Tensor]:
         """Longest cached whole-page prefix of ``input_ids`` and its slots, in order.
 
         Not read-only: a node matched only in part is split so that the handle can point at the
@@ -223,7 +246,9 @@ class RadixCacheManager(BaseCacheManager):
         ids = token_array(input_ids)
         all_slots = slot_array(indices, self.device)
         if len(all_slots) != len(ids):
-            raise ValueError(f"len(indices) ({len(all_slots)}) must equal len(input_ids) ({len(ids)})")
+            raise ValueError(
+                f"len(indices) ({len(all_slots)}) must equal len(input_ids) ({len(ids)})"
+            )
         n = len(ids) // self.page_size * self.page_size
         ids_b = ids[:n].tobytes()
         walk = self._walk(ids_b, ids)
@@ -236,7 +261,7 @@ class RadixCacheManager(BaseCacheManager):
         node = self._commit(walk, tic)
         if prefix_len == n:
             return InsertResult(prefix_len, RadixCacheHandle(n, node))
-        new = RadixTreeNode(self._next_uuid(), ids_b[pos:], slots.copy(), tic, tic, self._tree)
+        new = self._node(ids_b[pos:], slots.copy(), tic, tic)
         new._parent = node
         node.children[self._key_of(ids_b, pos)] = new
         self._num_nodes += 1
@@ -255,25 +280,25 @@ class RadixCacheManager(BaseCacheManager):
         if not isinstance(node, RadixTreeNode):
             raise TypeError(f"handle.node must be a RadixTreeNode, got {type(node).__name__}")
         if not node._in_tree:
-            raise RuntimeError(f"handle's node {node.uuid} was evicted (or the tree reset); match the prefix again")
+            raise RuntimeError(
+                f"handle's node {node.uuid} was evicted (or the tree reset); match the prefix again"
+            )
         if node._tree is not self._tree:
             raise RuntimeError("handle belongs to another manager")
         return node
 
-    def eviction_priority(self, node: RadixTreeNode) -> Tuple[int, ...]:
+    def eviction_priority(self, node: RadixTreeNode) -> tuple[int, ...]:
         """``node``'s key under this manager's policy: the evictable leaf with the smallest goes first."""
         return tuple(self._policy.priority(node))
 
     def handle_indices(self, handle: BaseCacheHandle) -> torch.Tensor:
         """The slots of the prefix behind ``handle`` (read-only: no split, no timestamp change)."""
-        node, values = self._checked_path_end(handle), []
-        while node._parent is not None:
-            values.append(node._value)
-            node = node._parent
-        values.reverse()
+        values = path_slots(self._checked_path_end(handle))
         out = np.concatenate(values) if values else np.empty(0, dtype=np.int32)
         if len(out) != handle.cached_len:
-            raise RuntimeError(f"handle says cached_len={handle.cached_len} but its path holds {len(out)} tokens")
+            raise RuntimeError(
+                f"handle says cached_len={handle.cached_len} but its path holds {len(out)} tokens"
+            )
         return self._out(out) if values else self.empty_tensor
 
     def lock_handle(self, handle: BaseCacheHandle, unlock: bool = False) -> None:
@@ -287,39 +312,30 @@ class RadixCacheManager(BaseCacheManager):
         if unlock:
             if entry is None:
                 if not isinstance(handle, RadixCacheHandle):
-                    raise TypeError(f"handle must be a RadixCacheHandle, got {type(handle).__name__}")
-                raise RuntimeError(f"cannot unlock a handle that is not locked (cached_len={handle.cached_len})")
+                    raise TypeError(
+                        f"handle must be a RadixCacheHandle, got {type(handle).__name__}"
+                    )
+                raise RuntimeError(
+                    f"cannot unlock a handle that is not locked (cached_len={handle.cached_len})"
+                )
             if entry[1] == 1:
                 del self._locks[id(handle)]
             else:
                 entry[1] -= 1
-            node = leaf = handle.node  # type: ignore[attr-defined]
-            freed = 0
-            while node._parent is not None:
-                node.ref_count -= 1
-                if node.ref_count == 0:
-                    freed += len(node._value)
-                node = node._parent
+            leaf = handle.node  # type: ignore[attr-defined]
+            freed = unlock_path(leaf)
             self._evictable_size += freed
             self._protected_size -= freed
             if leaf.ref_count == 0 and not leaf.children and leaf._parent is not None:
                 self._leaves.file(leaf)
             return
-        node = end = handle.node if entry is not None else self._checked_path_end(handle)  # type: ignore[attr-defined]
-        taken = length = 0
-        while node._parent is not None:
-            n = len(node._value)
-            length += n
-            if node.ref_count == 0:
-                taken += n
-            node.ref_count += 1
-            node = node._parent
+        end = handle.node if entry is not None else self._checked_path_end(handle)  # type: ignore[attr-defined]
+        length, taken = lock_path(end)
         if length != handle.cached_len:  # a handle made by hand: undo, then refuse
-            node = end
-            while node._parent is not None:
-                node.ref_count -= 1
-                node = node._parent
-            raise RuntimeError(f"handle says cached_len={handle.cached_len} but its path holds {length} tokens")
+            unlock_path(end)
+            raise RuntimeError(
+                f"handle says cached_len={handle.cached_len} but its path holds {length} tokens"
+            )
         if entry is None:
             self._locks[id(handle)] = [handle, 1]
         else:
@@ -341,7 +357,7 @@ class RadixCacheManager(BaseCacheManager):
                 f"cannot evict {size} tokens: only {self._evictable_size} are evictable "
                 f"({self._protected_size} are locked)"
             )
-        evicted: List[np.ndarray] = []
+        evicted: list[np.ndarray] = []
         freed, key_of = 0, self._key_of
         while freed < size:
             node = self._leaves.pop(self._is_evictable_leaf)
@@ -361,27 +377,13 @@ class RadixCacheManager(BaseCacheManager):
     # ---------------------------------------------------------- integrity
     def check_integrity(self) -> None:
         """Walk the whole tree (no recursion) and raise ``RuntimeError`` on the first inconsistency."""
-        root = self.root_node
-        if root.ref_count != 1 or root.length != 0 or root._parent is not None:
-            raise RuntimeError("root must be empty, parentless and hold ref_count 1")
-        evictable = protected = count = 0
-        values: List[np.ndarray] = []
-        stack = [root]
-        while stack:
-            node = stack.pop()
-            for key, child in node.children.items():
-                check_child(node, key, child, self.page_size, self._key_of)
-                if child._tree is not self._tree:
-                    raise RuntimeError(f"node {child.uuid}: from another tree, or from before a reset")
-                if self._is_evictable_leaf(child) and not self._leaves.is_filed(child):
-                    raise RuntimeError(f"node {child.uuid}: evictable leaf missing from the eviction heap")
-                if child.ref_count == 0:
-                    evictable += child.length
-                else:
-                    protected += child.length
-                count += 1
-                values.append(child._value)
-                stack.append(child)
+        evictable, protected, count, allv = census_tree(
+            self.root_node,
+            self._tree,
+            self.page_size,
+            self._key_of,
+            lambda c: self._is_evictable_leaf(c) and not self._leaves.is_filed(c),
+        )
         if (evictable, protected) != (self._evictable_size, self._protected_size):
             raise RuntimeError(
                 f"sizes disagree with the nodes: recorded (evictable={self._evictable_size}, "
@@ -389,10 +391,6 @@ class RadixCacheManager(BaseCacheManager):
             )
         if count != self._num_nodes:
             raise RuntimeError(f"recorded {self._num_nodes} nodes, counted {count}")
-        allv = np.concatenate(values) if values else np.empty(0, dtype=np.int32)
-        uniq, counts = np.unique(allv, return_counts=True)
-        if len(uniq) != len(allv):
-            raise RuntimeError(f"indices appear more than once in the tree: {uniq[counts > 1][:8].tolist()}")
         ps = self.page_size
         pages = allv[::ps] // ps if ps > 1 else allv
         if self._owners.count != len(pages) or not self._owners.held(pages.astype(np.int64)).all():

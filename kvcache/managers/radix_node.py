@@ -10,8 +10,9 @@ under what a reader expects (API.md and the book): the first token id (an ``int`
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Callable, Dict, Hashable, Optional
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -19,8 +20,22 @@ import torch
 from .._validate import check_indices, check_token_ids
 from .base import BaseCacheHandle
 
-__all__ = ["RadixTreeNode", "RadixCacheHandle", "TreeInfo", "key_reader", "token_array", "slot_array",
-           "common_tokens", "check_child", "ITEM"]
+__all__ = [
+    "RadixTreeNode",
+    "RadixCacheHandle",
+    "TreeInfo",
+    "key_reader",
+    "token_array",
+    "slot_array",
+    "common_tokens",
+    "check_child",
+    "TreeCensus",
+    "census_tree",
+    "lock_path",
+    "unlock_path",
+    "path_slots",
+    "ITEM",
+]
 
 ITEM = np.dtype(np.int64).itemsize  # bytes per token id in a key
 
@@ -59,7 +74,7 @@ def common_tokens(key_bytes: bytes, ids: np.ndarray, pos: int) -> int:
     """How many leading tokens of ``key_bytes`` equal ``ids[pos:]``."""
     key = np.frombuffer(key_bytes, dtype=np.int64)
     m = min(len(key), len(ids) - pos)
-    differ = key[:m] != ids[pos:pos + m]
+    differ = key[:m] != ids[pos : pos + m]
     return int(differ.argmax()) if differ.any() else m
 
 
@@ -99,14 +114,29 @@ class RadixTreeNode:
     """
 
     __slots__ = (
-        "children", "_parent", "ref_count", "uuid", "timestamp", "insert_time",
-        "_kb", "_value", "_in_tree", "_tree",
+        "_in_tree",
+        "_kb",
+        "_parent",
+        "_tree",
+        "_value",
+        "children",
+        "insert_time",
+        "ref_count",
+        "timestamp",
+        "uuid",
     )
 
-    def __init__(self, uuid: int, key_bytes: bytes, value: np.ndarray, timestamp: int,
-                 insert_time: int, tree: TreeInfo) -> None:
-        self.children: Dict[Hashable, RadixTreeNode] = {}
-        self._parent: Optional[RadixTreeNode] = None
+    def __init__(
+        self,
+        uuid: int,
+        key_bytes: bytes,
+        value: np.ndarray,
+        timestamp: int,
+        insert_time: int,
+        tree: TreeInfo,
+    ) -> None:
+        self.children: dict[Hashable, RadixTreeNode] = {}
+        self._parent: RadixTreeNode | None = None
         self.ref_count = 0
         self.uuid = uuid
         self.timestamp = timestamp
@@ -117,7 +147,7 @@ class RadixTreeNode:
         self._tree = tree
 
     @property
-    def parent(self) -> Optional["RadixTreeNode"]:
+    def parent(self) -> RadixTreeNode | None:
         return self._parent
 
     @property
@@ -167,9 +197,11 @@ class RadixTreeNode:
 
     def __repr__(self) -> str:
         keys = np.frombuffer(self._kb, dtype=np.int64).tolist()
-        shown = keys if len(keys) <= 8 else keys[:4] + ["..."] + keys[-2:]
-        return (f"RadixTreeNode(uuid={self.uuid}, key={shown}, ref_count={self.ref_count}, "
-                f"timestamp={self.timestamp})")
+        shown = keys if len(keys) <= 8 else [*keys[:4], "...", *keys[-2:]]
+        return (
+            f"RadixTreeNode(uuid={self.uuid}, key={shown}, ref_count={self.ref_count}, "
+            f"timestamp={self.timestamp})"
+        )
 
 
 @dataclass(frozen=True)
@@ -179,8 +211,13 @@ class RadixCacheHandle(BaseCacheHandle):
     node: RadixTreeNode
 
 
-def check_child(node: RadixTreeNode, key: Hashable, child: RadixTreeNode, page_size: int,
-                key_of: Callable[[bytes, int], Hashable]) -> None:
+def check_child(
+    node: RadixTreeNode,
+    key: Hashable,
+    child: RadixTreeNode,
+    page_size: int,
+    key_of: Callable[[bytes, int], Hashable],
+) -> None:
     """Raise ``RuntimeError`` if ``child``, filed under ``key`` in ``node.children``, is malformed."""
     where = f"node {child.uuid}"
     if child._parent is not node:
@@ -196,8 +233,101 @@ def check_child(node: RadixTreeNode, key: Hashable, child: RadixTreeNode, page_s
     if child.ref_count < 0:
         raise RuntimeError(f"{where}: negative ref_count {child.ref_count}")
     if not node.is_root() and node.ref_count < child.ref_count:
-        raise RuntimeError(f"{where}: ref_count {child.ref_count} exceeds its parent's {node.ref_count}")
+        raise RuntimeError(
+            f"{where}: ref_count {child.ref_count} exceeds its parent's {node.ref_count}"
+        )
     if not node.is_root() and node.timestamp < child.timestamp:
-        raise RuntimeError(f"{where}: used at {child.timestamp}, after its parent ({node.timestamp})")
+        raise RuntimeError(
+            f"{where}: used at {child.timestamp}, after its parent ({node.timestamp})"
+        )
     if not child._in_tree:
         raise RuntimeError(f"{where}: marked evicted but still in the tree")
+
+
+class TreeCensus(NamedTuple):
+    """What `census_tree` counted: tokens in unlocked and in locked nodes, nodes (the root
+    excluded), and every node's slots."""
+
+    evictable: int
+    protected: int
+    num_nodes: int
+    slots: np.ndarray
+
+
+def census_tree(
+    root: RadixTreeNode,
+    tree: TreeInfo,
+    page_size: int,
+    key_of: Callable[[bytes, int], Hashable],
+    unfiled_leaf: Callable[[RadixTreeNode], bool],
+) -> TreeCensus:
+    """Walk the tree under ``root`` (no recursion), check every node (`check_child`, of ``tree``,
+    no evictable leaf for which ``unfiled_leaf`` is true) and count it; no slot may appear twice.
+
+    ``RuntimeError`` on the first inconsistency.
+    """
+    if root.ref_count != 1 or root.length != 0 or root._parent is not None:
+        raise RuntimeError("root must be empty, parentless and hold ref_count 1")
+    evictable = protected = count = 0
+    values: list[np.ndarray] = []
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        for key, child in node.children.items():
+            check_child(node, key, child, page_size, key_of)
+            if child._tree is not tree:
+                raise RuntimeError(f"node {child.uuid}: from another tree, or from before a reset")
+            if unfiled_leaf(child):
+                raise RuntimeError(
+                    f"node {child.uuid}: evictable leaf missing from the eviction heap"
+                )
+            if child.ref_count == 0:
+                evictable += child.length
+            else:
+                protected += child.length
+            count += 1
+            values.append(child._value)
+            stack.append(child)
+    slots = np.concatenate(values) if values else np.empty(0, dtype=np.int32)
+    uniq, counts = np.unique(slots, return_counts=True)
+    if len(uniq) != len(slots):
+        raise RuntimeError(
+            f"indices appear more than once in the tree: {uniq[counts > 1][:8].tolist()}"
+        )
+    return TreeCensus(evictable, protected, count, slots)
+
+
+def lock_path(node: RadixTreeNode) -> tuple[int, int]:
+    """``ref_count += 1`` on ``node`` and each ancestor below the root. Returns the path's length
+    in tokens and the tokens of the nodes that were unlocked before."""
+    taken = length = 0
+    while node._parent is not None:
+        n = len(node._value)
+        length += n
+        if node.ref_count == 0:
+            taken += n
+        node.ref_count += 1
+        node = node._parent
+    return length, taken
+
+
+def unlock_path(node: RadixTreeNode) -> int:
+    """``ref_count -= 1`` on ``node`` and each ancestor below the root. Returns the tokens of
+    the nodes left unlocked."""
+    freed = 0
+    while node._parent is not None:
+        node.ref_count -= 1
+        if node.ref_count == 0:
+            freed += len(node._value)
+        node = node._parent
+    return freed
+
+
+def path_slots(node: RadixTreeNode) -> list[np.ndarray]:
+    """The slots of each node from the root's child down to ``node`` (views, not copies)."""
+    values = []
+    while node._parent is not None:
+        values.append(node._value)
+        node = node._parent
+    values.reverse()
+    return values

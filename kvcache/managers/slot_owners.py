@@ -75,8 +75,10 @@ class SlotOwners:
             before = owner[pages]
         if np.count_nonzero(before):
             bad = pages[before != 0]
-            raise ValueError(f"{name} holds slots the cache already holds (pages starting at "
-                             f"{(bad * ps).tolist()[:8]}); a slot can hold one token's K/V only")
+            raise ValueError(
+                f"{name} holds slots the cache already holds (pages starting at "
+                f"{(bad * ps).tolist()[:8]}); a slot can hold one token's K/V only"
+            )
         # Stamp each page with its position (from 1): a page listed twice keeps one stamp only.
         if len(self._stamps) < n:
             self._stamps = np.arange(1, 2 * n + 1, dtype=np.int32)
@@ -85,7 +87,9 @@ class SlotOwners:
         if owner[pages].tobytes() != stamps.tobytes():  # compared as bytes: one memcmp
             twice = owner[pages] != stamps
             owner[pages] = 0
-            raise ValueError(f"{name} lists the same slot more than once: {(pages[twice] * ps).tolist()[:8]}")
+            raise ValueError(
+                f"{name} lists the same slot more than once: {(pages[twice] * ps).tolist()[:8]}"
+            )
         self._count += n
 
     def _grow(self, size: int) -> None:

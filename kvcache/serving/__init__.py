@@ -17,8 +17,20 @@ from .scheduler import Scheduler
 from .tokenizer import ByteTokenizer
 
 __all__ = [
-    "PageAllocator", "RequestFlow", "Request", "FlowStats", "FlowEvent",
-    "TinyLlama", "TinyLlamaConfig", "Engine", "ByteTokenizer",
-    "Scheduler", "SchedRequest", "StepRecord", "model_runner", "CostModel", "LLAMA3_8B_H100",
+    "PageAllocator",
+    "RequestFlow",
+    "Request",
+    "FlowStats",
+    "FlowEvent",
+    "TinyLlama",
+    "TinyLlamaConfig",
+    "Engine",
+    "ByteTokenizer",
+    "Scheduler",
+    "SchedRequest",
+    "StepRecord",
+    "model_runner",
+    "CostModel",
+    "LLAMA3_8B_H100",
     "ServeReport",
 ]

@@ -110,7 +110,9 @@ class PageAllocator:
         """`allocate_slots` as a host NumPy ``int32`` array (for bookkeeping on the host), written
         into ``out`` (an int32 array of ``num_tokens`` entries) when given."""
         n = check_size(num_tokens, "num_tokens")
-        if out is not None and (not isinstance(out, np.ndarray) or out.dtype != np.int32 or out.shape != (n,)):
+        if out is not None and (
+            not isinstance(out, np.ndarray) or out.dtype != np.int32 or out.shape != (n,)
+        ):
             raise ValueError(f"out must be an int32 NumPy array of shape ({n},), got {out!r:.80}")
         pages = self._pop(-(-n // self.page_size))
         if self.page_size == 1:
@@ -122,11 +124,11 @@ class PageAllocator:
         out[:] = slots
         return out
 
-    def free(self, pages: torch.Tensor) -> None:
+    def free(self, pages: torch.Tensor | np.ndarray) -> None:
         """Return ``pages`` (1-D integer tensor or NumPy array of page ids) to the end of the free list."""
         self._push(check_id_array(pages, "pages", self.num_pages))
 
-    def free_slots(self, slots: torch.Tensor) -> None:
+    def free_slots(self, slots: torch.Tensor | np.ndarray) -> None:
         """Return the pages that ``slots`` (1-D integer tensor or NumPy array) touch:
         ``free(slots_to_pages(slots))``."""
         arr = check_id_array(slots, "slots", self.num_slots)
@@ -157,7 +159,7 @@ class PageAllocator:
         # Pages not free are handed out, so the ring has room for them: no overflow possible.
         tail = (self._head + self._count) % self.num_pages
         first = min(n, self.num_pages - tail)
-        self._ring[tail:tail + first] = arr[:first]
+        self._ring[tail : tail + first] = arr[:first]
         if first < n:
             self._ring[: n - first] = arr[first:]
         self._count += n
@@ -170,15 +172,24 @@ class PageAllocator:
         total = arr.shape[0] * self.page_size
         n = total if num_tokens is None else check_int_in(num_tokens, "num_tokens", 0, total)
         out = torch.from_numpy(pages_to_slots(arr, self.page_size)[:n])
-        return out if not isinstance(pages, torch.Tensor) or pages.device.type == "cpu" else out.to(pages.device)
+        return (
+            out
+            if not isinstance(pages, torch.Tensor) or pages.device.type == "cpu"
+            else out.to(pages.device)
+        )
 
-    def slots_to_pages(self, slots: torch.Tensor) -> torch.Tensor:
+    def slots_to_pages(self, slots: torch.Tensor | np.ndarray) -> torch.Tensor:
         """The distinct pages that ``slots`` touch, in first-touch order: int32 on the device of
-        ``slots``. ``slots`` must be a 1-D integer tensor of slots in ``[0, num_slots)``.
+        ``slots`` (CPU for a NumPy array). ``slots`` must be a 1-D integer tensor or NumPy array of
+        slots in ``[0, num_slots)``.
 
         Slots of one request are laid out page after page, so a run of slots on one page gives
         that page once.
         """
         arr = check_id_array(slots, "slots", self.num_slots)
         out = torch.from_numpy(slots_to_pages(arr, self.page_size))
-        return out if not isinstance(slots, torch.Tensor) or slots.device.type == "cpu" else out.to(slots.device)
+        return (
+            out
+            if not isinstance(slots, torch.Tensor) or slots.device.type == "cpu"
+            else out.to(slots.device)
+        )

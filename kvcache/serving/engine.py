@@ -14,21 +14,21 @@ ran and what it read back from the cache instead.
 
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple, Union
+from collections.abc import Sequence
 
 import torch
 
-from .._validate import as_int, check_size
-from .allocator import PageAllocator
+from .._validate import as_int, check_size, reject_one_tensor
 from ..managers.base import BaseCacheManager
 from ..storage.mha_pool import MHAKVCache
-from .model import TinyLlama
+from .allocator import PageAllocator
 from .integrity import check_manager
+from .model import TinyLlama
 from .request_flow import FlowStats, Request, RequestFlow
 
 __all__ = ["Engine"]
 
-Token = Union[int, torch.Tensor]
+Token = int | torch.Tensor
 
 
 class Engine:
@@ -48,8 +48,16 @@ class Engine:
         trace: keep the flow's step events in ``engine.flow.events``.
     """
 
-    def __init__(self, model: TinyLlama, kv_cache: MHAKVCache, manager: BaseCacheManager,
-                 allocator: PageAllocator, *, decode_kernel: bool = False, trace: bool = False) -> None:
+    def __init__(
+        self,
+        model: TinyLlama,
+        kv_cache: MHAKVCache,
+        manager: BaseCacheManager,
+        allocator: PageAllocator,
+        *,
+        decode_kernel: bool = False,
+        trace: bool = False,
+    ) -> None:
         if not isinstance(model, TinyLlama):
             raise TypeError(f"model must be a TinyLlama, got {type(model).__name__}")
         model.check_kv_cache(kv_cache)
@@ -65,7 +73,9 @@ class Engine:
                 f"kv_cache (num_pages={kv_cache.num_pages}, page_size={kv_cache.page_size})"
             )
         if allocator.device != kv_cache.device:
-            raise ValueError(f"allocator device {allocator.device} != kv_cache device {kv_cache.device}")
+            raise ValueError(
+                f"allocator device {allocator.device} != kv_cache device {kv_cache.device}"
+            )
         self.model, self.kv_cache, self.decode_kernel = model, kv_cache, decode_kernel
         self.flow = RequestFlow(manager, allocator, trace=trace)
 
@@ -83,16 +93,22 @@ class Engine:
         """Prompt tokens whose K/V were read from the cache instead: ``stats.reused_tokens``."""
         return self.flow.stats.reused_tokens
 
-    def _run(self, reqs: List[Request], ids: torch.Tensor) -> torch.Tensor:
+    def _run(self, reqs: list[Request], ids: torch.Tensor) -> torch.Tensor:
         """Run every request's not-yet-computed tokens (``ids``, packed); logits ``(B, vocab)`` of their last."""
         q_lens = [len(r) - r.num_computed for r in reqs]
-        logits = self.model(ids, [r.indices for r in reqs], q_lens, self.kv_cache, last_only=True,
-                            decode_kernel=self.decode_kernel)
+        logits: torch.Tensor = self.model(
+            ids,
+            [r.indices for r in reqs],
+            q_lens,
+            self.kv_cache,
+            last_only=True,
+            decode_kernel=self.decode_kernel,
+        )
         for r in reqs:
             self.flow.mark_computed(r)
         return logits
 
-    def prefill_batch(self, prompts: Sequence[torch.Tensor]) -> Tuple[List[Request], torch.Tensor]:
+    def prefill_batch(self, prompts: Sequence[torch.Tensor]) -> tuple[list[Request], torch.Tensor]:
         """Start one request per prompt (1-D CPU int ids), running only the tokens not reused from the cache.
 
         Returns the requests and the logits ``(B, vocab)`` of each prompt's last token. Prompts of
@@ -100,8 +116,7 @@ class Engine:
         vocabulary, room in the pool) before anything changes; if the model itself fails, every
         request of the batch is aborted.
         """
-        if isinstance(prompts, torch.Tensor):
-            raise TypeError("prompts must be a sequence of 1-D token-id tensors, got one tensor")
+        reject_one_tensor(prompts, "prompts")
         prompts = list(prompts)
         if not prompts:
             raise ValueError("prompts must hold at least one prompt, got an empty batch")
@@ -109,13 +124,13 @@ class Engine:
             self.model.check_ids(p, f"prompts[{i}]")
         reqs = self.flow.begin_batch(prompts, compute_last=True)
         try:
-            return reqs, self._run(reqs, torch.cat([r.input_ids[r.num_computed:] for r in reqs]))
+            return reqs, self._run(reqs, torch.cat([r.input_ids[r.num_computed :] for r in reqs]))
         except BaseException:
             for r in reqs:
                 self.flow.abort(r)
             raise
 
-    def prefill(self, prompt: torch.Tensor) -> Tuple[Request, torch.Tensor]:
+    def prefill(self, prompt: torch.Tensor) -> tuple[Request, torch.Tensor]:
         """:meth:`prefill_batch` of one prompt: ``(request, logits (vocab,))``."""
         reqs, logits = self.prefill_batch([prompt])
         return reqs[0], logits[0]
@@ -132,14 +147,16 @@ class Engine:
         if not reqs:
             raise ValueError("reqs must hold at least one request")
         if len(tokens) != len(reqs):
-            raise ValueError(f"need one token per request: {len(tokens)} tokens for {len(reqs)} requests")
+            raise ValueError(
+                f"need one token per request: {len(tokens)} tokens for {len(reqs)} requests"
+            )
         vocab = self.model.config.vocab_size
         values = [as_int(t, f"tokens[{i}]") for i, t in enumerate(tokens)]
         for i, v in enumerate(values):
             if not 0 <= v < vocab:
                 raise ValueError(f"tokens[{i}] must lie in [0, vocab_size={vocab}), got {v}")
         ids = torch.tensor(values, dtype=torch.int64)
-        self.flow.extend_batch(reqs, ids.view(-1, 1))
+        self.flow.extend_batch(reqs, list(ids.view(-1, 1)))
         return self._run(reqs, ids)
 
     def decode(self, req: Request, token: Token) -> torch.Tensor:
@@ -154,7 +171,7 @@ class Engine:
         """Greedy decoding: ``max_new_tokens`` new token ids ``(max_new_tokens,)`` int64; the request is cached."""
         max_new_tokens = check_size(max_new_tokens, "max_new_tokens")
         req, logits = self.prefill(prompt)
-        out: List[int] = []
+        out: list[int] = []
         try:
             for i in range(max_new_tokens):
                 out.append(int(logits.argmax()))

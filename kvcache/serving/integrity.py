@@ -4,7 +4,7 @@ one running request (`check_page_partition`)."""
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -13,12 +13,24 @@ from ..managers.base import BaseCacheManager
 from .allocator import PageAllocator
 from .request import Request
 
-__all__ = ["check_manager", "check_page_partition"]
+__all__ = ["check_manager", "check_flow_parts", "check_page_partition"]
 
 # What the flow calls on a manager: a BaseCacheManager has all of it; a wrapper that forwards to
 # one (a timer, a recorder) may instead provide it by delegation.
-_MANAGER_API = ("match_prefix", "lock_handle", "insert_prefix", "insert_and_match", "evict", "reset",
-                "size_info", "check_integrity", "cached_indices", "handle_indices", "page_size", "device")
+_MANAGER_API = (
+    "match_prefix",
+    "lock_handle",
+    "insert_prefix",
+    "insert_and_match",
+    "evict",
+    "reset",
+    "size_info",
+    "check_integrity",
+    "cached_indices",
+    "handle_indices",
+    "page_size",
+    "device",
+)
 
 
 def check_manager(manager: object, name: str = "manager") -> None:
@@ -27,10 +39,30 @@ def check_manager(manager: object, name: str = "manager") -> None:
         return
     missing = [a for a in _MANAGER_API if not hasattr(manager, a)]
     if missing:
-        raise TypeError(f"{name} must be a BaseCacheManager, got {type(manager).__name__} (lacking {', '.join(missing)})")
+        raise TypeError(
+            f"{name} must be a BaseCacheManager, got {type(manager).__name__} (lacking {', '.join(missing)})"
+        )
 
 
-def check_page_partition(manager: BaseCacheManager, allocator: PageAllocator, running: Iterable[Request]) -> None:
+def check_flow_parts(manager: BaseCacheManager, allocator: object, on_event: object) -> None:
+    """What `RequestFlow` needs of its parts: a manager (`check_manager`) and a `PageAllocator`
+    of the same ``page_size`` and ``device``, and an ``on_event`` that is callable or None."""
+    check_manager(manager)
+    if not isinstance(allocator, PageAllocator):
+        raise TypeError(f"allocator must be a PageAllocator, got {type(allocator).__name__}")
+    if on_event is not None and not callable(on_event):
+        raise TypeError(f"on_event must be callable or None, got {type(on_event).__name__}")
+    if manager.page_size != allocator.page_size:
+        raise ValueError(
+            f"manager page_size {manager.page_size} != allocator page_size {allocator.page_size}"
+        )
+    if torch.device(manager.device) != allocator.device:
+        raise ValueError(f"manager device {manager.device} != allocator device {allocator.device}")
+
+
+def check_page_partition(
+    manager: BaseCacheManager, allocator: PageAllocator, running: Iterable[Request]
+) -> None:
     """Free + cached + held by ``running`` requests = every page of ``allocator``, none twice.
 
     Runs ``manager.check_integrity()`` first; checks each request's ``indices`` against its
@@ -45,18 +77,22 @@ def check_page_partition(manager: BaseCacheManager, allocator: PageAllocator, ru
         raise RuntimeError(f"manager holds {cached.shape[0]} slots but reports total_size {total}")
     if cached.shape[0] % ps:
         raise RuntimeError(f"cache holds {cached.shape[0]} slots, not whole pages of {ps}")
-    parts = [allocator.free_pages().cpu().numpy().astype(np.int64),
-             cached.cpu().numpy()[::ps].astype(np.int64) // ps]
+    parts = [
+        allocator.free_pages().cpu().numpy().astype(np.int64),
+        cached.cpu().numpy()[::ps].astype(np.int64) // ps,
+    ]
     for req in running:
         if req.indices.shape[0] != req.input_ids.shape[0]:
-            raise RuntimeError(f"request {req.rid}: {len(req.input_ids)} tokens but {len(req.indices)} indices")
+            raise RuntimeError(
+                f"request {req.rid}: {len(req.input_ids)} tokens but {len(req.indices)} indices"
+            )
         try:
-            ok = torch.equal(manager.handle_indices(req.handle), req.indices[:req.tree_len])
+            ok = torch.equal(manager.handle_indices(req.handle), req.indices[: req.tree_len])
         except NotImplementedError:  # a manager that cannot say
             ok = True
         if not ok:
             raise RuntimeError(f"request {req.rid}: its prefix indices are not the tree's")
-        own = req.indices[req.tree_len:].cpu().numpy().astype(np.int64)
+        own = req.indices[req.tree_len :].cpu().numpy().astype(np.int64)
         if own.shape[0]:
             pages = own // ps
             parts.append(pages[np.r_[True, pages[1:] != pages[:-1]]])
@@ -67,4 +103,6 @@ def check_page_partition(manager: BaseCacheManager, allocator: PageAllocator, ru
     lost = np.flatnonzero(counts == 0).tolist()
     twice = np.flatnonzero(counts > 1).tolist()
     if lost or twice:
-        raise RuntimeError(f"page accounting broken: lost pages {lost[:16]}, pages owned twice {twice[:16]}")
+        raise RuntimeError(
+            f"page accounting broken: lost pages {lost[:16]}, pages owned twice {twice[:16]}"
+        )

@@ -16,8 +16,9 @@ Both share every weight and every non-attention op, so they differ only in where
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence, Union
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -47,11 +48,20 @@ class TinyLlamaConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_q_heads", "num_kv_heads",
-                     "head_dim", "intermediate_size"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_q_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+        ):
             check_positive_int(getattr(self, name), name)
         if self.num_q_heads % self.num_kv_heads:
-            raise ValueError(f"num_q_heads={self.num_q_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+            raise ValueError(
+                f"num_q_heads={self.num_q_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
 
@@ -75,7 +85,10 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.
 def _causal_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Dense causal attention: ``q`` ``(L, Hq, D)``, ``k``/``v`` ``(L, Hkv, D)`` -> ``(L, Hq, D)``."""
     group = q.shape[1] // k.shape[1]
-    q, k, v = (t.float().transpose(0, 1) for t in (q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)))
+    q, k, v = (
+        t.float().transpose(0, 1)
+        for t in (q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))
+    )
     scores = q @ k.transpose(1, 2) / math.sqrt(q.shape[-1])  # (Hq, L, L)
     mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
     return (scores.masked_fill(mask, float("-inf")).softmax(-1) @ v).transpose(0, 1)
@@ -86,7 +99,11 @@ class _Layer(nn.Module):
         super().__init__()
         h, qd, kvd = c.hidden_size, c.num_q_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.wq, self.wk, self.wv, self.wo = w(qd, h), w(kvd, h), w(kvd, h), w(h, qd)
-        self.w_gate, self.w_up, self.w_down = w(c.intermediate_size, h), w(c.intermediate_size, h), w(h, c.intermediate_size)
+        self.w_gate, self.w_up, self.w_down = (
+            w(c.intermediate_size, h),
+            w(c.intermediate_size, h),
+            w(h, c.intermediate_size),
+        )
         self.attn_norm, self.mlp_norm = w(h, ones=True), w(h, ones=True)
 
 
@@ -98,8 +115,12 @@ class TinyLlama(nn.Module):
         device, dtype: where the weights live and their dtype; the pool must match both.
     """
 
-    def __init__(self, config: TinyLlamaConfig = TinyLlamaConfig(), device: Union[torch.device, str] = "cpu",
-                 dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        config: TinyLlamaConfig = TinyLlamaConfig(),
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         super().__init__()
         if not isinstance(config, TinyLlamaConfig):
             raise TypeError(f"config must be a TinyLlamaConfig, got {type(config).__name__}")
@@ -109,7 +130,11 @@ class TinyLlama(nn.Module):
         g = torch.Generator().manual_seed(config.seed)
 
         def w(*shape: int, ones: bool = False, std: float | None = None) -> nn.Parameter:
-            t = torch.ones(shape) if ones else torch.randn(shape, generator=g) * (std or shape[-1] ** -0.5)
+            t = (
+                torch.ones(shape)
+                if ones
+                else torch.randn(shape, generator=g) * (std or shape[-1] ** -0.5)
+            )
             return nn.Parameter(t.to(device=self.device, dtype=dtype), requires_grad=False)
 
         self.embed = w(config.vocab_size, config.hidden_size, std=1.0)
@@ -118,31 +143,42 @@ class TinyLlama(nn.Module):
         self.lm_head = w(config.vocab_size, config.hidden_size)
 
     # ------------------------------------------------------------------------------- shared body
-    def _run(self, ids: torch.Tensor, positions: torch.Tensor,
-             attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def _run(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
         """``ids``, ``positions``: ``(n,)``; ``attend(layer, q, k, v)`` -> ``(n, Hq, D)``. Returns ``(n, hidden)``."""
         c, n = self.config, len(ids)
         h = F.embedding(ids.to(self.device), self.embed)
-        for i, layer in enumerate(self.layers):
+        # nn.ModuleList is not generic: its items are typed Module, these are all _Layer.
+        for i, layer in enumerate(cast("Iterable[_Layer]", self.layers)):
             x = rms_norm(h, layer.attn_norm, c.rms_norm_eps)
-            q = apply_rope(F.linear(x, layer.wq).view(n, c.num_q_heads, c.head_dim), positions, c.rope_theta)
-            k = apply_rope(F.linear(x, layer.wk).view(n, c.num_kv_heads, c.head_dim), positions, c.rope_theta)
+            q = apply_rope(
+                F.linear(x, layer.wq).view(n, c.num_q_heads, c.head_dim), positions, c.rope_theta
+            )
+            k = apply_rope(
+                F.linear(x, layer.wk).view(n, c.num_kv_heads, c.head_dim), positions, c.rope_theta
+            )
             v = F.linear(x, layer.wv).view(n, c.num_kv_heads, c.head_dim)
             h = h + F.linear(attend(i, q, k, v).to(h.dtype).flatten(1), layer.wo)
             x = rms_norm(h, layer.mlp_norm, c.rms_norm_eps)
-            h = h + F.linear(F.silu(F.linear(x, layer.w_gate)) * F.linear(x, layer.w_up), layer.w_down)
+            h = h + F.linear(
+                F.silu(F.linear(x, layer.w_gate)) * F.linear(x, layer.w_up), layer.w_down
+            )
         return rms_norm(h, self.norm, c.rms_norm_eps)
 
     # ------------------------------------------------------------------------------- served path
     def check_ids(self, ids: object, name: str = "ids") -> torch.Tensor:
         """``ids`` must be a non-empty 1-D integer CPU tensor of token ids in ``[0, vocab_size)``."""
-        check_token_ids(ids, name)
-        if ids.shape[0] == 0:
+        t = check_token_ids(ids, name)
+        if t.shape[0] == 0:
             raise ValueError(f"{name} must hold at least one token")
-        lo, hi, vocab = int(ids.min()), int(ids.max()), self.config.vocab_size
+        lo, hi, vocab = int(t.min()), int(t.max()), self.config.vocab_size
         if lo < 0 or hi >= vocab:
             raise ValueError(f"{name} must lie in [0, vocab_size={vocab}), got [{lo}, {hi}]")
-        return ids
+        return t
 
     def check_kv_cache(self, kv_cache: MHAKVCache) -> None:
         """``ValueError`` unless ``kv_cache`` has this model's layers, KV heads, head_dim, dtype and device."""
@@ -150,20 +186,48 @@ class TinyLlama(nn.Module):
             raise TypeError(f"kv_cache must be an MHAKVCache, got {type(kv_cache).__name__}")
         c = self.config
         want = (c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device)
-        got = (kv_cache.num_layers, kv_cache.local_kv_heads, kv_cache.head_dim, kv_cache.dtype, kv_cache.device)
+        got = (
+            kv_cache.num_layers,
+            kv_cache.local_kv_heads,
+            kv_cache.head_dim,
+            kv_cache.dtype,
+            kv_cache.device,
+        )
         if got != want:
-            raise ValueError(f"kv_cache (layers, local_kv_heads, head_dim, dtype, device) = {got}; the model needs {want}")
+            raise ValueError(
+                f"kv_cache (layers, local_kv_heads, head_dim, dtype, device) = {got}; the model needs {want}"
+            )
 
-    def new_kv_cache(self, num_pages: int, page_size: int = 1,
-                     kv_layout: KVCacheLayout = KVCacheLayout.LayerFirst) -> MHAKVCache:
+    def new_kv_cache(
+        self,
+        num_pages: int,
+        page_size: int = 1,
+        kv_layout: KVCacheLayout = KVCacheLayout.LayerFirst,
+    ) -> MHAKVCache:
         """An empty pool shaped for this model: ``num_pages * page_size`` token slots."""
         c = self.config
-        return MHAKVCache(c.num_kv_heads, c.num_layers, c.head_dim, num_pages, self.dtype, kv_layout,
-                          self.device, page_size=page_size)
+        return MHAKVCache(
+            c.num_kv_heads,
+            c.num_layers,
+            c.head_dim,
+            num_pages,
+            self.dtype,
+            kv_layout,
+            self.device,
+            page_size=page_size,
+        )
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, slots: Sequence[torch.Tensor], q_lens: Sequence[int],
-                kv_cache: MHAKVCache, *, last_only: bool = False, decode_kernel: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        ids: torch.Tensor,
+        slots: Sequence[torch.Tensor],
+        q_lens: Sequence[int],
+        kv_cache: MHAKVCache,
+        *,
+        last_only: bool = False,
+        decode_kernel: bool = False,
+    ) -> torch.Tensor:
         """Run the new tokens of a batch of requests, reading and writing K/V only through ``kv_cache``.
 
         ``slots[r]``: ``(T_r,)`` slots of *all* of request ``r``'s tokens, in order; its last
@@ -180,15 +244,22 @@ class TinyLlama(nn.Module):
         self.check_kv_cache(kv_cache)
         slots, q_lens = list(slots), list(q_lens)
         if len(q_lens) != len(slots) or not slots:
-            raise ValueError(f"need one q_len per request and at least one request; got {len(q_lens)} and {len(slots)}")
+            raise ValueError(
+                f"need one q_len per request and at least one request; got {len(q_lens)} and {len(slots)}"
+            )
         num_slots = kv_cache.num_pages * kv_cache.page_size
         for r, s in enumerate(slots):
             check_slot_tensor(s, f"slots[{r}]", num_slots, kv_cache.device)
-        q_lens = [check_int_in(ql, f"q_lens[{r}]", 1, len(s)) for r, (s, ql) in enumerate(zip(slots, q_lens))]
+        q_lens = [
+            check_int_in(ql, f"q_lens[{r}]", 1, len(s))
+            for r, (s, ql) in enumerate(zip(slots, q_lens, strict=True))
+        ]
         if len(ids) != sum(q_lens):
             raise ValueError(f"len(ids)={len(ids)} != sum(q_lens)={sum(q_lens)}")
-        positions = torch.cat([torch.arange(len(s) - ql, len(s)) for s, ql in zip(slots, q_lens)]).to(self.device)
-        out_loc = torch.cat([s[len(s) - ql:] for s, ql in zip(slots, q_lens)])
+        positions = torch.cat(
+            [torch.arange(len(s) - ql, len(s)) for s, ql in zip(slots, q_lens, strict=True)]
+        ).to(self.device)
+        out_loc = torch.cat([s[len(s) - ql :] for s, ql in zip(slots, q_lens, strict=True)])
         use_kernel = decode_kernel and all(ql == 1 for ql in q_lens)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -209,4 +280,6 @@ class TinyLlama(nn.Module):
         """Logits ``(L, vocab)`` of every token of ``ids`` ``(L,)``: dense causal attention, no cache."""
         self.check_ids(ids)
         positions = torch.arange(len(ids), device=self.device)
-        return F.linear(self._run(ids, positions, lambda _, q, k, v: _causal_gqa(q, k, v)), self.lm_head)
+        return F.linear(
+            self._run(ids, positions, lambda _, q, k, v: _causal_gqa(q, k, v)), self.lm_head
+        )

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
 
 import numpy as np
 import torch
@@ -27,36 +27,85 @@ class Request:
     Assigning ``input_ids`` or ``indices`` replaces the host copy (same length as the other).
     """
 
-    __slots__ = ("rid", "handle", "reused_len", "num_computed", "finished", "host", "device", "_views")
+    __slots__ = (
+        "_views",
+        "device",
+        "finished",
+        "handle",
+        "host",
+        "num_computed",
+        "reused_len",
+        "rid",
+    )
+    rid: int
+    handle: BaseCacheHandle
+    reused_len: int
+    num_computed: int
+    finished: bool
+    device: torch.device
+    host: HostCopy
+    #: The tensors last made, with the host copy and length they were made of (None: none yet).
+    _views: tuple[HostCopy, int, torch.Tensor, torch.Tensor] | None
 
-    def __init__(self, rid: int, input_ids: torch.Tensor, indices: torch.Tensor, handle: BaseCacheHandle,
-                 reused_len: int, num_computed: int, finished: bool = False) -> None:
+    def __init__(
+        self,
+        rid: int,
+        input_ids: torch.Tensor,
+        indices: torch.Tensor,
+        handle: BaseCacheHandle,
+        reused_len: int,
+        num_computed: int,
+        finished: bool = False,
+    ) -> None:
         if input_ids.shape != indices.shape:
-            raise ValueError(f"input_ids {tuple(input_ids.shape)} and indices {tuple(indices.shape)} differ in shape")
+            raise ValueError(
+                f"input_ids {tuple(input_ids.shape)} and indices {tuple(indices.shape)} differ in shape"
+            )
         self.rid, self.handle, self.reused_len, self.num_computed, self.finished = (
-            rid, handle, reused_len, num_computed, finished)
+            rid,
+            handle,
+            reused_len,
+            num_computed,
+            finished,
+        )
         self.device = indices.device
         self.host = HostCopy(input_ids.numpy(), indices.cpu().numpy())
-        self._views: tuple = (None, -1, None, None)  # (host, length, input_ids, indices) last made
+        self._views = None
 
     @classmethod
-    def from_host(cls, rid: int, host: "HostCopy", handle: BaseCacheHandle, reused_len: int,
-                  device: torch.device) -> "Request":
+    def from_host(
+        cls,
+        rid: int,
+        host: HostCopy,
+        handle: BaseCacheHandle,
+        reused_len: int,
+        device: torch.device,
+    ) -> Request:
         """A request over ``host`` (taken as it is, not copied), ``num_computed = reused_len``."""
         req = cls.__new__(cls)
-        req.rid, req.handle, req.reused_len, req.num_computed, req.finished = rid, handle, reused_len, reused_len, False
+        req.rid, req.handle, req.reused_len, req.num_computed, req.finished = (
+            rid,
+            handle,
+            reused_len,
+            reused_len,
+            False,
+        )
         req.device, req.host = device, host
-        req._views = (None, -1, None, None)
+        req._views = None
         return req
 
-    def _tensors(self) -> tuple:
+    def _tensors(self) -> tuple[HostCopy, int, torch.Tensor, torch.Tensor]:
         h = self.host
         views = self._views
-        if views[0] is not h or views[1] != h.length:
+        if views is None or views[0] is not h or views[1] != h.length:
             n = h.length
             slots = torch.from_numpy(h.slots[:n])
-            views = self._views = (h, n, torch.from_numpy(h.ids[:n]),
-                                   slots if self.device.type == "cpu" else slots.to(self.device))
+            views = self._views = (
+                h,
+                n,
+                torch.from_numpy(h.ids[:n]),
+                slots if self.device.type == "cpu" else slots.to(self.device),
+            )
         return views
 
     @property
@@ -65,7 +114,7 @@ class Request:
 
     @input_ids.setter
     def input_ids(self, value: torch.Tensor) -> None:
-        self.host = HostCopy(value.numpy(), self.host.slots[:self.host.length])
+        self.host = HostCopy(value.numpy(), self.host.slots[: self.host.length])
 
     @property
     def indices(self) -> torch.Tensor:
@@ -73,7 +122,7 @@ class Request:
 
     @indices.setter
     def indices(self, value: torch.Tensor) -> None:
-        self.host = HostCopy(self.host.ids[:self.host.length], value.cpu().numpy())
+        self.host = HostCopy(self.host.ids[: self.host.length], value.cpu().numpy())
 
     @property
     def tree_len(self) -> int:
@@ -82,14 +131,16 @@ class Request:
     @property
     def out_loc(self) -> torch.Tensor:
         """Slots whose K/V the model must still store, in token order."""
-        return self.indices[self.num_computed:]
+        return self.indices[self.num_computed :]
 
     def __len__(self) -> int:
         return self.host.length
 
     def __repr__(self) -> str:
-        return (f"Request(rid={self.rid}, len={len(self)}, tree_len={self.tree_len}, "
-                f"num_computed={self.num_computed}, finished={self.finished})")
+        return (
+            f"Request(rid={self.rid}, len={len(self)}, tree_len={self.tree_len}, "
+            f"num_computed={self.num_computed}, finished={self.finished})"
+        )
 
 
 @dataclass
@@ -129,8 +180,8 @@ class FlowEvent:
 class Tracer:
     """Keeps the events of a traced flow and passes each to ``sink``."""
 
-    sink: Optional[Callable[[FlowEvent], None]] = None
-    events: List[FlowEvent] = field(default_factory=list)
+    sink: Callable[[FlowEvent], None] | None = None
+    events: list[FlowEvent] = field(default_factory=list)
 
     def __call__(self, rid: int, step: int, name: str, detail: str) -> None:
         event = FlowEvent(rid, step, name, detail)
@@ -147,9 +198,14 @@ class HostCopy:
     `Request` shows them as tensors.
     """
 
-    __slots__ = ("ids", "slots", "length")
+    __slots__ = ("ids", "length", "slots")
+    ids: np.ndarray
+    slots: np.ndarray
+    length: int
 
-    def __init__(self, ids: np.ndarray, slots: np.ndarray, prefix: Optional[np.ndarray] = None) -> None:
+    def __init__(
+        self, ids: np.ndarray, slots: np.ndarray, prefix: np.ndarray | None = None
+    ) -> None:
         """Copies of ``ids`` and their slots: ``prefix`` (if given) then ``slots``, as many as ids."""
         n = ids.shape[0]
         cap = n + 16 + (n >> 2)
@@ -169,7 +225,7 @@ class HostCopy:
         self.length = n
 
     @classmethod
-    def with_room(cls, n: int) -> "HostCopy":
+    def with_room(cls, n: int) -> HostCopy:
         """An empty copy (``length == 0``) with room for ``n`` tokens and then some."""
         h = cls.__new__(cls)
         cap = n + 16 + (n >> 2)
@@ -189,6 +245,6 @@ class HostCopy:
         """Append ``ids`` and their ``slots`` (same length)."""
         n, k = self.length, ids.shape[0]
         self.reserve(k)
-        self.ids[n:n + k] = ids
-        self.slots[n:n + k] = slots
+        self.ids[n : n + k] = ids
+        self.slots[n : n + k] = slots
         self.length = n + k

@@ -19,18 +19,20 @@ own pages in ``[tree_len, already_cached)``, which another request inserted firs
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
-from .._validate import aligned_run_pages, check_int_in, check_token_ids
+from .._validate import aligned_run_pages, check_int_in, check_token_ids, reject_one_tensor
 from ..managers.base import BaseCacheHandle, BaseCacheManager
 from .allocator import PageAllocator
-from .integrity import check_manager, check_page_partition
+from .flow_pages import FlowPages
+from .integrity import check_flow_parts, check_page_partition
 from .request import FlowEvent, FlowStats, HostCopy, Request, Tracer
 
 __all__ = ["Request", "FlowStats", "FlowEvent", "RequestFlow"]
+
 
 class RequestFlow:
     """Drives a `BaseCacheManager` and a `PageAllocator` through the life of requests.
@@ -45,77 +47,41 @@ class RequestFlow:
     LRU refresh and the trace's events aside).
     """
 
-    def __init__(self, manager: BaseCacheManager, allocator: PageAllocator, *, trace: bool = False,
-                 on_event: Optional[Callable[[FlowEvent], None]] = None) -> None:
-        check_manager(manager)
-        if not isinstance(allocator, PageAllocator):
-            raise TypeError(f"allocator must be a PageAllocator, got {type(allocator).__name__}")
-        if on_event is not None and not callable(on_event):
-            raise TypeError(f"on_event must be callable or None, got {type(on_event).__name__}")
-        if manager.page_size != allocator.page_size:
-            raise ValueError(f"manager page_size {manager.page_size} != allocator page_size {allocator.page_size}")
-        if torch.device(manager.device) != allocator.device:
-            raise ValueError(f"manager device {manager.device} != allocator device {allocator.device}")
+    def __init__(
+        self,
+        manager: BaseCacheManager,
+        allocator: PageAllocator,
+        *,
+        trace: bool = False,
+        on_event: Callable[[FlowEvent], None] | None = None,
+    ) -> None:
+        check_flow_parts(manager, allocator, on_event)
         self.manager = manager
         self.allocator = allocator
         self.page_size = allocator.page_size
-        self.running: Dict[int, Request] = {}
+        self.running: dict[int, Request] = {}
         self.stats = FlowStats()
         self._device = allocator.device
         self._on_cpu = allocator.device.type == "cpu"
         self._trace = Tracer(on_event) if (trace or on_event is not None) else None
         self._rids = itertools.count()
+        self._pages = FlowPages(manager, allocator, self.stats, self._trace)
 
     @property
-    def events(self) -> List[FlowEvent]:
+    def events(self) -> list[FlowEvent]:
         return self._trace.events if self._trace is not None else []
-
-    def _log(self, rid: int, step: int, name: str, detail: Callable[[], str]) -> None:
-        """Record a step (callers check ``self._trace`` first, so an untraced flow pays nothing)."""
-        self._trace(rid, step, name, detail())  # type: ignore[misc]
 
     # ------------------------------------------------------------ pages
     def available_pages(self) -> int:
         """Pages that could be handed out now: free ones plus those eviction could free."""
-        return self.allocator.num_free_pages + self.manager.size_info.evictable_size // self.page_size
+        return self._pages.available()
 
     def pages_needed(self, req: Request, num_new_tokens: int) -> int:
         """New pages `extend` takes to append ``num_new_tokens`` to ``req``: the last page's free
         slots are filled first."""
         self._get(req)
-        k = check_int_in(num_new_tokens, "num_new_tokens", 0, 2 ** 62)
-        return self._pages_for(len(req), k)
-
-    def _pages_for(self, length: int, k: int) -> int:
-        ps = self.page_size
-        rest = k - min(k, -length % ps)
-        return -(-rest // ps)
-
-    def _make_room(self, rid: int, num_pages: int) -> None:
-        """Evict from the manager until ``num_pages`` pages are free, or raise changing nothing."""
-        short = num_pages - self.allocator.num_free_pages
-        if short <= 0:
-            return
-        evictable = self.manager.size_info.evictable_size // self.page_size
-        if short > evictable:
-            raise RuntimeError(
-                f"out of KV pages: need {num_pages}, {self.allocator.num_free_pages} free and {evictable} evictable"
-            )
-        slots = self.manager.evict(short * self.page_size)
-        self.allocator.free_slots(slots)
-        self.stats.evicted_tokens += slots.shape[0]
-        self.stats.evictions += 1
-        if self._trace is not None:
-            self._log(rid, 3, "evict", lambda: f"evicted {slots.shape[0]} cached tokens to free {short} pages")
-
-    def _allocate(self, rid: int, num_tokens: int, out: Optional[np.ndarray] = None) -> np.ndarray:
-        """Host slots for ``num_tokens`` on new pages (into ``out`` if given), evicting first when
-        the free list is short; ``RuntimeError`` changing nothing when the pool cannot hold them."""
-        self._make_room(rid, -(-num_tokens // self.page_size))
-        slots = self.allocator.allocate_host_slots(num_tokens, out)
-        if self._trace is not None:
-            self._log(rid, 3, "allocate", lambda: f"pages {self.allocator.slots_to_pages(slots).tolist()}")
-        return slots
+        k = check_int_in(num_new_tokens, "num_new_tokens", 0, 2**62)
+        return self._pages.pages_for(len(req), k)
 
     def _get(self, req: Request) -> Request:
         if not isinstance(req, Request):
@@ -129,22 +95,28 @@ class RequestFlow:
         return isinstance(req, Request) and not req.finished and self.running.get(req.rid) is req
 
     # ------------------------------------------------------------ steps
-    def _match_lock(self, rid: int, ids: torch.Tensor, compute_last: bool) -> Tuple[BaseCacheHandle, torch.Tensor]:
+    def _match_lock(
+        self, rid: int, ids: torch.Tensor, compute_last: bool
+    ) -> tuple[BaseCacheHandle, torch.Tensor]:
         handle, prefix = self.manager.match_prefix(ids[:-1] if compute_last else ids)
         m = handle.cached_len
         if self._trace is not None:
-            self._log(rid, 1, "match_prefix", lambda: f"cached_len={m} indices={prefix.tolist()}")
+            self._trace(rid, 1, "match_prefix", f"cached_len={m} indices={prefix.tolist()}")
         self.manager.lock_handle(handle)
         if self._trace is not None:
-            self._log(rid, 2, "lock_handle", lambda: f"protected={self.manager.size_info.protected_size}")
+            self._trace(rid, 2, "lock_handle", f"protected={self.manager.size_info.protected_size}")
         return handle, prefix
 
-    def _start(self, rid: int, ids: np.ndarray, handle: BaseCacheHandle, prefix: torch.Tensor) -> Request:
+    def _start(
+        self, rid: int, ids: np.ndarray, handle: BaseCacheHandle, prefix: torch.Tensor
+    ) -> Request:
         """Pages for the tokens past the cached prefix, then the running request (or raise with
         nothing taken)."""
         n, m = ids.shape[0], handle.cached_len
         host = HostCopy.with_room(n)
-        self._allocate(rid, n - m, host.slots[m:n])  # written in place: no copy of the new slots
+        self._pages.allocate(
+            rid, n - m, host.slots[m:n]
+        )  # written in place: no copy of the new slots
         host.ids[:n] = ids
         if m:
             host.slots[:m] = prefix.numpy() if prefix.is_cpu else prefix.cpu().numpy()
@@ -178,7 +150,9 @@ class RequestFlow:
             self.manager.lock_handle(handle, unlock=True)
             raise
 
-    def begin_batch(self, prompts: Sequence[torch.Tensor], *, compute_last: bool = False) -> List[Request]:
+    def begin_batch(
+        self, prompts: Sequence[torch.Tensor], *, compute_last: bool = False
+    ) -> list[Request]:
         """`begin` for several prompts at once, all or nothing.
 
         Every prompt is checked first; then all are matched and locked, and only if the pool
@@ -186,8 +160,7 @@ class RequestFlow:
         batch. Otherwise every lock is released and ``RuntimeError`` raised: nothing evicted,
         no page taken. Prompts of one batch do not reuse each other (none is cached yet).
         """
-        if isinstance(prompts, torch.Tensor):
-            raise TypeError("prompts must be a sequence of 1-D token-id tensors, got one tensor")
+        reject_one_tensor(prompts, "prompts")
         prompts = list(prompts)
         if not prompts:
             raise ValueError("prompts must hold at least one prompt, got an empty batch")
@@ -196,19 +169,22 @@ class RequestFlow:
             if p.shape[0] == 0:
                 raise ValueError(f"prompts[{i}] must hold at least one token")
         rids = [next(self._rids) for _ in prompts]
-        matched: List[Tuple[BaseCacheHandle, torch.Tensor]] = []
+        matched: list[tuple[BaseCacheHandle, torch.Tensor]] = []
         try:
-            for rid, p in zip(rids, prompts):
+            for rid, p in zip(rids, prompts, strict=True):
                 matched.append(self._match_lock(rid, p, compute_last))
-            new = [p.shape[0] - h.cached_len for p, (h, _) in zip(prompts, matched)]
-            self._make_room(rids[0], sum(-(-n // self.page_size) for n in new))
+            new = [p.shape[0] - h.cached_len for p, (h, _) in zip(prompts, matched, strict=True)]
+            self._pages.make_room(rids[0], sum(-(-n // self.page_size) for n in new))
         except BaseException:
             for h, _ in matched:
                 self.manager.lock_handle(h, unlock=True)
             raise
-        return [self._start(rid, p.numpy(), h, prefix) for rid, p, (h, prefix) in zip(rids, prompts, matched)]
+        return [
+            self._start(rid, p.numpy(), h, prefix)
+            for rid, p, (h, prefix) in zip(rids, prompts, matched, strict=True)
+        ]
 
-    def mark_computed(self, req: Request, num_tokens: Optional[int] = None) -> None:
+    def mark_computed(self, req: Request, num_tokens: int | None = None) -> None:
         """Record that K/V of the first ``num_tokens`` tokens (default: all) are stored (step 6).
 
         ``num_tokens``: an integer in ``[req.num_computed, len(req)]`` (``TypeError`` for bool,
@@ -216,9 +192,18 @@ class RequestFlow:
         """
         self._get(req)
         length = req.host.length
-        n = length if num_tokens is None else check_int_in(num_tokens, "num_tokens", req.num_computed, length)
+        n = (
+            length
+            if num_tokens is None
+            else check_int_in(num_tokens, "num_tokens", req.num_computed, length)
+        )
         if self._trace is not None:
-            self._log(req.rid, 6, "store_kv", lambda: f"slots {req.indices[req.num_computed:n].tolist()}")
+            self._trace(
+                req.rid,
+                6,
+                "store_kv",
+                f"slots {req.indices[req.num_computed : n].tolist()}",
+            )
         req.num_computed = n
 
     def extend(self, req: Request, new_ids: torch.Tensor) -> torch.Tensor:
@@ -230,7 +215,9 @@ class RequestFlow:
         check_token_ids(new_ids, "new_ids")
         return self._extend(req, new_ids)
 
-    def extend_batch(self, reqs: Sequence[Request], new_ids: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    def extend_batch(
+        self, reqs: Sequence[Request], new_ids: Sequence[torch.Tensor]
+    ) -> list[torch.Tensor]:
         """`extend` of ``reqs[i]`` by ``new_ids[i]`` for every ``i``, all or nothing.
 
         Refused before any request changes: ``ValueError`` for differing lengths or bad ids,
@@ -239,15 +226,23 @@ class RequestFlow:
         """
         reqs, new_ids = list(reqs), list(new_ids)
         if len(new_ids) != len(reqs):
-            raise ValueError(f"need one new_ids per request: {len(new_ids)} for {len(reqs)} requests")
-        for i, (r, x) in enumerate(zip(reqs, new_ids)):
+            raise ValueError(
+                f"need one new_ids per request: {len(new_ids)} for {len(reqs)} requests"
+            )
+        for i, (r, x) in enumerate(zip(reqs, new_ids, strict=True)):
             self._get(r)
             check_token_ids(x, f"new_ids[{i}]")
         if len({id(r) for r in reqs}) != len(reqs):
             raise RuntimeError("every request must be running in this flow, each listed once")
         if reqs:
-            self._make_room(reqs[0].rid, sum(self._pages_for(len(r), x.shape[0]) for r, x in zip(reqs, new_ids)))
-        return [self._extend(r, x) for r, x in zip(reqs, new_ids)]
+            self._pages.make_room(
+                reqs[0].rid,
+                sum(
+                    self._pages.pages_for(len(r), x.shape[0])
+                    for r, x in zip(reqs, new_ids, strict=True)
+                ),
+            )
+        return [self._extend(r, x) for r, x in zip(reqs, new_ids, strict=True)]
 
     def _extend(self, req: Request, new_ids: torch.Tensor) -> torch.Tensor:
         h = req.host
@@ -258,13 +253,13 @@ class RequestFlow:
         take = min(k, -length % self.page_size)  # free slots left in the last page
         if take:
             last = int(h.slots[length - 1])
-            h.slots[length:length + take] = np.arange(last + 1, last + 1 + take, dtype=np.int32)
+            h.slots[length : length + take] = np.arange(last + 1, last + 1 + take, dtype=np.int32)
         if k > take:
-            self._allocate(req.rid, k - take, h.slots[length + take:length + k])
-        h.ids[length:length + k] = new_ids.numpy()
+            self._pages.allocate(req.rid, k - take, h.slots[length + take : length + k])
+        h.ids[length : length + k] = new_ids.numpy()
         h.length = length + k
         self.stats.decoded_tokens += k
-        out = torch.from_numpy(h.slots[length:length + k])
+        out = torch.from_numpy(h.slots[length : length + k])
         return out if self._on_cpu else out.to(self._device)
 
     def _insert(self, req: Request, n: int, keep_running: bool) -> int:
@@ -282,7 +277,7 @@ class RequestFlow:
         res = self.manager.insert_and_match(torch.from_numpy(h.ids[:n]), idx)
         already, lo = res.cached_len, req.tree_len
         if self._trace is not None:
-            self._log(req.rid, 4, "insert_prefix", lambda: f"{n} tokens, {already} already cached")
+            self._trace(req.rid, 4, "insert_prefix", f"{n} tokens, {already} already cached")
         if not keep_running:
             # Runs from page-aligned positions: their pages are every page_size-th slot.
             ps = self.page_size
@@ -295,22 +290,33 @@ class RequestFlow:
             if to_free.shape[0]:
                 self.allocator.free(to_free)
             if self._trace is not None:
-                self._log(req.rid, 5, "free", lambda: f"pages {to_free.tolist()}")
+                self._trace(req.rid, 5, "free", f"pages {to_free.tolist()}")
             return already
         hi = min(already, res.handle.cached_len)  # a manager caching nothing holds none of them
         if hi > lo:
             dup = h.slots[lo:hi].copy()
             self.allocator.free_slots(dup)
             if self._trace is not None:
-                self._log(req.rid, 5, "free", lambda: f"duplicate pages {self.allocator.slots_to_pages(dup).tolist()}")
-            slots = h.slots[:length].copy()  # a new copy: tensors handed out before keep their values
+                self._trace(
+                    req.rid,
+                    5,
+                    "free",
+                    f"duplicate pages {self.allocator.slots_to_pages(dup).tolist()}",
+                )
+            # A new copy: tensors handed out before keep their values.
+            slots = h.slots[:length].copy()
             slots[:hi] = self.manager.handle_indices(res.handle)[:hi].cpu().numpy()
             req.host = HostCopy(h.ids[:length], slots)
         self.manager.lock_handle(res.handle)
         self.manager.lock_handle(req.handle, unlock=True)
         req.handle = res.handle
         if self._trace is not None:
-            self._log(req.rid, 2, "lock_handle", lambda: f"lock moved to the cached prefix, tree_len={req.tree_len}")
+            self._trace(
+                req.rid,
+                2,
+                "lock_handle",
+                f"lock moved to the cached prefix, tree_len={req.tree_len}",
+            )
         return already
 
     def cache(self, req: Request) -> int:
@@ -321,7 +327,9 @@ class RequestFlow:
         indices now point at the tree's. Returns the length that was already cached.
         """
         self._get(req)
-        return self._insert(req, req.num_computed // self.page_size * self.page_size, keep_running=True)
+        return self._insert(
+            req, req.num_computed // self.page_size * self.page_size, keep_running=True
+        )
 
     def finish(self, req: Request) -> int:
         """Steps 4, 5, 7: insert the request, free its duplicate and partial pages, unlock.
@@ -338,14 +346,14 @@ class RequestFlow:
         already = self._insert(req, length // self.page_size * self.page_size, keep_running=False)
         self.manager.lock_handle(req.handle, unlock=True)
         if self._trace is not None:
-            self._log(req.rid, 7, "unlock", lambda: f"protected={self.manager.size_info.protected_size}")
+            self._trace(req.rid, 7, "unlock", f"protected={self.manager.size_info.protected_size}")
         self._end(req)
         return already
 
     def abort(self, req: Request) -> None:
         """Drop a request without caching it: free its own pages and unlock its prefix."""
         self._get(req)
-        own = aligned_run_pages(req.host.slots[req.tree_len:len(req)], self.page_size)
+        own = aligned_run_pages(req.host.slots[req.tree_len : len(req)], self.page_size)
         if own.shape[0]:
             self.allocator.free(own)
         self.manager.lock_handle(req.handle, unlock=True)
@@ -369,7 +377,9 @@ class RequestFlow:
             )
         locked = self.manager.size_info.protected_size
         if locked:
-            raise RuntimeError(f"cannot reset the prefix cache while {locked} cached tokens are locked")
+            raise RuntimeError(
+                f"cannot reset the prefix cache while {locked} cached tokens are locked"
+            )
         cached = self.manager.cached_indices()
         self.allocator.free_slots(cached)  # validates every page first: raises changing nothing
         self.manager.reset()

@@ -8,7 +8,7 @@ may end in the middle of a multi-byte character; `decode` then shows the stray b
 
 from __future__ import annotations
 
-from typing import Iterable, Union
+from collections.abc import Iterable
 
 import torch
 
@@ -35,7 +35,7 @@ class ByteTokenizer:
             raise TypeError(f"text must be a str, got {type(text).__name__}")
         return torch.tensor(list(text.encode("utf-8")), dtype=torch.int64)
 
-    def decode(self, ids: Union[torch.Tensor, Iterable[int]]) -> str:
+    def decode(self, ids: torch.Tensor | Iterable[int]) -> str:
         """Text of ``ids`` (bytes 0..255); non-printable characters and broken UTF-8 escaped.
 
         ``ids``: a 1-D integer CPU tensor or an iterable of integers (Python, NumPy or 0-d torch
@@ -44,15 +44,21 @@ class ByteTokenizer:
         if isinstance(ids, torch.Tensor):
             values = check_token_ids(ids, "ids").tolist()
         elif isinstance(ids, (str, bytes, bytearray)):
-            raise TypeError(f"ids must be token ids (a tensor or integers), got {type(ids).__name__}")
+            raise TypeError(
+                f"ids must be token ids (a tensor or integers), got {type(ids).__name__}"
+            )
         else:
             values = [as_int(v, f"ids[{i}]") for i, v in enumerate(ids)]
         bad = [v for v in values if not 0 <= v <= 255]
         if bad:
             raise ValueError(f"byte token ids must be in [0, 255], got {bad[:4]}")
         text = bytes(values).decode("utf-8", errors="backslashreplace")
-        return "".join(ch if ch.isprintable() else _ESCAPES.get(ch, ch.encode("unicode_escape").decode("ascii"))
-                       for ch in text)
+        return "".join(
+            ch
+            if ch.isprintable()
+            else _ESCAPES.get(ch, ch.encode("unicode_escape").decode("ascii"))
+            for ch in text
+        )
 
     def __call__(self, text: str) -> torch.Tensor:
         return self.encode(text)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Any, Callable, Dict, List, NamedTuple, Optional
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 
@@ -18,8 +19,16 @@ from .integrity import check_manager
 from .request_flow import RequestFlow
 
 __all__ = [
-    "Job", "Sample", "shared_system_prompts", "few_shot", "multi_turn_chat", "branching",
-    "mixed", "replay", "WORKLOADS", "TimedManager",
+    "Job",
+    "Sample",
+    "shared_system_prompts",
+    "few_shot",
+    "multi_turn_chat",
+    "branching",
+    "mixed",
+    "replay",
+    "WORKLOADS",
+    "TimedManager",
 ]
 
 
@@ -42,37 +51,68 @@ class Sample(NamedTuple):
     free_pages: int
 
 
-def _tokens(rng: random.Random, n: int, vocab: int) -> List[int]:
+def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(vocab) for _ in range(n)]
 
 
-def _job(prompt: List[int], output: List[int]) -> Job:
+def _job(prompt: list[int], output: list[int]) -> Job:
     return Job(torch.tensor(prompt, dtype=torch.int64), torch.tensor(output, dtype=torch.int64))
 
 
-def shared_system_prompts(num_requests: int = 200, num_prompts: int = 4, system_len: int = 300,
-                          question_len: tuple = (20, 80), output_len: tuple = (10, 40),
-                          vocab: int = 32000, seed: int = 0) -> List[Job]:
+def shared_system_prompts(
+    num_requests: int = 200,
+    num_prompts: int = 4,
+    system_len: int = 300,
+    question_len: tuple[int, int] = (20, 80),
+    output_len: tuple[int, int] = (10, 40),
+    vocab: int = 32000,
+    seed: int = 0,
+) -> list[Job]:
     """Many users, a few system prompts: every request is ``system + question``."""
     rng = random.Random(seed)
     systems = [_tokens(rng, system_len, vocab) for _ in range(num_prompts)]
-    return [_job(rng.choice(systems) + _tokens(rng, rng.randint(*question_len), vocab),
-                 _tokens(rng, rng.randint(*output_len), vocab)) for _ in range(num_requests)]
+    return [
+        _job(
+            rng.choice(systems) + _tokens(rng, rng.randint(*question_len), vocab),
+            _tokens(rng, rng.randint(*output_len), vocab),
+        )
+        for _ in range(num_requests)
+    ]
 
 
-def few_shot(num_requests: int = 200, num_tasks: int = 3, shots: int = 5, shot_len: int = 60,
-             question_len: tuple = (10, 40), output_len: tuple = (5, 20), vocab: int = 32000,
-             seed: int = 0) -> List[Job]:
+def few_shot(
+    num_requests: int = 200,
+    num_tasks: int = 3,
+    shots: int = 5,
+    shot_len: int = 60,
+    question_len: tuple[int, int] = (10, 40),
+    output_len: tuple[int, int] = (5, 20),
+    vocab: int = 32000,
+    seed: int = 0,
+) -> list[Job]:
     """Each task has a fixed list of worked examples; requests differ only in the final question."""
     rng = random.Random(seed)
-    tasks = [sum((_tokens(rng, shot_len, vocab) for _ in range(shots)), []) for _ in range(num_tasks)]
-    return [_job(rng.choice(tasks) + _tokens(rng, rng.randint(*question_len), vocab),
-                 _tokens(rng, rng.randint(*output_len), vocab)) for _ in range(num_requests)]
+    tasks = [
+        [t for _ in range(shots) for t in _tokens(rng, shot_len, vocab)] for _ in range(num_tasks)
+    ]
+    return [
+        _job(
+            rng.choice(tasks) + _tokens(rng, rng.randint(*question_len), vocab),
+            _tokens(rng, rng.randint(*output_len), vocab),
+        )
+        for _ in range(num_requests)
+    ]
 
 
-def multi_turn_chat(num_conversations: int = 20, turns: int = 8, system_len: int = 200,
-                    message_len: tuple = (20, 60), output_len: tuple = (20, 60), vocab: int = 32000,
-                    seed: int = 0) -> List[Job]:
+def multi_turn_chat(
+    num_conversations: int = 20,
+    turns: int = 8,
+    system_len: int = 200,
+    message_len: tuple[int, int] = (20, 60),
+    output_len: tuple[int, int] = (20, 60),
+    vocab: int = 32000,
+    seed: int = 0,
+) -> list[Job]:
     """Conversations interleaved at random; turn ``i`` resends the whole history so far."""
     rng = random.Random(seed)
     system = _tokens(rng, system_len, vocab)
@@ -89,37 +129,46 @@ def multi_turn_chat(num_conversations: int = 20, turns: int = 8, system_len: int
     return jobs
 
 
-def branching(num_requests: int = 200, depth: int = 4, fanout: int = 3, segment_len: int = 40,
-              output_len: tuple = (5, 20), vocab: int = 32000, seed: int = 0) -> List[Job]:
+def branching(
+    num_requests: int = 200,
+    depth: int = 4,
+    fanout: int = 3,
+    segment_len: int = 40,
+    output_len: tuple[int, int] = (5, 20),
+    vocab: int = 32000,
+    seed: int = 0,
+) -> list[Job]:
     """Tree-shaped prompts (e.g. tree-of-thought or agents retrying): a random root-to-leaf path."""
     rng = random.Random(seed)
-    segments: Dict[tuple, List[int]] = {}
+    segments: dict[tuple[int, ...], list[int]] = {}
 
-    def segment(path: tuple) -> List[int]:
+    def segment(path: tuple[int, ...]) -> list[int]:
         if path not in segments:
             segments[path] = _tokens(rng, segment_len, vocab)
         return segments[path]
 
     jobs = []
     for _ in range(num_requests):
-        path: tuple = ()
-        prompt: List[int] = []
+        path: tuple[int, ...] = ()
+        prompt: list[int] = []
         for _ in range(rng.randint(1, depth)):
-            path = path + (rng.randrange(fanout),)
+            path = (*path, rng.randrange(fanout))
             prompt += segment(path)
         jobs.append(_job(prompt, _tokens(rng, rng.randint(*output_len), vocab)))
     return jobs
 
 
-def mixed(num_requests: int = 400, seed: int = 0, vocab: int = 32000) -> List[Job]:
+def mixed(num_requests: int = 400, seed: int = 0, vocab: int = 32000) -> list[Job]:
     """The four kinds above interleaved, plus one request in ten with no shared prefix at all."""
     rng = random.Random(seed)
     quarter = num_requests // 4
-    pools = [shared_system_prompts(quarter, seed=seed + 1, vocab=vocab),
-             few_shot(quarter, seed=seed + 2, vocab=vocab),
-             multi_turn_chat(max(1, quarter // 8), 8, seed=seed + 3, vocab=vocab),
-             branching(quarter, seed=seed + 4, vocab=vocab)]
-    jobs: List[Job] = []
+    pools = [
+        shared_system_prompts(quarter, seed=seed + 1, vocab=vocab),
+        few_shot(quarter, seed=seed + 2, vocab=vocab),
+        multi_turn_chat(max(1, quarter // 8), 8, seed=seed + 3, vocab=vocab),
+        branching(quarter, seed=seed + 4, vocab=vocab),
+    ]
+    jobs: list[Job] = []
     while any(pools) and len(jobs) < num_requests:
         if rng.random() < 0.1:
             jobs.append(_job(_tokens(rng, rng.randint(50, 300), vocab), _tokens(rng, 20, vocab)))
@@ -129,7 +178,7 @@ def mixed(num_requests: int = 400, seed: int = 0, vocab: int = 32000) -> List[Jo
     return jobs
 
 
-WORKLOADS: Dict[str, Callable[..., List[Job]]] = {
+WORKLOADS: dict[str, Callable[..., list[Job]]] = {
     "system prompts": shared_system_prompts,
     "few-shot": few_shot,
     "multi-turn chat": multi_turn_chat,
@@ -151,8 +200,8 @@ class TimedManager(BaseCacheManager):
     def __init__(self, manager: BaseCacheManager) -> None:
         check_manager(manager)
         self.manager = manager
-        self.seconds: Dict[str, float] = dict.fromkeys(self.OPS, 0.0)
-        self.calls: Dict[str, int] = dict.fromkeys(self.OPS, 0)
+        self.seconds: dict[str, float] = dict.fromkeys(self.OPS, 0.0)
+        self.calls: dict[str, int] = dict.fromkeys(self.OPS, 0)
         self._bound = {op: getattr(manager, op) for op in self.OPS}
 
     @property
@@ -171,16 +220,19 @@ class TimedManager(BaseCacheManager):
         return self._timed("match_prefix", *args, **kwargs)
 
     def lock_handle(self, *args: Any, **kwargs: Any) -> None:
-        return self._timed("lock_handle", *args, **kwargs)
+        self._timed("lock_handle", *args, **kwargs)
 
     def insert_prefix(self, *args: Any, **kwargs: Any) -> int:
-        return self._timed("insert_prefix", *args, **kwargs)
+        cached_len: int = self._timed("insert_prefix", *args, **kwargs)
+        return cached_len
 
     def insert_and_match(self, *args: Any, **kwargs: Any) -> InsertResult:
-        return self._timed("insert_and_match", *args, **kwargs)
+        result: InsertResult = self._timed("insert_and_match", *args, **kwargs)
+        return result
 
     def evict(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return self._timed("evict", *args, **kwargs)
+        evicted: torch.Tensor = self._timed("evict", *args, **kwargs)
+        return evicted
 
     # Not timed: forwarded as they are.
     @property
@@ -216,8 +268,14 @@ class TimedManager(BaseCacheManager):
         return getattr(self.manager, name)
 
 
-def replay(flow: RequestFlow, jobs: List[Job], *, decode: bool = True, token_by_token: bool = False,
-           on_sample: Optional[Callable[[Sample], None]] = None) -> List[Sample]:
+def replay(
+    flow: RequestFlow,
+    jobs: list[Job],
+    *,
+    decode: bool = True,
+    token_by_token: bool = False,
+    on_sample: Callable[[Sample], None] | None = None,
+) -> list[Sample]:
     """Run ``jobs`` through ``flow`` one after another: begin, store, (decode), finish.
 
     With ``decode=True`` the output is appended with `RequestFlow.extend` (one token per call
@@ -234,7 +292,7 @@ def replay(flow: RequestFlow, jobs: List[Job], *, decode: bool = True, token_by_
         try:
             flow.mark_computed(req)
             if decode and job.output.shape[0]:
-                for chunk in (job.output.split(1) if token_by_token else (job.output,)):
+                for chunk in torch.split(job.output, 1) if token_by_token else (job.output,):
                     flow.extend(req, chunk)
                     flow.mark_computed(req)
             flow.finish(req)
@@ -243,37 +301,61 @@ def replay(flow: RequestFlow, jobs: List[Job], *, decode: bool = True, token_by_
                 flow.abort(req)
             raise
         st = flow.stats
-        sample = Sample(step, st.prompt_tokens, st.reused_tokens, st.computed_tokens,
-                        flow.manager.size_info.total_size, st.evicted_tokens,
-                        flow.allocator.num_free_pages)
+        sample = Sample(
+            step,
+            st.prompt_tokens,
+            st.reused_tokens,
+            st.computed_tokens,
+            flow.manager.size_info.total_size,
+            st.evicted_tokens,
+            flow.allocator.num_free_pages,
+        )
         samples.append(sample)
         if on_sample is not None:
             on_sample(sample)
     return samples
 
 
-def long_few_shot(num_requests: int = 800, num_tasks: int = 6, prefix_len: tuple = (2048, 8192),
-                  question_len: tuple = (20, 200), output_len: tuple = (10, 120), vocab: int = 32000,
-                  seed: int = 0) -> List[Job]:
+def long_few_shot(
+    num_requests: int = 800,
+    num_tasks: int = 6,
+    prefix_len: tuple[int, int] = (2048, 8192),
+    question_len: tuple[int, int] = (20, 200),
+    output_len: tuple[int, int] = (10, 120),
+    vocab: int = 32000,
+    seed: int = 0,
+) -> list[Job]:
     """Few-shot serving at today's prompt sizes: a few tasks, each a 2-8k-token shared prefix
     of worked examples, and requests that differ only in the question at the end."""
     rng = random.Random(seed)
     tasks = [_tokens(rng, rng.randint(*prefix_len), vocab) for _ in range(num_tasks)]
-    return [_job(rng.choice(tasks) + _tokens(rng, rng.randint(*question_len), vocab),
-                 _tokens(rng, rng.randint(*output_len), vocab)) for _ in range(num_requests)]
+    return [
+        _job(
+            rng.choice(tasks) + _tokens(rng, rng.randint(*question_len), vocab),
+            _tokens(rng, rng.randint(*output_len), vocab),
+        )
+        for _ in range(num_requests)
+    ]
 
 
-def agent(num_requests: int = 800, num_agents: int = 8, system_len: tuple = (500, 1500),
-          step_len: tuple = (30, 300), output_len: tuple = (20, 150), branch_prob: float = 0.25,
-          vocab: int = 32000, seed: int = 0) -> List[Job]:
+def agent(
+    num_requests: int = 800,
+    num_agents: int = 8,
+    system_len: tuple[int, int] = (500, 1500),
+    step_len: tuple[int, int] = (30, 300),
+    output_len: tuple[int, int] = (20, 150),
+    branch_prob: float = 0.25,
+    vocab: int = 32000,
+    seed: int = 0,
+) -> list[Job]:
     """Agents in branching multi-turn sessions: each session resends its whole history plus a
     new observation; one step in four forks a new session from an earlier turn of a random one
     (a retry, or a tree search over tool calls), so the cached prefixes form a deep, bushy tree."""
     rng = random.Random(seed)
     systems = [_tokens(rng, rng.randint(*system_len), vocab) for _ in range(num_agents)]
     # A session: its history and the lengths at which each of its turns started (fork points).
-    sessions: List[tuple] = [(list(s), [len(s)]) for s in systems]
-    jobs: List[Job] = []
+    sessions: list[tuple[list[int], list[int]]] = [(list(s), [len(s)]) for s in systems]
+    jobs: list[Job] = []
     while len(jobs) < num_requests:
         history, starts = rng.choice(sessions)
         if rng.random() < branch_prob:

@@ -1,0 +1,70 @@
+"""`FlowPages`: the page budget of a `RequestFlow`, and taking pages from it (evicting first)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..managers.base import BaseCacheManager
+from .allocator import PageAllocator
+from .request import FlowStats, Tracer
+
+__all__ = ["FlowPages"]
+
+
+class FlowPages:
+    """Pages for a flow's requests: the allocator's free pages, plus what evicting unlocked
+    prefixes from the manager would free. Evictions are counted in ``stats`` and traced (step 3)
+    to ``trace`` when given."""
+
+    def __init__(
+        self,
+        manager: BaseCacheManager,
+        allocator: PageAllocator,
+        stats: FlowStats,
+        trace: Tracer | None,
+    ) -> None:
+        self.manager = manager
+        self.allocator = allocator
+        self.page_size = allocator.page_size
+        self.stats = stats
+        self.trace = trace
+
+    def available(self) -> int:
+        """Pages that could be handed out now: free ones plus those eviction could free."""
+        return (
+            self.allocator.num_free_pages + self.manager.size_info.evictable_size // self.page_size
+        )
+
+    def pages_for(self, length: int, k: int) -> int:
+        """New pages that ``k`` more tokens take after ``length`` (the last page filled first)."""
+        ps = self.page_size
+        rest = k - min(k, -length % ps)
+        return -(-rest // ps)
+
+    def make_room(self, rid: int, num_pages: int) -> None:
+        """Evict from the manager until ``num_pages`` pages are free, or raise changing nothing."""
+        short = num_pages - self.allocator.num_free_pages
+        if short <= 0:
+            return
+        evictable = self.manager.size_info.evictable_size // self.page_size
+        if short > evictable:
+            raise RuntimeError(
+                f"out of KV pages: need {num_pages}, {self.allocator.num_free_pages} free and {evictable} evictable"
+            )
+        slots = self.manager.evict(short * self.page_size)
+        self.allocator.free_slots(slots)
+        self.stats.evicted_tokens += slots.shape[0]
+        self.stats.evictions += 1
+        if self.trace is not None:
+            self.trace(
+                rid, 3, "evict", f"evicted {slots.shape[0]} cached tokens to free {short} pages"
+            )
+
+    def allocate(self, rid: int, num_tokens: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Host slots for ``num_tokens`` on new pages (into ``out`` if given), evicting first when
+        the free list is short; ``RuntimeError`` changing nothing when the pool cannot hold them."""
+        self.make_room(rid, -(-num_tokens // self.page_size))
+        slots = self.allocator.allocate_host_slots(num_tokens, out)
+        if self.trace is not None:
+            self.trace(rid, 3, "allocate", f"pages {self.allocator.slots_to_pages(slots).tolist()}")
+        return slots
