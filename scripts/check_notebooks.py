@@ -63,34 +63,43 @@ def check(path: Path, listed: set[str] | None) -> list[str]:
             continue
         source = cell.get("source", "")
         source = "".join(source) if isinstance(source, list) else source
-        where = f"cell {i} ({source.strip().splitlines()[0][:60]!r})" if source.strip() else f"cell {i}"
+        where = (
+            f"cell {i} ({source.strip().splitlines()[0][:60]!r})" if source.strip() else f"cell {i}"
+        )
         count = cell.get("execution_count")
         if not source.strip():
             continue
         tags = set(cell.get("metadata", {}).get("tags", []))
         for m in NBVAL_COMMENT.finditer(source):
             tag = "nbval-" + m.group(1).lower().replace("_", "-")
-            problems.append(f"{where}: `# NBVAL_{m.group(1)}` comment shows on the page; "
-                            f"give the cell nbval's tag {tag!r} instead")
+            problems.append(
+                f"{where}: `# NBVAL_{m.group(1)}` comment shows on the page; "
+                f"give the cell nbval's tag {tag!r} instead"
+            )
         if NOQA.search(source):
             problems.append(f"{where}: `# noqa` shows on the page; write code the linter accepts")
         if ANSWER.search(source) and not tags & HIDDEN_INPUT:
-            problems.append(f"{where}: a reader's answer cell without the 'hide-input' tag "
-                            "(the website would show the answer before the reader tries)")
+            problems.append(
+                f"{where}: a reader's answer cell without the 'hide-input' tag "
+                "(the website would show the answer before the reader tries)"
+            )
         if count is None:
             problems.append(f"{where}: never executed (no execution_count)")
             continue
         if count != expected:
-            problems.append(f"{where}: execution_count {count}, expected {expected} "
-                            "(not one top-to-bottom run)")
+            problems.append(
+                f"{where}: execution_count {count}, expected {expected} (not one top-to-bottom run)"
+            )
         expected = count + 1
         for out in cell.get("outputs", []):
             kind = out.get("output_type")
             if kind == "error":
                 problems.append(f"{where}: raised {out.get('ename')}: {out.get('evalue')}")
             elif kind == "execute_result" and out.get("execution_count") not in (None, count):
-                problems.append(f"{where}: output from execution {out.get('execution_count')}, "
-                                f"cell says {count}")
+                problems.append(
+                    f"{where}: output from execution {out.get('execution_count')}, "
+                    f"cell says {count}"
+                )
     if listed is not None and path.resolve().is_relative_to(REPO):
         rel = str(path.resolve().relative_to(REPO).with_suffix(""))
         if rel not in listed:
@@ -110,8 +119,10 @@ def main(argv: list[str]) -> int:
         for p in problems:
             print(f"{path}: {p}", file=sys.stderr)
         failed += bool(problems)
-    print(f"check_notebooks: {len(paths)} notebook(s), {failed} with problems",
-          file=sys.stderr if failed else sys.stdout)
+    print(
+        f"check_notebooks: {len(paths)} notebook(s), {failed} with problems",
+        file=sys.stderr if failed else sys.stdout,
+    )
     return 1 if failed else 0
 
 

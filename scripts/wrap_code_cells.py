@@ -41,9 +41,13 @@ def ruff() -> str:
 
 
 def fmt(code: str) -> str | None:
-    r = subprocess.run([ruff(), "format", "--config", f"line-length={WIDTH}",
-                        "--stdin-filename", "cell.py", "-"],
-                       input=code, capture_output=True, text=True, cwd=REPO)
+    r = subprocess.run(
+        [ruff(), "format", "--config", f"line-length={WIDTH}", "--stdin-filename", "cell.py", "-"],
+        input=code,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     return None if r.returncode else r.stdout.rstrip("\n")
 
 
@@ -60,7 +64,11 @@ def move_trailing_comments(code: str) -> str:
     moves = {}
     for t in toks:
         row, col = t.start
-        if t.type == tokenize.COMMENT and lines[row - 1][:col].strip() and len(lines[row - 1]) > WIDTH:
+        if (
+            t.type == tokenize.COMMENT
+            and lines[row - 1][:col].strip()
+            and len(lines[row - 1]) > WIDTH
+        ):
             moves[row] = (col, t.string)
     for row in sorted(moves, reverse=True):
         col, text = moves[row]
@@ -77,9 +85,14 @@ def wrap_comments(code: str) -> str:
         body = line.lstrip()
         if len(line) > WIDTH and body.startswith("#"):
             indent = line[: len(line) - len(body)]
-            out += textwrap.wrap(body[1:].strip(), WIDTH - len(indent) - 2,
-                                 initial_indent=indent + "# ", subsequent_indent=indent + "# ",
-                                 break_long_words=False, break_on_hyphens=False)
+            out += textwrap.wrap(
+                body[1:].strip(),
+                WIDTH - len(indent) - 2,
+                initial_indent=indent + "# ",
+                subsequent_indent=indent + "# ",
+                break_long_words=False,
+                break_on_hyphens=False,
+            )
         else:
             out.append(line)
     return "\n".join(out)
@@ -129,7 +142,7 @@ def split_one_string(code: str) -> str | None:
             continue
         p = points[-1]
         new = f"{prefix}{quote}{body[:p]}{quote}\n{' ' * col}{prefix}{quote}{body[p:]}{quote}"
-        lines[row - 1] = lines[row - 1][:col] + new + lines[row - 1][t.end[1]:]
+        lines[row - 1] = lines[row - 1][:col] + new + lines[row - 1][t.end[1] :]
         return "\n".join(lines)
     return None
 
@@ -173,8 +186,10 @@ def main(argv: list[str]) -> int:
                 changed += 1
             for line in too_long(new):
                 left += 1
-                print(f"{path}: cell {i}: still {len(line)} columns: {line.strip()[:70]}",
-                      file=sys.stderr)
+                print(
+                    f"{path}: cell {i}: still {len(line)} columns: {line.strip()[:70]}",
+                    file=sys.stderr,
+                )
         if changed:
             path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
         print(f"{path}: {changed} cell(s) wrapped")

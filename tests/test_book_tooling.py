@@ -15,8 +15,13 @@ SANITIZE = REPO / "tests" / "nbval_sanitize.cfg"
 
 
 def code(source, count, outputs=(), tags=()):
-    return {"cell_type": "code", "metadata": {"tags": list(tags)} if tags else {},
-            "source": source, "execution_count": count, "outputs": list(outputs)}
+    return {
+        "cell_type": "code",
+        "metadata": {"tags": list(tags)} if tags else {},
+        "source": source,
+        "execution_count": count,
+        "outputs": list(outputs),
+    }
 
 
 def write(tmp_path, cells):
@@ -31,38 +36,87 @@ def run_check(path):
 
 
 def test_executed_notebook_passes(tmp_path):
-    out = {"output_type": "execute_result", "execution_count": 2, "data": {"text/plain": "3"},
-           "metadata": {}}
-    path = write(tmp_path, [code("x = 1", 1), {"cell_type": "markdown", "metadata": {}, "source": "hi"},
-                            code("x + 2", 2, [out]), code("", None)])
+    out = {
+        "output_type": "execute_result",
+        "execution_count": 2,
+        "data": {"text/plain": "3"},
+        "metadata": {},
+    }
+    path = write(
+        tmp_path,
+        [
+            code("x = 1", 1),
+            {"cell_type": "markdown", "metadata": {}, "source": "hi"},
+            code("x + 2", 2, [out]),
+            code("", None),
+        ],
+    )
     r = run_check(path)
     assert r.returncode == 0, r.stderr
 
 
 def test_tagged_cells_pass(tmp_path):
     """nbval's tags and a hidden answer cell are the accepted forms."""
-    path = write(tmp_path, [code("print(1)", 1, tags=["nbval-ignore-output"]),
-                            code("print(2)", 2, tags=["nbval-skip"]),
-                            code("# Your answer:\nn = 3", 3, tags=["hide-input"])])
+    path = write(
+        tmp_path,
+        [
+            code("print(1)", 1, tags=["nbval-ignore-output"]),
+            code("print(2)", 2, tags=["nbval-skip"]),
+            code("# Your answer:\nn = 3", 3, tags=["hide-input"]),
+        ],
+    )
     r = run_check(path)
     assert r.returncode == 0, r.stderr
 
 
-@pytest.mark.parametrize("cells, message", [
-    ([code("x = 1", 1), code("y = 2", None)], "never executed"),
-    ([code("1/0", 1, [{"output_type": "error", "ename": "ZeroDivisionError",
-                       "evalue": "division by zero", "traceback": []}])], "raised ZeroDivisionError"),
-    ([code("a = 1", 2), code("b = 1", 1)], "expected 1"),
-    ([code("a = 1", 1), code("b = 1", 3)], "expected 2"),
-    ([code("a", 1, [{"output_type": "execute_result", "execution_count": 7,
-                     "data": {"text/plain": "1"}, "metadata": {}}])], "output from execution 7"),
-    # what the website would print in a chapter: nbval's comments, linter markers, answers
-    ([code("# NBVAL_IGNORE_OUTPUT\nprint(1)", 1)], "'nbval-ignore-output' instead"),
-    ([code("x = 1\n# NBVAL_SKIP\n", 1)], "'nbval-skip' instead"),
-    ([code("import os  # noqa: F401", 1)], "`# noqa` shows on the page"),
-    ([code("# Your answer:\nn = 3", 1)], "answer cell without the 'hide-input' tag"),
-    ([code("# Your prediction:\nn = 3", 1, tags=["hide-output"])], "without the 'hide-input'"),
-])
+@pytest.mark.parametrize(
+    "cells, message",
+    [
+        ([code("x = 1", 1), code("y = 2", None)], "never executed"),
+        (
+            [
+                code(
+                    "1/0",
+                    1,
+                    [
+                        {
+                            "output_type": "error",
+                            "ename": "ZeroDivisionError",
+                            "evalue": "division by zero",
+                            "traceback": [],
+                        }
+                    ],
+                )
+            ],
+            "raised ZeroDivisionError",
+        ),
+        ([code("a = 1", 2), code("b = 1", 1)], "expected 1"),
+        ([code("a = 1", 1), code("b = 1", 3)], "expected 2"),
+        (
+            [
+                code(
+                    "a",
+                    1,
+                    [
+                        {
+                            "output_type": "execute_result",
+                            "execution_count": 7,
+                            "data": {"text/plain": "1"},
+                            "metadata": {},
+                        }
+                    ],
+                )
+            ],
+            "output from execution 7",
+        ),
+        # what the website would print in a chapter: nbval's comments, linter markers, answers
+        ([code("# NBVAL_IGNORE_OUTPUT\nprint(1)", 1)], "'nbval-ignore-output' instead"),
+        ([code("x = 1\n# NBVAL_SKIP\n", 1)], "'nbval-skip' instead"),
+        ([code("import os  # noqa: F401", 1)], "`# noqa` shows on the page"),
+        ([code("# Your answer:\nn = 3", 1)], "answer cell without the 'hide-input' tag"),
+        ([code("# Your prediction:\nn = 3", 1, tags=["hide-output"])], "without the 'hide-input'"),
+    ],
+)
 def test_check_notebooks_fails(tmp_path, cells, message):
     r = run_check(write(tmp_path, cells))
     assert r.returncode == 1
@@ -77,24 +131,38 @@ def sanitize(text):
     return text
 
 
-@pytest.mark.parametrize("varying, masked", [
-    ("<kvcache.managers.radix.RadixTreeNode object at 0x7f3a2c1b9e50>",
-     "<kvcache.managers.radix.RadixTreeNode object at 0xADDRESS>"),
-    ("store_cache: 123.4 µs per call", "store_cache: TIME per call"),
-    ("evict took 1.23 ms, match 850 ns, total 0.52 s", "evict took TIME, match TIME, total TIME"),
-    ('<?xml version="1.0"?>\n<svg width="62pt"><g id="node1"><text>a</text></g></svg>\n', "<svg/>"),
-])
+@pytest.mark.parametrize(
+    "varying, masked",
+    [
+        (
+            "<kvcache.managers.radix.RadixTreeNode object at 0x7f3a2c1b9e50>",
+            "<kvcache.managers.radix.RadixTreeNode object at 0xADDRESS>",
+        ),
+        ("store_cache: 123.4 µs per call", "store_cache: TIME per call"),
+        (
+            "evict took 1.23 ms, match 850 ns, total 0.52 s",
+            "evict took TIME, match TIME, total TIME",
+        ),
+        (
+            '<?xml version="1.0"?>\n<svg width="62pt"><g id="node1"><text>a</text></g></svg>\n',
+            "<svg/>",
+        ),
+    ],
+)
 def test_sanitize_masks_what_varies(varying, masked):
     assert sanitize(varying) == masked
 
 
-@pytest.mark.parametrize("stable", [
-    "cached_len=4, indices=tensor([0, 1, 2, 3], dtype=torch.int32)",
-    "nbytes = 131,072,000 (125.0 MiB)",
-    "SizeInfo(evictable_size=3, protected_size=5)",
-    "page_size=16 slots, 0x10 = 16",
-    "2 ranks, 8 heads each, 32 layers",
-])
+@pytest.mark.parametrize(
+    "stable",
+    [
+        "cached_len=4, indices=tensor([0, 1, 2, 3], dtype=torch.int32)",
+        "nbytes = 131,072,000 (125.0 MiB)",
+        "SizeInfo(evictable_size=3, protected_size=5)",
+        "page_size=16 slots, 0x10 = 16",
+        "2 ranks, 8 heads each, 32 layers",
+    ],
+)
 def test_sanitize_leaves_the_rest(stable):
     assert sanitize(stable) == stable
 
@@ -102,18 +170,23 @@ def test_sanitize_leaves_the_rest(stable):
 def _wrap_module():
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("wrap_code_cells", REPO / "scripts" / "wrap_code_cells.py")
+    spec = importlib.util.spec_from_file_location(
+        "wrap_code_cells", REPO / "scripts" / "wrap_code_cells.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-@pytest.mark.parametrize("source", [
-    "result = some_function(first_argument=1, second_argument=2, third_argument=3, fourth=4)  # why",
-    'print(f"{name:<10} has {count:>5} entries and {size:>8,d} bytes in total, {ratio:.2f} per entry")',
-    "# " + "a long comment that explains something at length " * 3,
-    "x = 1",
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "result = some_function(first_argument=1, second_argument=2, third_argument=3, fourth=4)  # why",
+        'print(f"{name:<10} has {count:>5} entries and {size:>8,d} bytes in total, {ratio:.2f} per entry")',
+        "# " + "a long comment that explains something at length " * 3,
+        "x = 1",
+    ],
+)
 def test_wrap_code_cells_keeps_the_program(source):
     """scripts/wrap_code_cells.py brings a cell within 88 columns with the same syntax tree."""
     import ast

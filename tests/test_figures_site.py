@@ -24,7 +24,15 @@ from urllib.parse import unquote, urlparse
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_site import HTML, PAGE_TIMEOUT_S, Chromium, DevToolsError, find_chromium, needs_site, page_id
+from test_site import (
+    HTML,
+    PAGE_TIMEOUT_S,
+    Chromium,
+    DevToolsError,
+    find_chromium,
+    needs_site,
+    page_id,
+)
 
 TOLERANCE = 0.75  # points: anti-aliasing and rounding of graphviz's coordinates (2 decimals)
 
@@ -97,20 +105,27 @@ MEASURE = r"""
 def measure(browser: Chromium, url: str) -> list[dict]:
     """Open ``url`` in a fresh tab, wait for its load event, and run `MEASURE` in it."""
     target = browser.call("Target.createTarget", {"url": "about:blank"})["targetId"]
-    session = browser.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+    session = browser.call("Target.attachToTarget", {"targetId": target, "flatten": True})[
+        "sessionId"
+    ]
     try:
         browser.call("Page.enable", session=session)
         browser.take_events()
         browser.call("Page.navigate", {"url": url}, session=session)
         deadline = time.monotonic() + PAGE_TIMEOUT_S
-        while not any(e.get("method") == "Page.loadEventFired" and e.get("sessionId") == session
-                      for e in browser.take_events()):
+        while not any(
+            e.get("method") == "Page.loadEventFired" and e.get("sessionId") == session
+            for e in browser.take_events()
+        ):
             if time.monotonic() > deadline:
                 raise DevToolsError(f"{url} did not load within {PAGE_TIMEOUT_S}s")
             time.sleep(0.05)
-        result = browser.call("Runtime.evaluate", {"expression": MEASURE, "awaitPromise": True,
-                                                   "returnByValue": True}, session=session,
-                              timeout=PAGE_TIMEOUT_S)
+        result = browser.call(
+            "Runtime.evaluate",
+            {"expression": MEASURE, "awaitPromise": True, "returnByValue": True},
+            session=session,
+            timeout=PAGE_TIMEOUT_S,
+        )
         if "exceptionDetails" in result:
             raise DevToolsError(f"measuring {url} failed: {result['exceptionDetails']}")
         return result["result"]["value"]
@@ -165,13 +180,18 @@ def test_tree_text_fits_its_shapes(browser, page):
     for svg in graphviz_images(page):
         figures += [dict(f, index=f"img {svg.name}") for f in measure(browser, svg.as_uri())]
     assert figures, f"{page_id(page)}: no tree figure found to measure"
-    bad = {f"figure {f['index']} ({f['width']:.0f}x{f['height']:.0f} pt)": f["problems"][:8]
-           for f in figures if f["problems"]}
+    bad = {
+        f"figure {f['index']} ({f['width']:.0f}x{f['height']:.0f} pt)": f["problems"][:8]
+        for f in figures
+        if f["problems"]
+    }
     assert not bad, f"{page_id(page)}: text outside its shape or the SVG: {bad}"
     assert all(f["texts"] > 0 for f in figures), f"{page_id(page)}: a tree figure without text"
     unserved = [f["index"] for f in figures if f["inline"] and not f["served"]]
-    assert not unserved, (f"{page_id(page)}: the page does not serve the figures' font (DejaVu Sans from "
-                          f"_static/fonts/kvcache-figures.css; is it in html_css_files?) for {unserved}")
+    assert not unserved, (
+        f"{page_id(page)}: the page does not serve the figures' font (DejaVu Sans from "
+        f"_static/fonts/kvcache-figures.css; is it in html_css_files?) for {unserved}"
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -188,8 +208,10 @@ def main(argv: list[str]) -> int:
             for svg in graphviz_images(page):
                 figures += [dict(f, index=f"img {svg.name[:12]}") for f in measure(b, svg.as_uri())]
             for f in figures:
-                print(f"{page_id(page)} figure {f['index']}: {f['width']:.0f}x{f['height']:.0f} pt, "
-                      f"{f['texts']} texts, {len(f['problems'])} outside")
+                print(
+                    f"{page_id(page)} figure {f['index']}: {f['width']:.0f}x{f['height']:.0f} pt, "
+                    f"{f['texts']} texts, {len(f['problems'])} outside"
+                )
                 for p in f["problems"][:5]:
                     print("    " + p)
                 bad += bool(f["problems"])

@@ -17,6 +17,7 @@ Run as a script to look at a page yourself::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -143,7 +144,7 @@ class Chromium:
     def _stderr_loop(self) -> None:
         assert self.proc.stderr is not None
         for line in self.proc.stderr:
-            self._stderr_tail = (self._stderr_tail + [line])[-20:]
+            self._stderr_tail = ([*self._stderr_tail, line])[-20:]
 
     def send(self, method: str, params: dict | None = None, session: str | None = None) -> int:
         self._next_id += 1
@@ -153,8 +154,13 @@ class Chromium:
         os.write(self._to_chrome, json.dumps(msg).encode() + b"\0")
         return self._next_id
 
-    def call(self, method: str, params: dict | None = None, session: str | None = None,
-             timeout: float = 30.0) -> dict:
+    def call(
+        self,
+        method: str,
+        params: dict | None = None,
+        session: str | None = None,
+        timeout: float = 30.0,
+    ) -> dict:
         msg_id = self.send(method, params, session)
         deadline = time.monotonic() + timeout
         with self._cond:
@@ -175,40 +181,48 @@ class Chromium:
         return events
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(DevToolsError):
             self.call("Browser.close", timeout=10)
-        except DevToolsError:
-            pass
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
         for fd in (self._to_chrome, self._from_chrome):
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
         shutil.rmtree(self.profile, ignore_errors=True)
 
     # -- pages
-    def visit(self, url: str, screenshot: Path | None = None) -> "Visit":
+    def visit(self, url: str, screenshot: Path | None = None) -> Visit:
         """Open url in a fresh tab, wait until it settles, and report what it did."""
         target = self.call("Target.createTarget", {"url": "about:blank"})["targetId"]
-        session = self.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+        session = self.call("Target.attachToTarget", {"targetId": target, "flatten": True})[
+            "sessionId"
+        ]
         visit = Visit(url)
         sessions = {session}
         try:
             self.call("Network.enable", session=session)
             self.call("Page.enable", session=session)
             self.call("Runtime.enable", session=session)
-            self.call("Emulation.setDeviceMetricsOverride", {
-                "width": DESKTOP_WIDTH, "height": 900, "deviceScaleFactor": 1, "mobile": False,
-            }, session=session)
+            self.call(
+                "Emulation.setDeviceMetricsOverride",
+                {
+                    "width": DESKTOP_WIDTH,
+                    "height": 900,
+                    "deviceScaleFactor": 1,
+                    "mobile": False,
+                },
+                session=session,
+            )
             # Frames in other processes and workers get their own sessions; hold them until
             # their network is watched, then let them run.
-            self.call("Target.setAutoAttach", {"autoAttach": True, "waitForDebuggerOnStart": True,
-                                               "flatten": True}, session=session)
+            self.call(
+                "Target.setAutoAttach",
+                {"autoAttach": True, "waitForDebuggerOnStart": True, "flatten": True},
+                session=session,
+            )
             self.take_events()
             self.send("Page.navigate", {"url": url}, session=session)
             deadline = time.monotonic() + PAGE_TIMEOUT_S
@@ -237,7 +251,9 @@ class Chromium:
                         pending.discard(params["requestId"])
                         last_activity = time.monotonic()
                         if method == "Network.loadingFailed" and not params.get("canceled"):
-                            visit.failed.append(f"{params.get('errorText')} {urls.get(params['requestId'], '?')}")
+                            visit.failed.append(
+                                f"{params.get('errorText')} {urls.get(params['requestId'], '?')}"
+                            )
                     elif method == "Network.responseReceived":
                         status = params["response"].get("status", 200)
                         if status >= 400:
@@ -248,7 +264,8 @@ class Chromium:
                     elif method == "Runtime.exceptionThrown":
                         d = params["exceptionDetails"]
                         visit.js_errors.append(
-                            (d.get("exception") or {}).get("description") or d.get("text", "?"))
+                            (d.get("exception") or {}).get("description") or d.get("text", "?")
+                        )
                 now = time.monotonic()
                 if loaded and not pending and now - last_activity >= QUIET_S:
                     break
@@ -256,25 +273,46 @@ class Chromium:
                     visit.timed_out = True
                     break
                 time.sleep(0.05)
-            result = self.call("Runtime.evaluate", {
-                "expression": FIGURE_PROBE, "awaitPromise": True, "returnByValue": True,
-            }, session=session, timeout=PAGE_TIMEOUT_S)
+            result = self.call(
+                "Runtime.evaluate",
+                {
+                    "expression": FIGURE_PROBE,
+                    "awaitPromise": True,
+                    "returnByValue": True,
+                },
+                session=session,
+                timeout=PAGE_TIMEOUT_S,
+            )
             if "exceptionDetails" in result:
                 raise DevToolsError(f"figure probe failed on {url}: {result['exceptionDetails']}")
             visit.figures = result["result"]["value"]
-            result = self.call("Runtime.evaluate", {
-                "expression": LAYOUT_PROBE, "awaitPromise": True, "returnByValue": True,
-            }, session=session, timeout=PAGE_TIMEOUT_S)
+            result = self.call(
+                "Runtime.evaluate",
+                {
+                    "expression": LAYOUT_PROBE,
+                    "awaitPromise": True,
+                    "returnByValue": True,
+                },
+                session=session,
+                timeout=PAGE_TIMEOUT_S,
+            )
             if "exceptionDetails" in result:
                 raise DevToolsError(f"layout probe failed on {url}: {result['exceptionDetails']}")
             visit.layout = result["result"]["value"]
             if screenshot is not None:
                 size = self.call("Page.getLayoutMetrics", session=session)["cssContentSize"]
-                clip = {"x": 0, "y": 0, "width": size["width"], "height": min(size["height"], 8000),
-                        "scale": 1}
-                shot = self.call("Page.captureScreenshot", {"format": "png", "clip": clip,
-                                                            "captureBeyondViewport": True},
-                                 session=session)
+                clip = {
+                    "x": 0,
+                    "y": 0,
+                    "width": size["width"],
+                    "height": min(size["height"], 8000),
+                    "scale": 1,
+                }
+                shot = self.call(
+                    "Page.captureScreenshot",
+                    {"format": "png", "clip": clip, "captureBeyondViewport": True},
+                    session=session,
+                )
                 import base64
 
                 screenshot.write_bytes(base64.b64decode(shot["data"]))
@@ -285,18 +323,29 @@ class Chromium:
     def open_tab(self, url: str, width: int, height: int = 900) -> Tab:
         """A page at the given viewport size, loaded and settled, to drive by hand."""
         target = self.call("Target.createTarget", {"url": "about:blank"})["targetId"]
-        session = self.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+        session = self.call("Target.attachToTarget", {"targetId": target, "flatten": True})[
+            "sessionId"
+        ]
         tab = Tab(self, target, session)
         self.call("Page.enable", session=session)
-        self.call("Emulation.setDeviceMetricsOverride", {
-            "width": width, "height": height, "deviceScaleFactor": 1, "mobile": width < 992,
-        }, session=session)
+        self.call(
+            "Emulation.setDeviceMetricsOverride",
+            {
+                "width": width,
+                "height": height,
+                "deviceScaleFactor": 1,
+                "mobile": width < 992,
+            },
+            session=session,
+        )
         self.take_events()
         self.send("Page.navigate", {"url": url}, session=session)
         deadline = time.monotonic() + PAGE_TIMEOUT_S
         while time.monotonic() < deadline:
-            if any(ev.get("method") == "Page.loadEventFired" and ev.get("sessionId") == session
-                   for ev in self.take_events()):
+            if any(
+                ev.get("method") == "Page.loadEventFired" and ev.get("sessionId") == session
+                for ev in self.take_events()
+            ):
                 break
             time.sleep(0.05)
         tab.wait_idle()
@@ -310,8 +359,11 @@ class Tab:
         self.b, self.target, self.session = browser, target, session
 
     def eval(self, expression: str):
-        res = self.b.call("Runtime.evaluate", {"expression": expression, "returnByValue": True,
-                                               "awaitPromise": True}, session=self.session)
+        res = self.b.call(
+            "Runtime.evaluate",
+            {"expression": expression, "returnByValue": True, "awaitPromise": True},
+            session=self.session,
+        )
         if "exceptionDetails" in res:
             raise DevToolsError(f"evaluating {expression[:80]!r}: {res['exceptionDetails']}")
         return res["result"].get("value")
@@ -324,8 +376,11 @@ class Tab:
     def click(self, x: float, y: float) -> None:
         """A real mouse click (press and release) at viewport coordinates."""
         for kind in ("mousePressed", "mouseReleased"):
-            self.b.call("Input.dispatchMouseEvent", {"type": kind, "x": x, "y": y, "button": "left",
-                                                     "clickCount": 1}, session=self.session)
+            self.b.call(
+                "Input.dispatchMouseEvent",
+                {"type": kind, "x": x, "y": y, "button": "left", "clickCount": 1},
+                session=self.session,
+            )
         self.wait_idle()
 
     def close(self) -> None:
@@ -476,16 +531,19 @@ def toc_files(toc_path: Path) -> list[str]:
 
 def built_pages() -> list[Path]:
     skip = {"_static", "_sources", "_images", "_sphinx_design_static", "_panels_static"}
-    return sorted(p for p in HTML.rglob("*.html")
-                  if not (set(p.relative_to(HTML).parts[:-1]) & skip))
+    return sorted(
+        p for p in HTML.rglob("*.html") if not (set(p.relative_to(HTML).parts[:-1]) & skip)
+    )
 
 
 def page_id(p: Path) -> str:
     return str(p.relative_to(HTML))
 
 
-needs_site = pytest.mark.skipif(not (HTML / "index.html").exists(),
-                                reason=f"{HTML} not built: run `make book` first (make test does)")
+needs_site = pytest.mark.skipif(
+    not (HTML / "index.html").exists(),
+    reason=f"{HTML} not built: run `make book` first (make test does)",
+)
 
 
 @pytest.fixture(scope="module")
@@ -509,8 +567,11 @@ def visit(browser: Chromium, page: Path) -> Visit:
 
 @needs_site
 def test_every_toc_page_is_built():
-    missing = [f for f in toc_files(BOOK_ROOT / "_toc.yml")
-               if not (HTML / (str(Path(f).with_suffix("")) + ".html")).exists()]
+    missing = [
+        f
+        for f in toc_files(BOOK_ROOT / "_toc.yml")
+        if not (HTML / (str(Path(f).with_suffix("")) + ".html")).exists()
+    ]
     assert not missing, f"pages listed in _toc.yml but not built under {HTML}: {missing}"
 
 
@@ -527,8 +588,10 @@ def test_page_is_offline_and_complete(browser, page):
 
 
 def chapter_pages() -> list[Path]:
-    pages = [HTML / (str(Path(f).with_suffix("")) + ".html")
-             for f in toc_files(BOOK_ROOT / "_toc.yml")[1:]]
+    pages = [
+        HTML / (str(Path(f).with_suffix("")) + ".html")
+        for f in toc_files(BOOK_ROOT / "_toc.yml")[1:]
+    ]
     return [p for p in pages if p.exists()]
 
 
@@ -618,8 +681,10 @@ def layout_findings(browser, key: str) -> dict[str, list]:
 @pytest.mark.parametrize("kind", ["code cell", "code block", "equation"])
 def test_nothing_scrolls_sideways_on_a_laptop(browser, kind):
     """At 1400 px no code (at most ~88 columns) or display equation is wider than the text."""
-    found = {page: [f"{o['over']}px: {o['text']!r}" for o in items if o["kind"] == kind]
-             for page, items in layout_findings(browser, "overflow").items()}
+    found = {
+        page: [f"{o['over']}px: {o['text']!r}" for o in items if o["kind"] == kind]
+        for page, items in layout_findings(browser, "overflow").items()
+    }
     found = {page: items for page, items in found.items() if items}
     n = sum(map(len, found.values()))
     assert not found, f"{n} {kind}(s) wider than the page at {DESKTOP_WIDTH}px: {found}"
@@ -645,8 +710,10 @@ def test_exercise_answers_are_hidden_until_asked(browser):
     click: the reader tries first. The cells still run (and nbval still checks them)."""
     answers = {page_id(p): visit(browser, p).layout.get("answers") or [] for p in chapter_pages()}
     assert sum(map(len, answers.values())) >= 10, f"expected the chapters' answer cells: {answers}"
-    shown = {page: [a for a in items if a["input_shown"] or a["check_output_shown"]]
-             for page, items in answers.items()}
+    shown = {
+        page: [a for a in items if a["input_shown"] or a["check_output_shown"]]
+        for page, items in answers.items()
+    }
     shown = {page: items for page, items in shown.items() if items}
     assert not shown, f"answer cells (or their check's output) visible without a click: {shown}"
 
@@ -785,9 +852,11 @@ VISIBLE_BUTTON = r"""
 
 
 @needs_site
-@pytest.mark.parametrize("toggle, seen", [(".primary-toggle", CHAPTER_LINK_SEEN),
-                                          (".secondary-toggle", PAGE_TOC_SEEN)],
-                         ids=["chapter list", "page contents"])
+@pytest.mark.parametrize(
+    "toggle, seen",
+    [(".primary-toggle", CHAPTER_LINK_SEEN), (".secondary-toggle", PAGE_TOC_SEEN)],
+    ids=["chapter list", "page contents"],
+)
 def test_phone_sidebar_toggles_open_the_sidebars(browser, toggle, seen):
     """On a phone (420 px) the header's buttons open the chapter list and the page's contents
     (pydata-sphinx-theme 0.17 listens only on the first toggle of the page, which the book
@@ -825,7 +894,9 @@ def test_laptop_sidebar_toggle_collapses_and_restores_the_chapter_list(browser):
 def main(argv: list[str]) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("pages", nargs="*", help="pages relative to _build/html (default: all)")
     ap.add_argument("--screenshot", type=Path, help="save a PNG of the (first) page here")
     args = ap.parse_args(argv)
@@ -839,10 +910,14 @@ def main(argv: list[str]) -> int:
     try:
         for i, page in enumerate(pages):
             v = b.visit(page.as_uri(), screenshot=args.screenshot if i == 0 else None)
-            print(f"{page_id(page)}: {len(v.requests)} requests, external={v.external}, "
-                  f"failed={v.failed}, figures={[(f['kind'], f['ok']) for f in v.figures]}, "
-                  f"js_errors={v.js_errors}, timed_out={v.timed_out}")
-            bad += bool(v.external or v.failed or v.timed_out or any(not f["ok"] for f in v.figures))
+            print(
+                f"{page_id(page)}: {len(v.requests)} requests, external={v.external}, "
+                f"failed={v.failed}, figures={[(f['kind'], f['ok']) for f in v.figures]}, "
+                f"js_errors={v.js_errors}, timed_out={v.timed_out}"
+            )
+            bad += bool(
+                v.external or v.failed or v.timed_out or any(not f["ok"] for f in v.figures)
+            )
     finally:
         b.close()
     return 1 if bad else 0

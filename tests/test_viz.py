@@ -10,19 +10,35 @@ import math
 import re
 import shutil
 import sys
-from dataclasses import replace
-from typing import Dict, List, Set, Tuple
+from dataclasses import FrozenInstanceError, replace
 from xml.etree import ElementTree
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from kvcache import BlockHashCacheManager, NaiveCacheManager, PageAllocator, RadixCacheManager, RequestFlow
+from kvcache import (
+    BlockHashCacheManager,
+    NaiveCacheManager,
+    PageAllocator,
+    RadixCacheManager,
+    RequestFlow,
+)
 from kvcache.serving.tokenizer import ByteTokenizer
 from kvcache.viz import (
-    PALETTE, TreeRecorder, TreeSnapshot, diff_snapshots, draw_sequence, draw_tree, format_indices,
-    format_tokens, predict_evict, render_svg, snapshot, tree_text,
+    PALETTE,
+    TreeRecorder,
+    TreeSnapshot,
+    diff_snapshots,
+    draw_sequence,
+    draw_tree,
+    format_indices,
+    format_tokens,
+    predict_evict,
+    render_svg,
+    snapshot,
+    tree_text,
 )
 from kvcache.viz.text import one_line
 
@@ -35,7 +51,7 @@ def words(text: str) -> torch.Tensor:
     return torch.tensor([WORDS.index(w) for w in text.split()], dtype=torch.int64)
 
 
-def say(ids: List[int]) -> str:
+def say(ids: list[int]) -> str:
     return " ".join(WORDS[i] for i in ids)
 
 
@@ -43,7 +59,7 @@ def slots(*xs: int) -> torch.Tensor:
     return torch.tensor(xs, dtype=torch.int32)
 
 
-def source_13_4() -> Tuple[RadixCacheManager, TreeRecorder]:
+def source_13_4() -> tuple[RadixCacheManager, TreeRecorder]:
     """§13.4: "Hello world", "Hello there", "Hello world how are you" inserted in that order."""
     rec = TreeRecorder(RadixCacheManager(), decode=say)
     rec.insert_prefix(words("Hello world"), slots(1, 2))
@@ -53,7 +69,7 @@ def source_13_4() -> Tuple[RadixCacheManager, TreeRecorder]:
 
 
 # ------------------------------------------------------------------ DOT parsing helpers
-def dot_nodes(src: str) -> Dict[str, str]:
+def dot_nodes(src: str) -> dict[str, str]:
     """``{name: attribute text}`` of every node statement (not edges, not graph attributes)."""
     out = {}
     for m in re.finditer(r"^\s*(\w+) \[(.*)\]$", src, re.M):
@@ -62,7 +78,7 @@ def dot_nodes(src: str) -> Dict[str, str]:
     return out
 
 
-def dot_edges(src: str, visible_only: bool = True) -> Set[Tuple[str, str]]:
+def dot_edges(src: str, visible_only: bool = True) -> set[tuple[str, str]]:
     edges = set()
     for m in re.finditer(r"^\s*(\w+) -> (\w+)(.*)$", src, re.M):
         if visible_only and "invis" in m.group(3):
@@ -98,7 +114,10 @@ def test_tree_text_source_13_4_exact():
     )
     # Without a decoder the ids are shown; marks name the leaves evict(1) would take.
     manager.lock_handle(handle, unlock=True)
-    assert tree_text(manager, evict_size=1).splitlines()[-1] == "    └── [2] → [3] ref=0 t=2 (evict #1)"
+    assert (
+        tree_text(manager, evict_size=1).splitlines()[-1]
+        == "    └── [2] → [3] ref=0 t=2 (evict #1)"
+    )
 
 
 def test_tree_text_marks_shortening_and_fifo():
@@ -166,9 +185,13 @@ def test_long_keys_are_shortened_with_their_count():
     m = RadixCacheManager()
     text = "".join(chr(ord("a") + i % 26) for i in range(100))
     m.insert_prefix(tok.encode(text), torch.arange(100, dtype=torch.int32))
-    (label,) = [v for v in dot_nodes(draw_tree(m, tok, max_chars=20).source).values() if "slots" in v]
+    (label,) = [
+        v for v in dot_nodes(draw_tree(m, tok, max_chars=20).source).values() if "slots" in v
+    ]
     shown = re.search(r"“([^”]*)”", label).group(1)
-    assert shown.startswith("abcdefgh") and "…" in shown and shown.endswith("uv") and len(shown) <= 20
+    assert (
+        shown.startswith("abcdefgh") and "…" in shown and shown.endswith("uv") and len(shown) <= 20
+    )
     assert "100 tokens · slots 0–99" in label
 
 
@@ -190,7 +213,11 @@ def test_colours_per_state():
     assert attr(node("Hello"), "color") == PALETTE["split"]["color"]  # split-off prefix
     assert attr(node("world"), "color") == PALETTE["split"]["color"]  # old node keeping the suffix
     assert attr(node("there"), "fillcolor") == PALETTE["inserted"]["fillcolor"]
-    assert "kv-protected" in node("Hello") and "kv-split" in node("world") and "kv-inserted" in node("there")
+    assert (
+        "kv-protected" in node("Hello")
+        and "kv-split" in node("world")
+        and "kv-inserted" in node("there")
+    )
     # A drawing of the manager itself has no history: plain protected / evictable.
     plain = dot_nodes(draw_tree(m, say).source)
     assert attr(plain[f"n{uuid['there']}"], "fillcolor") == PALETTE["evictable"]["fillcolor"]
@@ -199,13 +226,21 @@ def test_colours_per_state():
     # About to be evicted: red dashed, numbered; everything else not.
     marked = dot_nodes(draw_tree(m, say, evict_size=1).source)
     there = marked[f"n{uuid['there']}"]
-    assert attr(there, "fillcolor") == PALETTE["evict"]["fillcolor"] and "dashed" in there and "evict #1" in there
+    assert (
+        attr(there, "fillcolor") == PALETTE["evict"]["fillcolor"]
+        and "dashed" in there
+        and "evict #1" in there
+    )
     assert sum("evict #" in v for v in marked.values()) == 1
     # Evicted: a ghost hangs dashed and grey under its old parent in the snapshot after the evict.
     rec.evict(1)
     src = draw_tree(rec.last, say).source
     ghost = dot_nodes(src)[f"n{uuid['there']}"]
-    assert attr(ghost, "color") == PALETTE["evicted"]["color"] and "dashed" in ghost and "kv-evicted" in ghost
+    assert (
+        attr(ghost, "color") == PALETTE["evicted"]["color"]
+        and "dashed" in ghost
+        and "kv-evicted" in ghost
+    )
     assert re.search(rf"n{uuid['Hello']} -> n{uuid['there']} \[.*style=dashed", src)
     assert f"n{uuid['there']}" not in dot_nodes(draw_tree(rec.last, say, show_evicted=False).source)
 
@@ -214,19 +249,26 @@ def test_legend_and_layout_direction():
     manager, _ = source_13_4()
     src = draw_tree(manager, say, legend=True).source
     assert "rankdir=TB" in src and 'fontname="DejaVu Sans"' in src
-    assert "evictable (ref 0)" in src and "protected" not in src.split("label=<<TABLE BORDER=\"1\"")[1]
+    assert (
+        "evictable (ref 0)" in src and "protected" not in src.split('label=<<TABLE BORDER="1"')[1]
+    )
     assert "evictable (ref 0)" not in draw_tree(manager, say, legend=False).source
     big = RadixCacheManager()
     for i in range(20):
         big.insert_prefix(torch.tensor([i, 100 + i]), slots(2 * i, 2 * i + 1))
     g = draw_tree(big)
-    assert "rankdir=LR" in g.source and len([k for k in dot_nodes(g.source) if k.startswith("n")]) == 21
+    assert (
+        "rankdir=LR" in g.source
+        and len([k for k in dot_nodes(g.source) if k.startswith("n")]) == 21
+    )
     # dot stacks LR clusters bottom-up: panels are emitted last first so that panel 1 is on top.
     rec = TreeRecorder(big)
     rec.evict(1)
     rec.evict(1)
     src = rec.draw().source
-    assert "rankdir=LR" in src and src.index("cluster_2") < src.index("cluster_1") < src.index("cluster_0")
+    assert "rankdir=LR" in src and src.index("cluster_2") < src.index("cluster_1") < src.index(
+        "cluster_0"
+    )
 
 
 # ------------------------------------------------------------------ snapshots, diffs, sequences
@@ -245,7 +287,7 @@ def test_snapshot_diff_detects_new_split_and_evicted():
     m.evict(1)
     gone = diff_snapshots(after, snapshot(m))
     assert [n.uuid for n in gone.evicted] == [old] and not gone.new and not gone.split
-    with pytest.raises(Exception):
+    with pytest.raises(FrozenInstanceError):
         gone.caption = "frozen"  # type: ignore[misc]
 
 
@@ -293,7 +335,7 @@ def test_recorder_is_transparent_and_captions_each_call():
 
 
 def test_draw_sequence_clusters_captions_and_eviction_preview():
-    manager, rec = source_13_4()
+    _manager, rec = source_13_4()
     rec.evict(1)
     g = draw_sequence(rec, say, per_row=2)
     src = g.source
@@ -304,14 +346,18 @@ def test_draw_sequence_clusters_captions_and_eviction_preview():
     nodes = dot_nodes(src)
     for i, snap in enumerate(rec.snapshots):
         mine = {k for k in nodes if k.startswith(f"s{i}n")}
-        assert mine == {f"s{i}n{u}" for u in snap.by_uuid} | {f"s{i}n{e.uuid}" for e in snap.evicted}
+        assert mine == {f"s{i}n{u}" for u in snap.by_uuid} | {
+            f"s{i}n{e.uuid}" for e in snap.evicted
+        }
     # Panel 4 (before the evict) previews the leaf evict(1) takes; panel 5 shows it as a ghost.
     (there,) = [u for u, node in rec.snapshots[3].by_uuid.items() if node.tokens == (2,)]
     assert "evict #1" in nodes[f"s3n{there}"] and "kv-evict" in nodes[f"s3n{there}"]
     assert "kv-evicted" in nodes[f"s4n{there}"]
     assert "evict #" not in "".join(v for k, v in nodes.items() if not k.startswith("s3n"))
     # Rows: two panels side by side (same rank), then the next row below.
-    assert src.count("rank=same") == 2 and "evicted (ghost)" in src  # 2 rows (3 + 2 panels), the key
+    assert (
+        src.count("rank=same") == 2 and "evicted (ghost)" in src
+    )  # 2 rows (3 + 2 panels), the key
     assert "evict #" not in draw_sequence(rec, say, preview_evictions=False).source
 
 
@@ -330,7 +376,9 @@ def test_recorder_records_a_request_flow():
     assert captions[2] == "req 1 · step 1 match_prefix: cached_len=6 indices=[0, 1, 2, 3, 4, 5]"
     assert rec.snapshots[2].split and rec.snapshots[2].shrunk  # the match split [Hello worl]
     assert any("req 1 · step 2 lock_handle" in c for c in captions)
-    assert all(a.nodes != b.nodes for a, b in zip(rec.snapshots, rec.snapshots[1:]))  # no repeats
+    assert all(
+        a.nodes != b.nodes for a, b in zip(rec.snapshots, rec.snapshots[1:], strict=False)
+    )  # no repeats
     assert tree_text(m, tok) == (
         "root\n"
         "└── [Hello ] → [0–5] ref=0 t=4\n"
@@ -350,13 +398,18 @@ def test_dot_accepts_the_source():
 
 # ------------------------------------------------------------------ eviction preview = evict
 OPS = st.lists(
-    st.tuples(st.sampled_from(["insert", "match_lock", "unlock"]),
-              st.lists(st.integers(0, 2), min_size=1, max_size=6)),
-    min_size=1, max_size=14,
+    st.tuples(
+        st.sampled_from(["insert", "match_lock", "unlock"]),
+        st.lists(st.integers(0, 2), min_size=1, max_size=6),
+    ),
+    min_size=1,
+    max_size=14,
 )
 
 
-@settings(derandomize=True, max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    derandomize=True, max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(ops=OPS, policy=st.sampled_from(["lru", "fifo"]), page_size=st.sampled_from([1, 2]))
 def test_predicted_eviction_matches_a_real_evict(ops, policy, page_size):
     m = RadixCacheManager(page_size=page_size, eviction_policy=policy)
@@ -421,7 +474,10 @@ def test_a_chain_deeper_than_the_recursion_limit():
     assert snap.num_nodes == depth and max(snap.depths().values()) == depth
     lines = tree_text(snap).splitlines()
     assert len(lines) == depth + 1
-    assert lines[-1] == " " * 4 * (depth - 1) + f"└── [{(depth - 1) % 7}] → [{depth - 1}] ref=0 t={depth}"
+    assert (
+        lines[-1]
+        == " " * 4 * (depth - 1) + f"└── [{(depth - 1) % 7}] → [{depth - 1}] ref=0 t={depth}"
+    )
     graph = draw_tree(m, evict_size=3)
     assert len(dot_edges(graph.source)) == depth and graph.source.count("evict #") == 3
     if shutil.which("dot") is not None:  # graphviz lays the chain out too (well under a second)
@@ -518,14 +574,16 @@ def test_one_line_escapes_every_invisible_character():
 SVG_NS = "{http://www.w3.org/2000/svg}"
 
 
-def _svg_texts(element, deep: bool = False) -> List[str]:
+def _svg_texts(element, deep: bool = False) -> list[str]:
     """Visible text of ``element``'s ``<text>`` children (all descendants with ``deep``)."""
     found = element.iter(f"{SVG_NS}text") if deep else element.findall(f"{SVG_NS}text")
     return ["".join(e.itertext()).replace("\xa0", " ") for e in found]  # dot pads with nbsp
 
 
 @needs_dot
-@settings(derandomize=True, max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    derandomize=True, max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(text=st.text(max_size=30))
 def test_any_text_is_drawn_as_written(text):
     """Titles, captions and token text, whatever they hold, come out of graphviz as the same
@@ -535,15 +593,18 @@ def test_any_text_is_drawn_as_written(text):
     m.insert_prefix(torch.tensor([1, 2]), slots(0, 1))
     snap = replace(snapshot(m), caption=text)
     decode = lambda ids: text  # noqa: E731
-    root = ElementTree.fromstring(render_svg(draw_tree(snap, decode, max_chars=1000, legend=False,
-                                                       title_width=100_000)))  # one line a line
+    root = ElementTree.fromstring(
+        render_svg(draw_tree(snap, decode, max_chars=1000, legend=False, title_width=100_000))
+    )  # one line a line
     graph = root.find(f"{SVG_NS}g")
     title = [t.strip() for t in _svg_texts(graph)]
     assert title == [one_line(line).strip() for line in text.split("\n") if line.strip()]
     nodes = [g for g in graph.findall(f"{SVG_NS}g") if g.get("class", "").split()[:1] == ["node"]]
     assert len(nodes) == 2 and _svg_texts(nodes[1], deep=True)[0] == f"“{one_line(text)}”"
     seq = ElementTree.fromstring(render_svg(draw_sequence([snap, snap], decode)))
-    clusters = [g for g in seq.find(f"{SVG_NS}g").findall(f"{SVG_NS}g") if g.get("class") == "cluster"]
+    clusters = [
+        g for g in seq.find(f"{SVG_NS}g").findall(f"{SVG_NS}g") if g.get("class") == "cluster"
+    ]
     assert len(clusters) == 2  # two panels (the key is the graph's label, not a cluster)
 
 
@@ -551,7 +612,7 @@ def test_recorder_forwards_only_public_names():
     manager, rec = source_13_4()
     assert rec.size_info == manager.size_info and rec.page_size == manager.page_size
     with pytest.raises(AttributeError):
-        rec._policy  # noqa: B018  (a manager's private state is not the recorder's to hand out)
+        rec._policy
     assert [s.caption for s in rec] == [s.caption for s in rec.snapshots]  # iterates its snapshots
     assert rec.to_snapshot() is rec.last and copy.deepcopy(rec).last.nodes == rec.last.nodes
 
@@ -559,8 +620,13 @@ def test_recorder_forwards_only_public_names():
 def test_formatting_takes_any_integer_sequence():
     import numpy as np
 
-    for slots_ in ([4, 5, 6, 9], (4, 5, 6, 9), torch.tensor([4, 5, 6, 9]), np.array([4, 5, 6, 9]),
-                   [np.int64(4), 5, 6, np.int32(9)]):
+    for slots_ in (
+        [4, 5, 6, 9],
+        (4, 5, 6, 9),
+        torch.tensor([4, 5, 6, 9]),
+        np.array([4, 5, 6, 9]),
+        [np.int64(4), 5, 6, np.int32(9)],
+    ):
         assert format_indices(slots_) == "4–6, 9"
         assert format_tokens(slots_) == "4, 5, 6, 9"
     with pytest.raises(TypeError, match="indices"):
@@ -568,11 +634,11 @@ def test_formatting_takes_any_integer_sequence():
 
 
 # ------------------------------------- figures: one font, a key of the colours shown, even grids
-def _key_entries(src: str) -> Set[str]:
+def _key_entries(src: str) -> set[str]:
     """The states the figure's colour key lists (read back from its words)."""
     from kvcache.viz.style import LEGEND_TEXT
 
-    key = src.rsplit("label=<<TABLE", 1)[-1] if "label=<<TABLE BORDER=\"1\"" in src else ""
+    key = src.rsplit("label=<<TABLE", 1)[-1] if 'label=<<TABLE BORDER="1"' in src else ""
     return {k for k, words in LEGEND_TEXT.items() if f">{html_escape(words)}<" in key}
 
 
@@ -582,7 +648,7 @@ def html_escape(text: str) -> str:
     return html.escape(text)
 
 
-def _drawn_states(src: str) -> Set[str]:
+def _drawn_states(src: str) -> set[str]:
     """The states of the nodes drawn (their ``kv-*`` classes), the root aside."""
     classes = re.findall(r'class="([^"]*)"', src)
     return {c[3:] for cls in classes for c in cls.split() if c.startswith("kv-") and c != "kv-root"}
@@ -603,7 +669,9 @@ def test_every_label_names_the_one_installed_font():
     if shutil.which("fc-list") is not None:  # `make system-deps` installs it (fonts-dejavu-core)
         import subprocess
 
-        out = subprocess.run(["fc-list", f":family={FONT}", "family"], capture_output=True, text=True).stdout
+        out = subprocess.run(
+            ["fc-list", f":family={FONT}", "family"], capture_output=True, text=True
+        ).stdout
         assert FONT in out, f"{FONT!r} is not installed: graphviz would measure another font"
 
 
@@ -617,16 +685,24 @@ def test_the_key_lists_exactly_the_states_drawn():
         for evict_size in (None, 1):
             src = draw_tree(snap, say, evict_size=evict_size).source
             assert _key_entries(src) == _drawn_states(src), (i, evict_size)
-            assert _key_entries(draw_tree(snap, say, evict_size=evict_size, legend=False).source) == set()
+            assert (
+                _key_entries(draw_tree(snap, say, evict_size=evict_size, legend=False).source)
+                == set()
+            )
     src = draw_sequence(rec, say).source  # a sequence: the union over its panels
-    assert _key_entries(src) == _drawn_states(src) >= {"protected", "evictable", "inserted", "split",
-                                                       "evict", "evicted"}
+    assert (
+        _key_entries(src)
+        == _drawn_states(src)
+        >= {"protected", "evictable", "inserted", "split", "evict", "evicted"}
+    )
     assert _key_entries(draw_tree(rec.snapshots[0]).source) == set()  # an empty tree: no key
 
 
 @settings(derandomize=True, max_examples=60, deadline=None)
-@given(text=st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=120),
-       width=st.floats(20, 400))
+@given(
+    text=st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=120),
+    width=st.floats(20, 400),
+)
 def test_wrap_keeps_every_character_and_fits_the_width(text, width):
     from kvcache.viz.style import text_width, wrap
 
@@ -637,7 +713,7 @@ def test_wrap_keeps_every_character_and_fits_the_width(text, width):
 
 
 def test_panel_captions_are_wrapped_to_their_panel():
-    from kvcache.viz.drawing import _MIN_CAPTION
+    from kvcache.viz.sequence import _MIN_CAPTION
     from kvcache.viz.style import text_width
 
     m = RadixCacheManager()
@@ -650,7 +726,9 @@ def test_panel_captions_are_wrapped_to_their_panel():
     limit = max(_MIN_CAPTION, text_width("n" * 30, 9))
     for caption in captions:
         lines = caption.split("\\l")[:-1]
-        assert len(lines) >= 1 and all(text_width(line.replace('\\"', '"'), 9) <= limit for line in lines)
+        assert len(lines) >= 1 and all(
+            text_width(line.replace('\\"', '"'), 9) <= limit for line in lines
+        )
     assert any(len(c.split("\\l")) > 2 for c in captions)  # the long insert caption did wrap
 
 
@@ -667,8 +745,17 @@ def test_grid_rows_are_even_and_never_leave_a_panel_alone(n, per_row):
         assert len(rows) in (math.ceil(n / per_row), math.ceil(n / per_row) - 1)
 
 
-@pytest.mark.parametrize("n, per_row, rows", [(4, 3, [2, 2]), (5, 3, [3, 2]), (3, 2, [3]), (7, 3, [3, 2, 2]),
-                                              (9, 4, [3, 3, 3]), (6, 1, [1] * 6)])
+@pytest.mark.parametrize(
+    "n, per_row, rows",
+    [
+        (4, 3, [2, 2]),
+        (5, 3, [3, 2]),
+        (3, 2, [3]),
+        (7, 3, [3, 2, 2]),
+        (9, 4, [3, 3, 3]),
+        (6, 1, [1] * 6),
+    ],
+)
 def test_draw_sequence_lays_panels_in_an_even_grid(n, per_row, rows):
     m = RadixCacheManager()
     rec = TreeRecorder(m)

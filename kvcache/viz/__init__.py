@@ -5,7 +5,7 @@ One module a job, each importing only the ones above it in this list:
 
 - `kvcache.viz.snapshot`: `snapshot`, `diff_snapshots`, `predict_evict` (frozen trees);
 - `kvcache.viz.text`: `tree_text`, `format_tokens`, `format_indices` (the tree as text);
-- `kvcache.viz.drawing`: `draw_tree`, `draw_sequence`, `PALETTE` (graphviz);
+- `kvcache.viz.drawing`: `draw_tree`, `PALETTE` (graphviz); `kvcache.viz.sequence`: `draw_sequence`;
 - `kvcache.viz.recorder`: `TreeRecorder` (a snapshot after every call);
 - `kvcache.viz.player`: `step_player`, `StepPlayer`, `render_svg` (static HTML; its script
   and stylesheet are the package data files ``static/player.js`` and ``static/player.css``);
@@ -16,10 +16,11 @@ The top of the package: nothing below imports it. ``import kvcache`` does not lo
 graphviz); ``from kvcache.viz import draw_tree`` or ``kvcache.draw_tree`` does.
 """
 
-from .drawing import PALETTE, draw_sequence, draw_tree
+from .drawing import PALETTE, draw_tree
 from .explorer import DEFAULT_PRESETS, Explorer
 from .player import StepPlayer, render_svg, step_player
 from .recorder import TreeRecorder
+from .sequence import draw_sequence
 from .snapshot import NodeSnapshot, TreeSnapshot, diff_snapshots, predict_evict, snapshot
 from .text import format_indices, format_tokens, tree_text
 

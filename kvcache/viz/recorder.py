@@ -16,7 +16,7 @@ import graphviz
 import torch
 
 from ..managers.radix import RadixCacheHandle, RadixCacheManager
-from .drawing import draw_sequence
+from .sequence import draw_sequence
 from .snapshot import TreeSnapshot, snapshot
 from .text import DecodeLike, as_decoder, format_indices, one_line, shorten_middle, tree_text
 
