@@ -23,7 +23,7 @@ NOTEBOOKS  := $(sort $(wildcard book/*.ipynb))
 RUN_ENV := TRITON_INTERPRET=1 JUPYTER_PREFER_ENV_PATH=1 PYTHONHASHSEED=0
 # Every check a caller can trigger must survive `python -O`, which strips asserts.
 OPT_TESTS := tests/test_misuse.py tests/test_mha_pool.py tests/test_store_cache.py \
-             tests/test_distributed.py tests/test_block_manager.py
+             tests/test_distributed.py tests/test_block_manager.py tests/test_flow_stateful.py
 NBVAL_FLAGS := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
                --nbval-cell-timeout=1200
 

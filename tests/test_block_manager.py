@@ -1,38 +1,29 @@
-"""BlockHashCacheManager: every method and every misuse, collisions, LRU order, and a stateful test
-under RequestFlow against a reference model (a set of cached full-block prefixes plus the content
-each KV slot was written with)."""
+"""BlockHashCacheManager: every method and every misuse, collisions, LRU order, agreement with the
+radix manager. Its stateful test under RequestFlow is the shared machine in
+tests/test_flow_stateful.py."""
 
 from __future__ import annotations
 
 import copy
 import random
-from typing import Dict, List, Set, Tuple
+from typing import Dict, List, Tuple
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvcache.serving.allocator import PageAllocator
 from kvcache import BaseCacheManager, SizeInfo
 from kvcache.managers.block_hash import BlockHashCacheHandle, BlockHashCacheManager, CachedBlock
 from kvcache.managers.radix import RadixCacheManager
 from kvcache.serving.request_flow import RequestFlow
+from conftest import ids, page_slots as slots_of, unchanged as watch
 
 Prefix = Tuple[int, ...]
 
 
 # ----------------------------------------------------------------- helpers
-def ids(*xs: int) -> torch.Tensor:
-    return torch.tensor(xs, dtype=torch.int64)
-
-
-def slots_of(pages: List[int], ps: int, n: int | None = None) -> torch.Tensor:
-    out = [p * ps + j for p in pages for j in range(ps)]
-    return torch.tensor(out[:n] if n is not None else out, dtype=torch.int32)
-
-
 def dump(m: BlockHashCacheManager) -> tuple:
     """Everything the manager holds, as plain values: equal dumps mean equal states."""
     blocks = tuple(
@@ -57,8 +48,9 @@ def prefixes_in(m: BlockHashCacheManager) -> Dict[Prefix, int]:
 
 
 def unchanged(m: BlockHashCacheManager, exc: type, match: str, fn, *args, **kwargs) -> None:
+    """The shared misuse harness (public state), plus the private `dump` of this manager."""
     before = dump(m)
-    with pytest.raises(exc, match=match):
+    with watch(m), pytest.raises(exc, match=match):
         fn(*args, **kwargs)
     assert dump(m) == before
     m.check_integrity()
@@ -488,215 +480,3 @@ def test_agrees_with_radix_on_cached_len(ps):
             assert h0.cached_len == h1.cached_len and i0.tolist() == i1.tolist()
 
     run()
-
-
-# ------------------------------------------ stateful: under RequestFlow
-def make_flow_machine(ps: int, num_pages: int, hash_fn=None):
-    bases = [tuple(random.Random(s).randrange(3) for _ in range(3 * ps + 2)) for s in range(2)]
-    shared = [b[:k] for b in bases for k in range(ps, len(b) + 1, ps)]  # prompts that reuse a lot
-    prompts = st.one_of(st.sampled_from(shared), _prompts(ps).map(lambda p: p[:3 * ps + 2]))
-
-    class FlowMachine(RuleBasedStateMachine):
-        """Model: ``cached`` = the set of cached full-block prefixes; ``content[slot]`` = the prefix
-        whose last token's K/V was stored at ``slot`` (what a model would really have written)."""
-
-        @initialize()
-        def setup(self) -> None:
-            self.m = BlockHashCacheManager(page_size=ps, hash_fn=hash_fn)
-            self.flow = RequestFlow(self.m, PageAllocator(num_pages, ps))
-            self.cached: Set[Prefix] = set()
-            self.content: Dict[int, Prefix] = {}
-            self.evictions: List[Tuple[int, List[int]]] = []
-            real_evict = self.m.evict
-
-            def recording_evict(size: int) -> torch.Tensor:
-                out = real_evict(size)
-                self.evictions.append((size, out.tolist()))
-                return out
-
-            self.m.evict = recording_evict  # RequestFlow evicts through the manager's attribute
-
-        # -------------------------------------------------------- model
-        def longest(self, seq: Prefix) -> int:
-            k = 0
-            while k + ps <= len(seq) and seq[:k + ps] in self.cached:
-                k += ps
-            return k
-
-        def locked(self) -> Set[Prefix]:
-            out: Set[Prefix] = set()
-            for r in self.flow.running.values():
-                toks = tuple(r.input_ids[:r.tree_len].tolist())
-                out.update(toks[:k] for k in range(ps, len(toks) + 1, ps))
-            return out
-
-        def free_pages(self) -> int:
-            held = sum(-(-(len(r) - r.tree_len) // ps) for r in self.flow.running.values())
-            return num_pages - len(self.cached) - held
-
-        def add(self, seq: Prefix) -> None:
-            self.cached.update(seq[:k] for k in range(ps, len(seq) // ps * ps + 1, ps))
-
-        def apply_evictions(self) -> None:
-            locked = self.locked()
-            for size, slots in self.evictions:
-                assert len(slots) == -(-size // ps) * ps, "evict freed more whole blocks than needed"
-                for i in range(0, len(slots), ps):
-                    block = slots[i:i + ps]
-                    assert block == list(range(block[0], block[0] + ps)) and block[0] % ps == 0
-                    prefix = self.content[block[-1]]
-                    assert prefix in self.cached and prefix not in locked
-                    assert not any(len(q) == len(prefix) + ps and q[:len(prefix)] == prefix for q in self.cached), \
-                        "evicted a block that a cached block chains from"
-                    self.cached.remove(prefix)
-            self.evictions.clear()
-
-        def check_match(self, prompt: Prefix, got_len: int, indices: torch.Tensor) -> None:
-            assert got_len == self.longest(prompt)
-            assert len(indices) >= got_len
-            for i, slot in enumerate(indices[:got_len].tolist()):
-                assert self.content[slot] == prompt[:i + 1], f"slot {slot} holds other K/V"
-
-        def pick(self, i: int):
-            reqs = list(self.flow.running.values())
-            return reqs[i % len(reqs)]
-
-        def observable(self) -> tuple:
-            return (frozenset(prefixes_in(self.m).items()), self.m.size_info,
-                    self.flow.allocator.free_pages().tolist(),
-                    tuple((r.rid, r.input_ids.tolist(), r.indices.tolist(), r.num_computed, r.handle)
-                          for r in self.flow.running.values()))
-
-        # -------------------------------------------------------- rules
-        @rule(prompt=prompts, compute_last=st.booleans())
-        def begin(self, prompt: Prefix, compute_last: bool) -> None:
-            q = prompt[:-1] if compute_last else prompt
-            m = self.longest(q)
-            need = -(-(len(prompt) - m) // ps)
-            locked = self.locked() | {q[:k] for k in range(ps, m + 1, ps)}
-            if need > self.free_pages() + len(self.cached - locked):
-                before = self.observable()
-                with pytest.raises(RuntimeError, match="out of KV pages"):
-                    self.flow.begin(ids(*prompt), compute_last=compute_last)
-                assert self.observable() == before
-                return
-            req = self.flow.begin(ids(*prompt), compute_last=compute_last)
-            self.check_match(q, req.reused_len, req.indices)
-            self.apply_evictions()
-
-        def store(self, req, n: int) -> None:
-            """The model stores K/V of tokens ``[num_computed, n)`` at their slots."""
-            for j in range(req.num_computed, n):
-                self.content[int(req.indices[j])] = tuple(req.input_ids[:j + 1].tolist())
-            self.flow.mark_computed(req, n)
-
-        @precondition(lambda self: self.flow.running)
-        @rule(i=st.integers(0, 99), frac=st.sampled_from([1.0, 1.0, 0.5, 0.3, 0.0]))
-        def mark_computed(self, i: int, frac: float) -> None:
-            req = self.pick(i)
-            self.store(req, req.num_computed + int(frac * (len(req) - req.num_computed)))
-
-        @precondition(lambda self: self.flow.running)
-        @rule(i=st.integers(0, 99), new=st.lists(st.integers(0, 2), min_size=1, max_size=ps + 2))
-        def extend(self, i: int, new: List[int]) -> None:
-            req = self.pick(i)
-            spare = (ps - len(req) % ps) % ps
-            need = -(-max(0, len(new) - spare) // ps)
-            if need > self.free_pages() + len(self.cached - self.locked()):
-                before = self.observable()
-                with pytest.raises(RuntimeError, match="out of KV pages"):
-                    self.flow.extend(req, ids(*new))
-                assert self.observable() == before
-                return
-            slots = self.flow.extend(req, ids(*new))
-            assert slots.tolist() == req.indices[-len(new):].tolist()
-            self.apply_evictions()
-
-        @precondition(lambda self: self.flow.running)
-        @rule(i=st.integers(0, 99))
-        def cache(self, i: int) -> None:
-            req = self.pick(i)
-            n = req.num_computed // ps * ps
-            seq = tuple(req.input_ids[:n].tolist())
-            assert self.flow.cache(req) == self.longest(seq)
-            self.add(seq)
-            assert req.tree_len == n
-            self.check_match(seq, req.tree_len, req.indices)
-
-        @precondition(lambda self: self.flow.running)
-        @rule(i=st.integers(0, 99), how=st.sampled_from(["finish", "finish", "finish", "as is", "abort"]))
-        def end(self, i: int, how: str) -> None:
-            """Finish a request (storing what is left first, or as it is: refused unless all is
-            stored), or abort it."""
-            req = self.pick(i)
-            if how == "abort":
-                self.flow.abort(req)
-                return
-            if how == "finish":
-                self.store(req, len(req))
-            if req.num_computed != len(req):
-                before = self.observable()
-                with pytest.raises(RuntimeError, match="without stored K/V"):
-                    self.flow.finish(req)
-                assert self.observable() == before
-                return
-            seq = tuple(req.input_ids.tolist())
-            assert self.flow.finish(req) == self.longest(seq[:len(seq) // ps * ps])
-            self.add(seq)
-
-        @precondition(lambda self: self.m.num_blocks > 0)
-        @rule(size=st.integers(0, ps + 1))
-        def evict(self, size: int) -> None:
-            evictable = len(self.cached - self.locked()) * ps
-            if size > evictable:
-                before = dump(self.m)
-                with pytest.raises(RuntimeError, match="evictable"):
-                    self.m.evict(size)
-                assert dump(self.m) == before
-                self.evictions.clear()
-                return
-            out = self.m.evict(size)
-            self.flow.allocator.free(self.flow.allocator.slots_to_pages(out))
-            self.apply_evictions()
-
-        @rule(prompt=prompts)
-        def probe(self, prompt: Prefix) -> None:
-            handle, idx = self.m.match_prefix(ids(*prompt))
-            assert len(idx) == handle.cached_len and idx.dtype == torch.int32
-            self.check_match(prompt, handle.cached_len, idx)
-
-        @precondition(lambda self: not self.flow.running)
-        @rule()
-        def reset(self) -> None:
-            pages = self.flow.allocator.slots_to_pages(self.m.cached_indices())
-            self.m.reset()
-            self.flow.allocator.free(pages)
-            self.cached.clear()
-
-        # ---------------------------------------------------- invariants
-        @invariant()
-        def consistent(self) -> None:
-            if not hasattr(self, "m"):
-                return
-            self.flow.check_integrity()
-            got = prefixes_in(self.m)
-            assert set(got) == self.cached
-            for prefix, page in got.items():  # every cached slot holds its own prefix's K/V
-                for j in range(ps):
-                    assert self.content[page * ps + j] == prefix[:len(prefix) - ps + j + 1]
-            locked = self.locked()
-            assert self.m.size_info == SizeInfo(len(self.cached - locked) * ps, len(locked) * ps)
-            assert self.flow.allocator.num_free_pages == self.free_pages()
-            assert self.flow.allocator.num_free_pages + len(self.cached) + sum(
-                len(self.flow.allocator.slots_to_pages(r.indices[r.tree_len:])) for r in self.flow.running.values()
-            ) == num_pages
-
-    FlowMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
-                                             derandomize=True, suppress_health_check=[HealthCheck.too_slow,
-                                                                                      HealthCheck.filter_too_much])
-    return FlowMachine
-
-
-TestFlowPS1 = make_flow_machine(1, 10).TestCase
-TestFlowPS4 = make_flow_machine(4, 8).TestCase
-TestFlowPS2WeakHash = make_flow_machine(2, 8, hash_fn=lambda p, t: t[0] % 2).TestCase

@@ -15,6 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kvcache import PageAllocator, RadixCacheManager, RequestFlow
+from conftest import slots
 from kvcache.serving.tokenizer import ByteTokenizer
 from kvcache.viz import (
     PALETTE, TreeRecorder, TreeSnapshot, diff_snapshots, draw_sequence, draw_tree, format_indices,
@@ -30,10 +31,6 @@ def words(text: str) -> torch.Tensor:
 
 def say(ids: List[int]) -> str:
     return " ".join(WORDS[i] for i in ids)
-
-
-def slots(*xs: int) -> torch.Tensor:
-    return torch.tensor(xs, dtype=torch.int32)
 
 
 def source_13_4() -> Tuple[RadixCacheManager, TreeRecorder]:
