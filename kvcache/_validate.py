@@ -1,12 +1,77 @@
-"""Argument checks shared by the package. Each raises with the offending value and the limit."""
+"""Argument checks and index plumbing shared by the package. Each check raises with the offending
+value and the limit; none changes anything.
+
+One home for what managers, the allocator and the flow all need: integer arguments (a real
+integer, never ``bool``, ``float`` or ``complex``), token-id and slot tensors, the length-mismatch
+error, page alignment, and the page <-> slot arithmetic. The arithmetic works on NumPy arrays:
+the bookkeeping arrays are small, and a NumPy op on them costs a fraction of a torch dispatch.
+"""
 
 from __future__ import annotations
 
+from typing import Union
+
+import numpy as np
 import torch
 
-_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+_INT_DTYPES = frozenset((torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8))
+
+_UNSIGNED = {4: np.uint32, 8: np.uint64}
+
+#: Slots are ``torch.int32``: a pool may hold at most this many token slots.
+MAX_SLOTS = 2 ** 31 - 1
+
+Device = Union[torch.device, str]
 
 
+# ------------------------------------------------------------------------------ integers
+def as_int(value: object, name: str) -> int:
+    """``value`` as a Python int, if it is a real integer.
+
+    Accepted: a Python ``int``, a NumPy integer scalar, a 0-d integer torch tensor (an element
+    of an integer tensor). Refused with ``TypeError``: ``bool`` (of any library), floats (even
+    ``2.0``), complex numbers, strings, anything else.
+    """
+    if type(value) is int:  # the common case first, one type() call
+        return value
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an integer, got bool {value!r}")
+    if isinstance(value, int):  # int subclasses other than bool (e.g. IntEnum)
+        return int(value)
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype in _INT_DTYPES:
+        return int(value.item())
+    what = f"tensor of dtype {value.dtype} and shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) \
+        else f"{type(value).__name__} {value!r}"
+    raise TypeError(f"{name} must be an integer (int, or a NumPy/torch integer scalar), got {what}")
+
+
+def check_size(size: object, name: str = "size") -> int:
+    """A token count: a non-negative real integer, returned as a Python int."""
+    value = as_int(size, name)
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
+
+
+def check_positive_int(value: object, name: str) -> int:
+    """A strictly positive real integer, returned as a Python int."""
+    v = as_int(value, name)
+    if v < 1:
+        raise ValueError(f"{name} must be >= 1, got {v}")
+    return v
+
+
+def check_int_in(value: object, name: str, lo: int, hi: int) -> int:
+    """A real integer in ``[lo, hi]`` (both ends included), returned as a Python int."""
+    v = as_int(value, name)
+    if not lo <= v <= hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
+    return v
+
+
+# ------------------------------------------------------------------------------ tensors
 def check_token_ids(input_ids: object, name: str = "input_ids") -> torch.Tensor:
     """Token ids must be a 1-D integer tensor on the CPU."""
     if not isinstance(input_ids, torch.Tensor):
@@ -15,7 +80,7 @@ def check_token_ids(input_ids: object, name: str = "input_ids") -> torch.Tensor:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(input_ids.shape)}")
     if input_ids.dtype not in _INT_DTYPES:
         raise TypeError(f"{name} must have an integer dtype, got {input_ids.dtype}")
-    if input_ids.device.type != "cpu":
+    if not input_ids.is_cpu:
         raise ValueError(f"{name} must be on the CPU, got device {input_ids.device}")
     return input_ids
 
@@ -33,19 +98,134 @@ def check_indices(indices: object, device: torch.device, name: str = "indices") 
     return indices
 
 
-def check_size(size: object, name: str = "size") -> int:
-    """A token count: a non-negative Python int (bools are refused)."""
-    if isinstance(size, bool) or not isinstance(size, int):
-        raise TypeError(f"{name} must be an int, got {type(size).__name__}")
-    if size < 0:
-        raise ValueError(f"{name} must be >= 0, got {size}")
-    return size
+def check_id_array(ids: object, name: str, limit: int) -> np.ndarray:
+    """Page ids or slots: a 1-D integer tensor (any device) or NumPy array, of values in
+    ``[0, limit)``.
+
+    The range is checked on the values as given, before any cast, so ``2**32 + 1`` is refused
+    instead of wrapping to ``1``. Returns the values on the host as an ``int32`` NumPy array
+    (a view where they already are CPU int32). ``bool``, float and complex dtypes are refused
+    with ``TypeError``; values out of range with ``ValueError``.
+    """
+    if isinstance(ids, torch.Tensor):
+        if ids.dtype not in _INT_DTYPES:
+            raise TypeError(f"{name} must have an integer dtype, got {ids.dtype}")
+        arr = ids.numpy() if ids.is_cpu else ids.cpu().numpy()
+    elif isinstance(ids, np.ndarray):
+        if ids.dtype.kind not in "iu":
+            raise TypeError(f"{name} must have an integer dtype, got {ids.dtype}")
+        arr = ids
+    else:
+        raise TypeError(f"{name} must be a torch.Tensor or numpy.ndarray, got {type(ids).__name__}")
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(arr.shape)}")
+    if arr.shape[0]:
+        # One reduction for both ends: seen as unsigned, a negative value is larger than any limit.
+        wide = arr if arr.itemsize >= 4 else arr.astype(np.int64)
+        if int(wide.view(_UNSIGNED[wide.itemsize]).max()) >= limit:
+            lo, hi = int(arr.min()), int(arr.max())
+            raise ValueError(f"{name}: {lo if lo < 0 else hi} is outside [0, {limit})")
+    return arr if arr.dtype == np.int32 else arr.astype(np.int32)
 
 
-def check_positive_int(value: object, name: str) -> int:
-    """A strictly positive Python int (bools are refused)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
+def check_slot_tensor(slots: object, name: str, num_slots: int, device: torch.device) -> torch.Tensor:
+    """Token slots of a pool: a 1-D integer tensor on ``device`` of values in ``[0, num_slots)``.
+
+    Checked on the values as given, before any cast (on a GPU the range check reads two
+    numbers back to the host). ``TypeError`` for a non-integer dtype (bool, float, complex),
+    ``ValueError`` for a wrong shape, device or range.
+    """
+    if not isinstance(slots, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(slots).__name__}")
+    if slots.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(slots.shape)}")
+    if slots.dtype not in _INT_DTYPES:
+        raise TypeError(f"{name} must have an integer dtype, got {slots.dtype}")
+    if slots.device != device:
+        raise ValueError(f"{name} must be on device {device}, got {slots.device}")
+    if slots.shape[0]:
+        lo, hi = (int(v) for v in torch.aminmax(slots))
+        if lo < 0 or hi >= num_slots:
+            raise ValueError(f"{name}: {lo if lo < 0 else hi} is outside [0, {num_slots})")
+    return slots
+
+
+def check_same_length(n: int, expected: int, name: str = "indices", expected_name: str = "input_ids") -> None:
+    """The length-mismatch error: ``len(name)`` must equal ``len(expected_name)``."""
+    if n != expected:
+        raise ValueError(f"len({name}) ({n}) must equal len({expected_name}) ({expected})")
+
+
+def check_device(device: object, name: str = "device") -> torch.device:
+    """A ``torch.device`` (or its name) that exists on this machine.
+
+    ``TypeError`` for anything but a ``str`` or ``torch.device``; ``ValueError`` for a name torch
+    does not know or a device that is not available (e.g. ``"cuda"`` without a GPU).
+    """
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"{name} must be a torch.device or str, got {type(device).__name__}")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"{name} {device!r} is not a device torch knows: {e}") from None
+    if dev.type == "cpu":
+        return dev
+    try:
+        torch.empty(0, device=dev)
+    except (RuntimeError, AssertionError) as e:  # torch raises AssertionError when built without CUDA
+        raise ValueError(f"{name} {str(dev)!r} is not available on this machine: {e}") from None
+    return dev
+
+
+# ------------------------------------------------------------------------------ pages and slots
+def pages_to_slots(pages: np.ndarray, page_size: int) -> np.ndarray:
+    """Slots of ``pages`` (1-D integer array), page after page: ``(len(pages) * page_size,)``.
+
+    No checks: the caller passes valid page ids of a pool whose slots fit in ``int32``.
+    """
+    if page_size == 1:
+        return pages
+    return (pages[:, None] * page_size + np.arange(page_size, dtype=pages.dtype)).reshape(-1)
+
+
+def slots_to_pages(slots: np.ndarray, page_size: int) -> np.ndarray:
+    """The distinct pages that ``slots`` touch, in first-touch order (a run of slots of one page
+    gives that page once). No checks."""
+    if page_size == 1 or slots.shape[0] == 0:
+        return slots
+    pages = slots // page_size
+    if pages.shape[0] == 1:
+        return pages
+    keep = np.empty(pages.shape[0], dtype=np.bool_)
+    keep[0] = True
+    np.not_equal(pages[1:], pages[:-1], out=keep[1:])
+    return pages[keep]
+
+
+def aligned_run_pages(slots: np.ndarray, page_size: int) -> np.ndarray:
+    """The pages of a run of slots laid page after page from a page start (a request's own slots
+    from a page-aligned position): every ``page_size``-th slot, divided. No checks."""
+    return slots if page_size == 1 else slots[::page_size] // page_size
+
+
+def check_page_aligned(slots: np.ndarray, page_size: int, name: str = "indices") -> None:
+    """Every ``page_size`` entries of ``slots`` must be the consecutive slots of one page.
+
+    ``slots``: 1-D, its length a multiple of ``page_size``. ``ValueError`` otherwise.
+    """
+    if page_size == 1 or slots.shape[0] == 0:
+        return
+    rows = slots.reshape(-1, page_size)
+    first = rows[:, 0]
+    if (first % page_size).any() or not np.array_equal(rows, first[:, None] + np.arange(page_size)):
+        shown = slots[:4 * page_size].tolist()
+        raise ValueError(
+            f"with page_size={page_size} every {page_size} {name} must be the consecutive slots of one page "
+            f"(first slot a multiple of {page_size}); got {shown}{' ...' if slots.shape[0] > len(shown) else ''}"
+        )
+
+
+def check_count(value: object, name: str = "size") -> int:
+    """A non-negative token count as a Python int: `check_size` under the name the block-hash
+    manager uses (ints, NumPy integers, 0-d integer tensors; never bool, float or complex)."""
+    return check_size(value, name)

@@ -10,7 +10,17 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .._validate import check_positive_int, check_size
+from .._validate import (
+    MAX_SLOTS,
+    Device,
+    check_device,
+    check_id_array,
+    check_int_in,
+    check_positive_int,
+    check_size,
+    pages_to_slots,
+    slots_to_pages,
+)
 
 __all__ = ["PageAllocator"]
 
@@ -24,13 +34,22 @@ class PageAllocator:
     check). Only the pages handed out travel to ``device``.
 
     Promises: a page is either free or handed out, never both; ``free`` refuses a page that is
-    out of range, already free, or listed twice, and changes nothing when it refuses.
+    out of range (checked before any cast: ``2**32 + 1`` is not page 1), already free, listed
+    twice, or not given as an integer tensor, and changes nothing when it refuses. Every slot fits
+    in ``int32`` (``num_pages * page_size <= 2**31 - 1``).
     """
 
-    def __init__(self, num_pages: int, page_size: int = 1, device: torch.device | str = "cpu") -> None:
-        self.num_pages = check_positive_int(num_pages, "num_pages")
-        self.page_size = check_positive_int(page_size, "page_size")
-        self.device = torch.device(device)
+    def __init__(self, num_pages: int, page_size: int = 1, device: Device = "cpu") -> None:
+        num_pages = check_positive_int(num_pages, "num_pages")
+        page_size = check_positive_int(page_size, "page_size")
+        if num_pages * page_size > MAX_SLOTS:
+            raise ValueError(
+                f"num_pages * page_size = {num_pages * page_size} slots do not fit in int32 (at most {MAX_SLOTS})"
+            )
+        self.device = check_device(device)
+        self.num_pages, self.page_size = num_pages, page_size
+        self._on_cpu = self.device.type == "cpu"
+        self._offsets = np.arange(page_size, dtype=np.int64)
         self.reset()
 
     @property
@@ -43,16 +62,21 @@ class PageAllocator:
 
     def free_pages(self) -> torch.Tensor:
         """The free pages, in the order they will be handed out (1-D int32 on ``device``, a copy)."""
-        return torch.from_numpy(self._take(self._head, self._count)).to(self.device)
+        return self._out(self._take(self._head, self._count).astype(np.int32))
 
     def reset(self) -> None:
         """Every page free again, in order ``0 .. num_pages - 1``."""
         # The free list is a ring of capacity num_pages (it never holds more): allocate reads at
         # the head, free writes after the tail, so both cost O(pages moved), not O(pool).
-        self._ring = np.arange(self.num_pages, dtype=np.int32)
+        # int64 (NumPy's index type): fancy indexing with it skips a conversion on every call.
+        self._ring = np.arange(self.num_pages, dtype=np.int64)
         self._head = 0
         self._count = self.num_pages
         self._is_free = np.ones(self.num_pages, dtype=np.bool_)
+
+    def _out(self, arr: np.ndarray) -> torch.Tensor:
+        out = torch.from_numpy(arr)
+        return out if self._on_cpu else out.to(self.device)
 
     def _take(self, start: int, n: int) -> np.ndarray:
         """A copy of ``n`` ring entries from ``start``, wrapping around."""
@@ -61,68 +85,92 @@ class PageAllocator:
             return self._ring[start:end].copy()
         return np.concatenate([self._ring[start:], self._ring[: end - self.num_pages]])
 
-    def allocate(self, num_pages: int) -> torch.Tensor:
-        """Take ``num_pages`` pages off the free list; ``RuntimeError`` if fewer are free."""
-        check_size(num_pages, "num_pages")
+    def _pop(self, num_pages: int) -> np.ndarray:
         if num_pages > self._count:
             raise RuntimeError(f"cannot allocate {num_pages} pages: only {self._count} are free")
         pages = self._take(self._head, num_pages)
         self._head = (self._head + num_pages) % self.num_pages
         self._count -= num_pages
         self._is_free[pages] = False
-        out = torch.from_numpy(pages)
-        return out if self.device.type == "cpu" else out.to(self.device)
+        return pages
+
+    def allocate(self, num_pages: int) -> torch.Tensor:
+        """Take ``num_pages`` pages off the free list; ``RuntimeError`` if fewer are free."""
+        return self._out(self._pop(check_size(num_pages, "num_pages")).astype(np.int32))
+
+    def allocate_slots(self, num_tokens: int) -> torch.Tensor:
+        """Slots for ``num_tokens`` tokens on ``ceil(num_tokens / page_size)`` new pages, page after
+        page, the last page's unused tail left out: ``(num_tokens,)`` int32 on ``device``.
+
+        ``RuntimeError`` (nothing taken) if too few pages are free.
+        """
+        return self._out(self.allocate_host_slots(num_tokens))
+
+    def allocate_host_slots(self, num_tokens: int) -> np.ndarray:
+        """`allocate_slots`, returned as a host NumPy ``int32`` array (for bookkeeping on the host)."""
+        n = check_size(num_tokens, "num_tokens")
+        pages = self._pop(-(-n // self.page_size))
+        if self.page_size == 1:
+            return pages.astype(np.int32)
+        return (pages[:, None] * self.page_size + self._offsets).reshape(-1)[:n].astype(np.int32)
 
     def free(self, pages: torch.Tensor) -> None:
-        """Return ``pages`` (1-D integer tensor) to the end of the free list."""
-        if not isinstance(pages, torch.Tensor) or pages.dim() != 1 or pages.is_floating_point():
-            raise TypeError(f"pages must be a 1-D integer tensor, got {pages!r}")
-        if pages.shape[0] == 0:
+        """Return ``pages`` (1-D integer tensor or NumPy array of page ids) to the end of the free list."""
+        self._push(check_id_array(pages, "pages", self.num_pages))
+
+    def free_slots(self, slots: torch.Tensor) -> None:
+        """Return the pages that ``slots`` (1-D integer tensor or NumPy array) touch:
+        ``free(slots_to_pages(slots))``."""
+        arr = check_id_array(slots, "slots", self.num_slots)
+        self._push(slots_to_pages(arr, self.page_size))
+
+    def _push(self, pages: np.ndarray) -> None:
+        """Free ``pages`` (page ids already known to be in range), or change nothing and raise."""
+        n = pages.shape[0]
+        if n == 0:
             return
-        arr = pages.cpu().numpy().astype(np.int32, copy=True)
-        lo, hi = int(arr.min()), int(arr.max())
-        if lo < 0 or hi >= self.num_pages:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"page {bad} is outside [0, {self.num_pages})")
+        if n == 1:  # the common case of a request's partial last page: plain Python, no array ops
+            p = int(pages[0])
+            if self._is_free[p]:
+                raise RuntimeError(f"double free: pages [{p}] are already free")
+            self._is_free[p] = True
+            self._ring[(self._head + self._count) % self.num_pages] = p
+            self._count += 1
+            return
+        arr = pages.astype(np.int64)
         already = self._is_free[arr]
         if already.any():
             raise RuntimeError(f"double free: pages {arr[already].tolist()} are already free")
-        if arr.shape[0] > 1:
+        if n > 1:
             ordered = np.sort(arr)
             if (ordered[1:] == ordered[:-1]).any():
                 raise ValueError(f"pages listed more than once: {arr.tolist()}")
         self._is_free[arr] = True
         # Pages not free are handed out, so the ring has room for them: no overflow possible.
         tail = (self._head + self._count) % self.num_pages
-        first = min(arr.shape[0], self.num_pages - tail)
+        first = min(n, self.num_pages - tail)
         self._ring[tail:tail + first] = arr[:first]
-        self._ring[: arr.shape[0] - first] = arr[first:]
-        self._count += arr.shape[0]
+        if first < n:
+            self._ring[: n - first] = arr[first:]
+        self._count += n
 
     # ------------------------------------------------------- pages <-> slots
     def pages_to_slots(self, pages: torch.Tensor, num_tokens: int | None = None) -> torch.Tensor:
-        """Slots of ``pages`` in order, cut to the first ``num_tokens`` (default: all), int32."""
-        ps = self.page_size
-        if ps == 1:
-            slots = pages if pages.dtype == torch.int32 else pages.to(torch.int32)
-        else:
-            offsets = torch.arange(ps, dtype=torch.int32, device=pages.device)
-            slots = (pages.to(torch.int32)[:, None] * ps + offsets).reshape(-1)
-        if num_tokens is not None:
-            if not 0 <= num_tokens <= len(slots):
-                raise ValueError(f"num_tokens must be in [0, {len(slots)}], got {num_tokens}")
-            slots = slots[:num_tokens]
-        return slots
+        """Slots of ``pages`` in order, cut to the first ``num_tokens`` (default: all): int32 on
+        the device of ``pages``. ``pages`` must be a 1-D integer tensor of ids in ``[0, num_pages)``."""
+        arr = check_id_array(pages, "pages", self.num_pages)
+        total = arr.shape[0] * self.page_size
+        n = total if num_tokens is None else check_int_in(num_tokens, "num_tokens", 0, total)
+        out = torch.from_numpy(pages_to_slots(arr, self.page_size)[:n])
+        return out if not isinstance(pages, torch.Tensor) or pages.device.type == "cpu" else out.to(pages.device)
 
     def slots_to_pages(self, slots: torch.Tensor) -> torch.Tensor:
-        """The distinct pages that ``slots`` touch, in first-touch order (int32).
+        """The distinct pages that ``slots`` touch, in first-touch order: int32 on the device of
+        ``slots``. ``slots`` must be a 1-D integer tensor of slots in ``[0, num_slots)``.
 
-        Slots of one request are laid out page after page, so this is every ``page_size``-th
-        slot divided by ``page_size`` when the run starts on a page boundary.
+        Slots of one request are laid out page after page, so a run of slots on one page gives
+        that page once.
         """
-        if slots.shape[0] == 0 or self.page_size == 1:
-            return slots if slots.dtype == torch.int32 else slots.to(torch.int32)
-        pages = torch.div(slots, self.page_size, rounding_mode="floor").to(torch.int32)
-        keep = torch.ones(len(pages), dtype=torch.bool, device=pages.device)
-        keep[1:] = pages[1:] != pages[:-1]
-        return pages[keep]
+        arr = check_id_array(slots, "slots", self.num_slots)
+        out = torch.from_numpy(slots_to_pages(arr, self.page_size))
+        return out if not isinstance(slots, torch.Tensor) or slots.device.type == "cpu" else out.to(slots.device)

@@ -8,8 +8,8 @@ The request flow decides which tokens are new; the model runs only those::
     decode    extend(req, [token]) -> model(token) -> mark_computed
     finish    insert the request into the cache, free duplicates, unlock
 
-``computed_tokens`` and ``reused_tokens`` count what the model actually ran and what it read
-back from the cache instead.
+``computed_tokens`` and ``reused_tokens`` (the flow's `FlowStats`) count what the model actually
+ran and what it read back from the cache instead.
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ from typing import List, Sequence, Tuple, Union
 
 import torch
 
-from .._validate import check_size
+from .._validate import as_int, check_size
 from .allocator import PageAllocator
 from ..managers.base import BaseCacheManager
 from ..storage.mha_pool import MHAKVCache
 from .model import TinyLlama
+from .integrity import check_manager
 from .request_flow import FlowStats, Request, RequestFlow
 
 __all__ = ["Engine"]
@@ -33,31 +34,54 @@ Token = Union[int, torch.Tensor]
 class Engine:
     """A tiny serving loop: `RequestFlow` (which tokens to run) + `TinyLlama` (running them).
 
+    The engine orchestrates only: the flow decides what is cached, what is allocated and what a
+    request may do; the engine checks what only the model knows (the vocabulary) before calling
+    the flow, and runs the model on the tokens the flow says are new. Every call is all or
+    nothing: a refused call changes no request, page, cache entry or count.
+
     Args:
         model: the model; ``kv_cache`` must be shaped for it (see ``TinyLlama.new_kv_cache``).
         kv_cache: the only place K/V live.
         manager: any prefix-cache manager (``NaiveCacheManager`` caches nothing).
-        allocator: the page free list; same ``page_size`` as ``kv_cache`` and at most its pages.
+        allocator: the page free list; same ``page_size`` and device as ``kv_cache``, at most its pages.
         decode_kernel: run decode steps with the Triton decode kernel (``paged_decode_attention``).
         trace: keep the flow's step events in ``engine.flow.events``.
     """
 
     def __init__(self, model: TinyLlama, kv_cache: MHAKVCache, manager: BaseCacheManager,
                  allocator: PageAllocator, *, decode_kernel: bool = False, trace: bool = False) -> None:
+        if not isinstance(model, TinyLlama):
+            raise TypeError(f"model must be a TinyLlama, got {type(model).__name__}")
         model.check_kv_cache(kv_cache)
+        check_manager(manager)
+        if not isinstance(allocator, PageAllocator):
+            raise TypeError(f"allocator must be a PageAllocator, got {type(allocator).__name__}")
+        for name, flag in (("decode_kernel", decode_kernel), ("trace", trace)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
         if allocator.page_size != kv_cache.page_size or allocator.num_pages > kv_cache.num_pages:
             raise ValueError(
                 f"allocator (num_pages={allocator.num_pages}, page_size={allocator.page_size}) does not fit "
                 f"kv_cache (num_pages={kv_cache.num_pages}, page_size={kv_cache.page_size})"
             )
+        if allocator.device != kv_cache.device:
+            raise ValueError(f"allocator device {allocator.device} != kv_cache device {kv_cache.device}")
         self.model, self.kv_cache, self.decode_kernel = model, kv_cache, decode_kernel
         self.flow = RequestFlow(manager, allocator, trace=trace)
-        self.computed_tokens = 0  # tokens the model ran (prefill and decode)
-        self.reused_tokens = 0  # prompt tokens whose K/V were read from the cache instead
 
     @property
     def stats(self) -> FlowStats:
         return self.flow.stats
+
+    @property
+    def computed_tokens(self) -> int:
+        """Tokens the model ran (prefill and decode): the flow's ``stats.computed_tokens``."""
+        return self.flow.stats.computed_tokens
+
+    @property
+    def reused_tokens(self) -> int:
+        """Prompt tokens whose K/V were read from the cache instead: ``stats.reused_tokens``."""
+        return self.flow.stats.reused_tokens
 
     def _run(self, reqs: List[Request], ids: torch.Tensor) -> torch.Tensor:
         """Run every request's not-yet-computed tokens (``ids``, packed); logits ``(B, vocab)`` of their last."""
@@ -66,26 +90,30 @@ class Engine:
                             decode_kernel=self.decode_kernel)
         for r in reqs:
             self.flow.mark_computed(r)
-        self.computed_tokens += sum(q_lens)
         return logits
 
     def prefill_batch(self, prompts: Sequence[torch.Tensor]) -> Tuple[List[Request], torch.Tensor]:
         """Start one request per prompt (1-D CPU int ids), running only the tokens not reused from the cache.
 
         Returns the requests and the logits ``(B, vocab)`` of each prompt's last token. Prompts of
-        one batch do not reuse each other (none is cached yet). On error every request is aborted.
+        one batch do not reuse each other (none is cached yet). The whole batch is checked (ids,
+        vocabulary, room in the pool) before anything changes; if the model itself fails, every
+        request of the batch is aborted.
         """
-        reqs: List[Request] = []
+        if isinstance(prompts, torch.Tensor):
+            raise TypeError("prompts must be a sequence of 1-D token-id tensors, got one tensor")
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("prompts must hold at least one prompt, got an empty batch")
+        for i, p in enumerate(prompts):
+            self.model.check_ids(p, f"prompts[{i}]")
+        reqs = self.flow.begin_batch(prompts, compute_last=True)
         try:
-            for p in prompts:
-                reqs.append(self.flow.begin(p, compute_last=True))
-            logits = self._run(reqs, torch.cat([r.input_ids[r.num_computed:] for r in reqs]))
+            return reqs, self._run(reqs, torch.cat([r.input_ids[r.num_computed:] for r in reqs]))
         except BaseException:
             for r in reqs:
                 self.flow.abort(r)
             raise
-        self.reused_tokens += sum(r.reused_len for r in reqs)
-        return reqs, logits
 
     def prefill(self, prompt: torch.Tensor) -> Tuple[Request, torch.Tensor]:
         """:meth:`prefill_batch` of one prompt: ``(request, logits (vocab,))``."""
@@ -95,23 +123,23 @@ class Engine:
     def decode_batch(self, reqs: Sequence[Request], tokens: Sequence[Token]) -> torch.Tensor:
         """Append ``tokens[r]`` to request ``r`` and run it; logits ``(B, vocab)`` for the next tokens.
 
-        Refused before any request changes: ``ValueError`` for a token outside the vocabulary,
-        ``RuntimeError`` for a request not running here or when the pool cannot take the new pages.
+        Each token: an integer (Python, NumPy or 0-d integer tensor; never bool or float) in
+        ``[0, vocab_size)``. Refused before any request changes: ``TypeError``/``ValueError`` for
+        a bad token, ``RuntimeError`` for a request not running here or listed twice, or when
+        the pool cannot take the new pages.
         """
-        reqs = list(reqs)
-        ids = torch.tensor([int(t) for t in tokens], dtype=torch.int64)
-        if len(ids) != len(reqs):
-            raise ValueError(f"need one token per request: {len(ids)} tokens for {len(reqs)} requests")
-        if len({id(r) for r in reqs}) != len(reqs) or any(self.flow.running.get(r.rid) is not r for r in reqs):
-            raise RuntimeError("every request must be running in this engine, each listed once")
+        reqs, tokens = list(reqs), list(tokens)
+        if not reqs:
+            raise ValueError("reqs must hold at least one request")
+        if len(tokens) != len(reqs):
+            raise ValueError(f"need one token per request: {len(tokens)} tokens for {len(reqs)} requests")
         vocab = self.model.config.vocab_size
-        if len(ids) and not 0 <= int(ids.min()) <= int(ids.max()) < vocab:
-            raise ValueError(f"tokens must lie in [0, vocab_size={vocab}), got {ids.tolist()}")
-        need = sum(len(r) % self.flow.page_size == 0 for r in reqs)
-        if need > self.flow.available_pages():
-            raise RuntimeError(f"out of KV pages: decode needs {need}, {self.flow.available_pages()} available")
-        for r, t in zip(reqs, ids):
-            self.flow.extend(r, t.view(1))
+        values = [as_int(t, f"tokens[{i}]") for i, t in enumerate(tokens)]
+        for i, v in enumerate(values):
+            if not 0 <= v < vocab:
+                raise ValueError(f"tokens[{i}] must lie in [0, vocab_size={vocab}), got {v}")
+        ids = torch.tensor(values, dtype=torch.int64)
+        self.flow.extend_batch(reqs, ids.view(-1, 1))
         return self._run(reqs, ids)
 
     def decode(self, req: Request, token: Token) -> torch.Tensor:
@@ -124,7 +152,7 @@ class Engine:
 
     def generate(self, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
         """Greedy decoding: ``max_new_tokens`` new token ids ``(max_new_tokens,)`` int64; the request is cached."""
-        check_size(max_new_tokens, "max_new_tokens")
+        max_new_tokens = check_size(max_new_tokens, "max_new_tokens")
         req, logits = self.prefill(prompt)
         out: List[int] = []
         try:

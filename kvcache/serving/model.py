@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._validate import check_positive_int, check_token_ids
+from .._validate import check_int_in, check_positive_int, check_slot_tensor, check_token_ids
 from ..kernels.attention import paged_attention, paged_decode_attention
 from ..storage.base import KVCacheLayout
 from ..storage.mha_pool import MHAKVCache
@@ -70,13 +70,6 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.
     cos, sin = angles.cos(), angles.sin()
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
-
-def _check_ids(ids: object, vocab_size: int) -> torch.Tensor:
-    check_token_ids(ids, "ids")
-    if len(ids) and not 0 <= int(ids.min()) <= int(ids.max()) < vocab_size:
-        raise ValueError(f"ids must lie in [0, vocab_size={vocab_size}), got [{int(ids.min())}, {int(ids.max())}]")
-    return ids
 
 
 def _causal_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -141,6 +134,16 @@ class TinyLlama(nn.Module):
         return rms_norm(h, self.norm, c.rms_norm_eps)
 
     # ------------------------------------------------------------------------------- served path
+    def check_ids(self, ids: object, name: str = "ids") -> torch.Tensor:
+        """``ids`` must be a non-empty 1-D integer CPU tensor of token ids in ``[0, vocab_size)``."""
+        check_token_ids(ids, name)
+        if ids.shape[0] == 0:
+            raise ValueError(f"{name} must hold at least one token")
+        lo, hi, vocab = int(ids.min()), int(ids.max()), self.config.vocab_size
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"{name} must lie in [0, vocab_size={vocab}), got [{lo}, {hi}]")
+        return ids
+
     def check_kv_cache(self, kv_cache: MHAKVCache) -> None:
         """``ValueError`` unless ``kv_cache`` has this model's layers, KV heads, head_dim, dtype and device."""
         if not isinstance(kv_cache, MHAKVCache):
@@ -173,14 +176,15 @@ class TinyLlama(nn.Module):
         Returns logits ``(sum(q_lens), vocab)``, or ``(B, vocab)`` for each request's last token
         with ``last_only=True``.
         """
-        _check_ids(ids, self.config.vocab_size)
+        self.check_ids(ids)
         self.check_kv_cache(kv_cache)
-        q_lens = list(q_lens)
+        slots, q_lens = list(slots), list(q_lens)
         if len(q_lens) != len(slots) or not slots:
             raise ValueError(f"need one q_len per request and at least one request; got {len(q_lens)} and {len(slots)}")
-        for r, (s, ql) in enumerate(zip(slots, q_lens)):
-            if isinstance(ql, bool) or not isinstance(ql, int) or not 1 <= ql <= len(s):
-                raise ValueError(f"q_lens[{r}]={ql!r} must be an int in [1, len(slots[{r}])={len(s)}]")
+        num_slots = kv_cache.num_pages * kv_cache.page_size
+        for r, s in enumerate(slots):
+            check_slot_tensor(s, f"slots[{r}]", num_slots, kv_cache.device)
+        q_lens = [check_int_in(ql, f"q_lens[{r}]", 1, len(s)) for r, (s, ql) in enumerate(zip(slots, q_lens))]
         if len(ids) != sum(q_lens):
             raise ValueError(f"len(ids)={len(ids)} != sum(q_lens)={sum(q_lens)}")
         positions = torch.cat([torch.arange(len(s) - ql, len(s)) for s, ql in zip(slots, q_lens)]).to(self.device)
@@ -202,8 +206,6 @@ class TinyLlama(nn.Module):
     @torch.inference_mode()
     def reference_logits(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits ``(L, vocab)`` of every token of ``ids`` ``(L,)``: dense causal attention, no cache."""
-        _check_ids(ids, self.config.vocab_size)
-        if len(ids) == 0:
-            raise ValueError("ids must hold at least one token")
+        self.check_ids(ids)
         positions = torch.arange(len(ids), device=self.device)
         return F.linear(self._run(ids, positions, lambda _, q, k, v: _causal_gqa(q, k, v)), self.lm_head)

@@ -19,115 +19,51 @@ own pages in ``[tree_len, already_cached)``, which another request inserted firs
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
-from .._validate import check_token_ids
-from .allocator import PageAllocator
+from .._validate import aligned_run_pages, check_int_in, check_token_ids
 from ..managers.base import BaseCacheHandle, BaseCacheManager
+from .allocator import PageAllocator
+from .integrity import check_manager, check_page_partition
+from .request import FlowEvent, FlowStats, HostCopy, Request, Tracer
 
 __all__ = ["Request", "FlowStats", "FlowEvent", "RequestFlow"]
-
-
-@dataclass
-class Request:
-    """A running request's view of the cache.
-
-    ``input_ids`` (CPU int64, shape ``(L,)``) are all its tokens so far and ``indices`` (int32 on
-    the pool's device, shape ``(L,)``) their KV slots. ``indices[:tree_len]`` are the tree's,
-    locked through ``handle``; the rest are the request's own. ``num_computed`` tokens already
-    have K/V stored; ``out_loc`` are the slots still to fill.
-    """
-
-    rid: int
-    input_ids: torch.Tensor
-    indices: torch.Tensor
-    handle: BaseCacheHandle
-    reused_len: int
-    num_computed: int
-    finished: bool = False
-
-    @property
-    def tree_len(self) -> int:
-        return self.handle.cached_len
-
-    @property
-    def out_loc(self) -> torch.Tensor:
-        """Slots whose K/V the model must still store, in token order."""
-        return self.indices[self.num_computed:]
-
-    def __len__(self) -> int:
-        return self.input_ids.shape[0]
-
-
-@dataclass
-class FlowStats:
-    """Token counts over the flow's life (``computed = prompt + decoded - reused``)."""
-
-    requests: int = 0
-    prompt_tokens: int = 0
-    reused_tokens: int = 0
-    decoded_tokens: int = 0
-    evicted_tokens: int = 0
-    evictions: int = 0
-
-    @property
-    def computed_tokens(self) -> int:
-        return self.prompt_tokens + self.decoded_tokens - self.reused_tokens
-
-    @property
-    def hit_rate(self) -> float:
-        return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-
-@dataclass(frozen=True)
-class FlowEvent:
-    """One step taken for a request, as the source document numbers them (0: not one of the seven)."""
-
-    rid: int
-    step: int
-    name: str
-    detail: str
-
-
-@dataclass
-class _Tracer:
-    sink: Optional[Callable[[FlowEvent], None]] = None
-    events: List[FlowEvent] = field(default_factory=list)
-
-    def __call__(self, rid: int, step: int, name: str, detail: str) -> None:
-        event = FlowEvent(rid, step, name, detail)
-        self.events.append(event)
-        if self.sink is not None:
-            self.sink(event)
-
 
 class RequestFlow:
     """Drives a `BaseCacheManager` and a `PageAllocator` through the life of requests.
 
     Args:
         manager: any prefix-cache manager (naive, radix, block-hash, ...).
-        allocator: the page free list; its ``page_size`` must match the manager's, if it has one.
+        allocator: the page free list; same ``page_size`` and ``device`` as the manager's.
         on_event: optional callback receiving a `FlowEvent` for every step (also kept in ``events``
             when ``trace=True``).
+
+    Every public method either does all it promises or raises and changes nothing (a match's
+    LRU refresh and the trace's events aside).
     """
 
     def __init__(self, manager: BaseCacheManager, allocator: PageAllocator, *, trace: bool = False,
                  on_event: Optional[Callable[[FlowEvent], None]] = None) -> None:
-        manager_ps = getattr(manager, "page_size", allocator.page_size)
-        if manager_ps != allocator.page_size:
-            raise ValueError(f"manager page_size {manager_ps} != allocator page_size {allocator.page_size}")
-        manager_dev = getattr(manager, "device", allocator.device)
-        if torch.device(manager_dev) != allocator.device:
-            raise ValueError(f"manager device {manager_dev} != allocator device {allocator.device}")
+        check_manager(manager)
+        if not isinstance(allocator, PageAllocator):
+            raise TypeError(f"allocator must be a PageAllocator, got {type(allocator).__name__}")
+        if on_event is not None and not callable(on_event):
+            raise TypeError(f"on_event must be callable or None, got {type(on_event).__name__}")
+        if manager.page_size != allocator.page_size:
+            raise ValueError(f"manager page_size {manager.page_size} != allocator page_size {allocator.page_size}")
+        if torch.device(manager.device) != allocator.device:
+            raise ValueError(f"manager device {manager.device} != allocator device {allocator.device}")
         self.manager = manager
         self.allocator = allocator
         self.page_size = allocator.page_size
         self.running: Dict[int, Request] = {}
         self.stats = FlowStats()
-        self._trace = _Tracer(on_event) if (trace or on_event is not None) else None
+        self._device = allocator.device
+        self._on_cpu = allocator.device.type == "cpu"
+        self._trace = Tracer(on_event) if (trace or on_event is not None) else None
         self._rids = itertools.count()
 
     @property
@@ -135,33 +71,50 @@ class RequestFlow:
         return self._trace.events if self._trace is not None else []
 
     def _log(self, rid: int, step: int, name: str, detail: Callable[[], str]) -> None:
-        """Record a step; ``detail`` is only formatted when someone listens (it calls ``tolist``)."""
-        if self._trace is not None:
-            self._trace(rid, step, name, detail())
+        """Record a step (callers check ``self._trace`` first, so an untraced flow pays nothing)."""
+        self._trace(rid, step, name, detail())  # type: ignore[misc]
 
     # ------------------------------------------------------------ pages
     def available_pages(self) -> int:
         """Pages that could be handed out now: free ones plus those eviction could free."""
         return self.allocator.num_free_pages + self.manager.size_info.evictable_size // self.page_size
 
-    def _allocate(self, rid: int, num_pages: int) -> torch.Tensor:
-        """Take ``num_pages`` pages, evicting from the manager first when the free list is short."""
+    def pages_needed(self, req: Request, num_new_tokens: int) -> int:
+        """New pages `extend` takes to append ``num_new_tokens`` to ``req``: the last page's free
+        slots are filled first."""
+        self._get(req)
+        k = check_int_in(num_new_tokens, "num_new_tokens", 0, 2 ** 62)
+        return self._pages_for(len(req), k)
+
+    def _pages_for(self, length: int, k: int) -> int:
+        ps = self.page_size
+        rest = k - min(k, -length % ps)
+        return -(-rest // ps)
+
+    def _make_room(self, rid: int, num_pages: int) -> None:
+        """Evict from the manager until ``num_pages`` pages are free, or raise changing nothing."""
         short = num_pages - self.allocator.num_free_pages
-        if short > 0:
-            evictable = self.manager.size_info.evictable_size // self.page_size
-            if short > evictable:
-                raise RuntimeError(
-                    f"out of KV pages: need {num_pages}, {self.allocator.num_free_pages} free and "
-                    f"{evictable} evictable"
-                )
-            slots = self.manager.evict(short * self.page_size)
-            self.allocator.free(self.allocator.slots_to_pages(slots))
-            self.stats.evicted_tokens += len(slots)
-            self.stats.evictions += 1
-            self._log(rid, 3, "evict", lambda: f"evicted {len(slots)} cached tokens to free {short} pages")
-        pages = self.allocator.allocate(num_pages)
-        self._log(rid, 3, "allocate", lambda: f"pages {pages.tolist()}")
-        return pages
+        if short <= 0:
+            return
+        evictable = self.manager.size_info.evictable_size // self.page_size
+        if short > evictable:
+            raise RuntimeError(
+                f"out of KV pages: need {num_pages}, {self.allocator.num_free_pages} free and {evictable} evictable"
+            )
+        slots = self.manager.evict(short * self.page_size)
+        self.allocator.free_slots(slots)
+        self.stats.evicted_tokens += slots.shape[0]
+        self.stats.evictions += 1
+        if self._trace is not None:
+            self._log(rid, 3, "evict", lambda: f"evicted {slots.shape[0]} cached tokens to free {short} pages")
+
+    def _allocate(self, rid: int, num_tokens: int) -> np.ndarray:
+        """Host slots for ``num_tokens`` on new pages, evicting first when the free list is short."""
+        self._make_room(rid, -(-num_tokens // self.page_size))
+        slots = self.allocator.allocate_host_slots(num_tokens)
+        if self._trace is not None:
+            self._log(rid, 3, "allocate", lambda: f"pages {self.allocator.slots_to_pages(slots).tolist()}")
+        return slots
 
     def _get(self, req: Request) -> Request:
         if not isinstance(req, Request):
@@ -170,7 +123,33 @@ class RequestFlow:
             raise RuntimeError(f"request {req.rid} is not running in this flow")
         return req
 
+    def is_running(self, req: Request) -> bool:
+        """Whether ``req`` is a request running in this flow (begun, not finished or aborted)."""
+        return isinstance(req, Request) and not req.finished and self.running.get(req.rid) is req
+
     # ------------------------------------------------------------ steps
+    def _match_lock(self, rid: int, ids: torch.Tensor, compute_last: bool) -> Tuple[BaseCacheHandle, torch.Tensor]:
+        handle, prefix = self.manager.match_prefix(ids[:-1] if compute_last else ids)
+        m = handle.cached_len
+        if self._trace is not None:
+            self._log(rid, 1, "match_prefix", lambda: f"cached_len={m} indices={prefix.tolist()}")
+        self.manager.lock_handle(handle)
+        if self._trace is not None:
+            self._log(rid, 2, "lock_handle", lambda: f"protected={self.manager.size_info.protected_size}")
+        return handle, prefix
+
+    def _start(self, rid: int, ids: np.ndarray, handle: BaseCacheHandle, prefix: torch.Tensor,
+               own: np.ndarray) -> Request:
+        m = handle.cached_len
+        host = HostCopy(ids, own, prefix.numpy() if prefix.is_cpu else prefix.cpu().numpy()) if m else HostCopy(ids, own)
+        req = Request.from_host(rid, host, handle, m, self._device)
+        self.running[rid] = req
+        st = self.stats
+        st.requests += 1
+        st.prompt_tokens += host.length
+        st.reused_tokens += m
+        return req
+
     def begin(self, input_ids: torch.Tensor, *, compute_last: bool = False) -> Request:
         """Steps 1-3: match the longest cached prefix, lock it, allocate pages for the rest.
 
@@ -180,53 +159,153 @@ class RequestFlow:
         lock is then released and no page changes hands (the match's LRU refresh stays).
         """
         check_token_ids(input_ids)
-        if len(input_ids) == 0:
+        n = input_ids.shape[0]
+        if n == 0:
             raise ValueError("input_ids must hold at least one token")
-        ids = input_ids.to(torch.int64, copy=True)
+        ids = input_ids.numpy()
         rid = next(self._rids)
-        handle, prefix = self.manager.match_prefix(ids[:-1] if compute_last else ids)
-        m = handle.cached_len
-        self._log(rid, 1, "match_prefix", lambda: f"cached_len={m} indices={prefix.tolist()}")
-        self.manager.lock_handle(handle)
-        self._log(rid, 2, "lock_handle", lambda: f"protected={self.manager.size_info.protected_size}")
-        new_tokens = len(ids) - m
+        handle, prefix = self._match_lock(rid, input_ids, compute_last)
         try:
-            pages = self._allocate(rid, -(-new_tokens // self.page_size))
-        except RuntimeError:
+            own = self._allocate(rid, n - handle.cached_len)
+        except BaseException:
             self.manager.lock_handle(handle, unlock=True)
             raise
-        own = self.allocator.pages_to_slots(pages, new_tokens)
-        req = Request(rid, ids, torch.cat([prefix, own]) if m else own, handle, m, m)
-        self.running[rid] = req
-        self.stats.requests += 1
-        self.stats.prompt_tokens += len(ids)
-        self.stats.reused_tokens += m
-        return req
+        return self._start(rid, ids, handle, prefix, own)
+
+    def begin_batch(self, prompts: Sequence[torch.Tensor], *, compute_last: bool = False) -> List[Request]:
+        """`begin` for several prompts at once, all or nothing.
+
+        Every prompt is checked first; then all are matched and locked, and only if the pool
+        can hold every one of them (after eviction) are pages taken, with one eviction for the
+        batch. Otherwise every lock is released and ``RuntimeError`` raised: nothing evicted,
+        no page taken. Prompts of one batch do not reuse each other (none is cached yet).
+        """
+        if isinstance(prompts, torch.Tensor):
+            raise TypeError("prompts must be a sequence of 1-D token-id tensors, got one tensor")
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("prompts must hold at least one prompt, got an empty batch")
+        for i, p in enumerate(prompts):
+            check_token_ids(p, f"prompts[{i}]")
+            if p.shape[0] == 0:
+                raise ValueError(f"prompts[{i}] must hold at least one token")
+        rids = [next(self._rids) for _ in prompts]
+        matched: List[Tuple[BaseCacheHandle, torch.Tensor]] = []
+        try:
+            for rid, p in zip(rids, prompts):
+                matched.append(self._match_lock(rid, p, compute_last))
+            new = [p.shape[0] - h.cached_len for p, (h, _) in zip(prompts, matched)]
+            self._make_room(rids[0], sum(-(-n // self.page_size) for n in new))
+        except BaseException:
+            for h, _ in matched:
+                self.manager.lock_handle(h, unlock=True)
+            raise
+        return [self._start(rid, p.numpy(), h, prefix, self._allocate(rid, n))
+                for rid, p, (h, prefix), n in zip(rids, prompts, matched, new)]
 
     def mark_computed(self, req: Request, num_tokens: Optional[int] = None) -> None:
-        """Record that K/V of the first ``num_tokens`` tokens (default: all) are stored (step 6)."""
+        """Record that K/V of the first ``num_tokens`` tokens (default: all) are stored (step 6).
+
+        ``num_tokens``: an integer in ``[req.num_computed, len(req)]`` (``TypeError`` for bool,
+        float and other non-integers, ``ValueError`` out of range).
+        """
         self._get(req)
-        n = len(req) if num_tokens is None else num_tokens
-        if not req.num_computed <= n <= len(req):
-            raise ValueError(f"num_tokens must be in [{req.num_computed}, {len(req)}], got {n}")
-        self._log(req.rid, 6, "store_kv", lambda: f"slots {req.indices[req.num_computed:n].tolist()}")
+        length = req.host.length
+        n = length if num_tokens is None else check_int_in(num_tokens, "num_tokens", req.num_computed, length)
+        if self._trace is not None:
+            self._log(req.rid, 6, "store_kv", lambda: f"slots {req.indices[req.num_computed:n].tolist()}")
         req.num_computed = n
 
     def extend(self, req: Request, new_ids: torch.Tensor) -> torch.Tensor:
-        """Append ``new_ids`` (decode) and return their slots; fills the last page before a new one."""
+        """Append ``new_ids`` (decode) and return their slots; fills the last page before a new one.
+
+        ``RuntimeError`` (nothing changed) when the pool cannot take the new pages.
+        """
         self._get(req)
         check_token_ids(new_ids, "new_ids")
-        k, ps, length = len(new_ids), self.page_size, len(req)
-        take = min(k, (ps - length % ps) % ps)  # free slots left in the last page
-        rest = k - take
-        slots = self.allocator.pages_to_slots(self._allocate(req.rid, -(-rest // ps)), rest) if rest else req.indices[:0]
+        return self._extend(req, new_ids)
+
+    def extend_batch(self, reqs: Sequence[Request], new_ids: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """`extend` of ``reqs[i]`` by ``new_ids[i]`` for every ``i``, all or nothing.
+
+        Refused before any request changes: ``ValueError`` for differing lengths or bad ids,
+        ``RuntimeError`` for a request not running here or listed twice, or when the pool cannot
+        take every new page (one eviction for the batch).
+        """
+        reqs, new_ids = list(reqs), list(new_ids)
+        if len(new_ids) != len(reqs):
+            raise ValueError(f"need one new_ids per request: {len(new_ids)} for {len(reqs)} requests")
+        for i, (r, x) in enumerate(zip(reqs, new_ids)):
+            self._get(r)
+            check_token_ids(x, f"new_ids[{i}]")
+        if len({id(r) for r in reqs}) != len(reqs):
+            raise RuntimeError("every request must be running in this flow, each listed once")
+        if reqs:
+            self._make_room(reqs[0].rid, sum(self._pages_for(len(r), x.shape[0]) for r, x in zip(reqs, new_ids)))
+        return [self._extend(r, x) for r, x in zip(reqs, new_ids)]
+
+    def _extend(self, req: Request, new_ids: torch.Tensor) -> torch.Tensor:
+        h = req.host
+        k, length = new_ids.shape[0], h.length
+        if k == 0:
+            return req.indices[:0]
+        take = min(k, -length % self.page_size)  # free slots left in the last page
         if take:
-            tail = req.indices[-1] + torch.arange(1, take + 1, dtype=torch.int32, device=req.indices.device)
-            slots = torch.cat([tail, slots])
-        req.input_ids = torch.cat([req.input_ids, new_ids.to(torch.int64)])
-        req.indices = torch.cat([req.indices, slots])
+            last = int(h.slots[length - 1])
+            tail = np.arange(last + 1, last + 1 + take, dtype=np.int32)
+            new = tail if k == take else np.concatenate([tail, self._allocate(req.rid, k - take)])
+        else:
+            new = self._allocate(req.rid, k)
+        h.append(new_ids.numpy(), new)
         self.stats.decoded_tokens += k
-        return slots
+        out = torch.from_numpy(h.slots[length:length + k])
+        return out if self._on_cpu else out.to(self._device)
+
+    def _insert(self, req: Request, n: int, keep_running: bool) -> int:
+        """Steps 4 and 5 for ``req``'s first ``n`` tokens (a whole number of pages), one walk of
+        the manager's index. Returns the length that was already cached.
+
+        Own pages in ``[tree_len, already)`` duplicate what another request inserted first.
+        Finishing frees them (with the request's pages beyond ``n``). A request that keeps
+        running frees those the tree holds too and points its indices at the tree's, then moves
+        its lock to the new handle.
+        """
+        h = req.host
+        length = h.length
+        idx = torch.from_numpy(h.slots[:n]) if self._on_cpu else req.indices[:n]
+        res = self.manager.insert_and_match(torch.from_numpy(h.ids[:n]), idx)
+        already, lo = res.cached_len, req.tree_len
+        if self._trace is not None:
+            self._log(req.rid, 4, "insert_prefix", lambda: f"{n} tokens, {already} already cached")
+        if not keep_running:
+            # Runs from page-aligned positions: their pages are every page_size-th slot.
+            ps = self.page_size
+            if already > lo:
+                to_free = aligned_run_pages(h.slots[lo:already], ps)
+                if n < length:
+                    to_free = np.concatenate([to_free, aligned_run_pages(h.slots[n:length], ps)])
+            else:
+                to_free = aligned_run_pages(h.slots[n:length], ps)
+            if to_free.shape[0]:
+                self.allocator.free(to_free)
+            if self._trace is not None:
+                self._log(req.rid, 5, "free", lambda: f"pages {to_free.tolist()}")
+            return already
+        hi = min(already, res.handle.cached_len)  # a manager caching nothing holds none of them
+        if hi > lo:
+            dup = h.slots[lo:hi].copy()
+            self.allocator.free_slots(dup)
+            if self._trace is not None:
+                self._log(req.rid, 5, "free", lambda: f"duplicate pages {self.allocator.slots_to_pages(dup).tolist()}")
+            slots = h.slots[:length].copy()  # a new copy: tensors handed out before keep their values
+            slots[:hi] = self.manager.handle_indices(res.handle)[:hi].cpu().numpy()
+            req.host = HostCopy(h.ids[:length], slots)
+        self.manager.lock_handle(res.handle)
+        self.manager.lock_handle(req.handle, unlock=True)
+        req.handle = res.handle
+        if self._trace is not None:
+            self._log(req.rid, 2, "lock_handle", lambda: f"lock moved to the cached prefix, tree_len={req.tree_len}")
+        return already
 
     def cache(self, req: Request) -> int:
         """Insert the computed whole-page prefix of a request that keeps running.
@@ -236,26 +315,7 @@ class RequestFlow:
         indices now point at the tree's. Returns the length that was already cached.
         """
         self._get(req)
-        n = req.num_computed // self.page_size * self.page_size
-        ids, idx = req.input_ids[:n], req.indices[:n]
-        already = self.manager.insert_prefix(ids, idx)
-        self._log(req.rid, 4, "insert_prefix", lambda: f"{n} tokens, {already} already cached")
-        handle, tree_idx = self.manager.match_prefix(ids)
-        lo, hi = req.tree_len, handle.cached_len
-        if hi > lo:
-            ps = self.page_size
-            own, theirs = req.indices[lo:hi:ps], tree_idx[lo:hi:ps]
-            dup = own != theirs
-            if bool(dup.any()):
-                pages = torch.div(own[dup], ps, rounding_mode="floor")
-                self.allocator.free(pages)
-                self._log(req.rid, 5, "free", lambda: f"duplicate pages {pages.tolist()}")
-            req.indices = torch.cat([tree_idx, req.indices[hi:]])
-        self.manager.lock_handle(handle)
-        self.manager.lock_handle(req.handle, unlock=True)
-        req.handle = handle
-        self._log(req.rid, 2, "lock_handle", lambda: f"lock moved to the cached prefix, tree_len={hi}")
-        return already
+        return self._insert(req, req.num_computed // self.page_size * self.page_size, keep_running=True)
 
     def finish(self, req: Request) -> int:
         """Steps 4, 5, 7: insert the request, free its duplicate and partial pages, unlock.
@@ -263,60 +323,57 @@ class RequestFlow:
         Returns the length that was already cached. Requires every token to be computed.
         """
         self._get(req)
-        if req.num_computed != len(req):
+        length = req.host.length
+        if req.num_computed != length:
             raise RuntimeError(
-                f"request {req.rid} has {len(req) - req.num_computed} tokens without stored K/V; "
+                f"request {req.rid} has {length - req.num_computed} tokens without stored K/V; "
                 "call mark_computed first"
             )
-        n = len(req) // self.page_size * self.page_size
-        already = self.manager.insert_prefix(req.input_ids[:n], req.indices[:n])
-        self._log(req.rid, 4, "insert_prefix", lambda: f"{n} tokens, {already} already cached")
-        to_free = self.allocator.slots_to_pages(torch.cat([req.indices[req.tree_len:already], req.indices[n:]]))
-        self.allocator.free(to_free)
-        self._log(req.rid, 5, "free", lambda: f"pages {to_free.tolist()}")
+        already = self._insert(req, length // self.page_size * self.page_size, keep_running=False)
         self.manager.lock_handle(req.handle, unlock=True)
-        self._log(req.rid, 7, "unlock", lambda: f"protected={self.manager.size_info.protected_size}")
-        req.finished = True
-        del self.running[req.rid]
+        if self._trace is not None:
+            self._log(req.rid, 7, "unlock", lambda: f"protected={self.manager.size_info.protected_size}")
+        self._end(req)
         return already
 
     def abort(self, req: Request) -> None:
         """Drop a request without caching it: free its own pages and unlock its prefix."""
         self._get(req)
-        self.allocator.free(self.allocator.slots_to_pages(req.indices[req.tree_len:]))
+        own = aligned_run_pages(req.host.slots[req.tree_len:len(req)], self.page_size)
+        if own.shape[0]:
+            self.allocator.free(own)
         self.manager.lock_handle(req.handle, unlock=True)
+        self._end(req)
+
+    def _end(self, req: Request) -> None:
         req.finished = True
         del self.running[req.rid]
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix and return its pages to the allocator.
+
+        Returns the number of cached tokens forgotten. ``RuntimeError``, changing nothing, while
+        any request is running (its prefix is locked and its K/V in use) or anything else holds
+        a lock on the manager.
+        """
+        if self.running:
+            raise RuntimeError(
+                f"cannot reset the prefix cache while {len(self.running)} requests are running "
+                f"(rids {sorted(self.running)[:8]}); finish or abort them first"
+            )
+        locked = self.manager.size_info.protected_size
+        if locked:
+            raise RuntimeError(f"cannot reset the prefix cache while {locked} cached tokens are locked")
+        cached = self.manager.cached_indices()
+        self.allocator.free_slots(cached)  # validates every page first: raises changing nothing
+        self.manager.reset()
+        return cached.shape[0]
 
     # --------------------------------------------------------- integrity
     def check_integrity(self) -> None:
         """Prove the page partition: free + cached + held by running requests = all, none twice.
 
         Also runs the manager's own check and, where the manager can tell (``handle_indices``),
-        that each request's tree part really is the tree's.
+        that each request's tree part really is the tree's. ``RuntimeError`` on any breach.
         """
-        self.manager.check_integrity()
-        ps = self.page_size
-        cached = self.manager.cached_indices()
-        if len(cached) != self.manager.size_info.total_size:
-            raise RuntimeError(
-                f"manager holds {len(cached)} slots but reports total_size {self.manager.size_info.total_size}"
-            )
-        if len(cached) % ps:
-            raise RuntimeError(f"cache holds {len(cached)} slots, not whole pages of {ps}")
-        parts = [self.allocator.free_pages(), torch.div(cached[::ps], ps, rounding_mode="floor").to(torch.int32)]
-        handle_indices = getattr(self.manager, "handle_indices", None)
-        for req in self.running.values():
-            if len(req.indices) != len(req.input_ids):
-                raise RuntimeError(f"request {req.rid}: {len(req.input_ids)} tokens but {len(req.indices)} indices")
-            if handle_indices is not None and not torch.equal(handle_indices(req.handle), req.indices[:req.tree_len]):
-                raise RuntimeError(f"request {req.rid}: its prefix indices are not the tree's")
-            parts.append(self.allocator.slots_to_pages(req.indices[req.tree_len:]))
-        pages = torch.cat(parts).long()
-        if len(pages) and (int(pages.min()) < 0 or int(pages.max()) >= self.allocator.num_pages):
-            raise RuntimeError(f"page outside [0, {self.allocator.num_pages}) in use")
-        counts = torch.bincount(pages, minlength=self.allocator.num_pages)
-        lost = (counts == 0).nonzero().flatten().tolist()
-        twice = (counts > 1).nonzero().flatten().tolist()
-        if lost or twice:
-            raise RuntimeError(f"page accounting broken: lost pages {lost[:16]}, pages owned twice {twice[:16]}")
+        check_page_partition(self.manager, self.allocator, self.running.values())

@@ -12,6 +12,8 @@ from typing import Iterable, Union
 
 import torch
 
+from .._validate import as_int, check_token_ids
+
 __all__ = ["ByteTokenizer"]
 
 _ESCAPES = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
@@ -34,8 +36,17 @@ class ByteTokenizer:
         return torch.tensor(list(text.encode("utf-8")), dtype=torch.int64)
 
     def decode(self, ids: Union[torch.Tensor, Iterable[int]]) -> str:
-        """Text of ``ids`` (bytes 0..255); non-printable characters and broken UTF-8 escaped."""
-        values = ids.tolist() if isinstance(ids, torch.Tensor) else [int(i) for i in ids]
+        """Text of ``ids`` (bytes 0..255); non-printable characters and broken UTF-8 escaped.
+
+        ``ids``: a 1-D integer CPU tensor or an iterable of integers (Python, NumPy or 0-d torch
+        integers); ``TypeError`` for anything else (``65.9`` is not ``65``), ``ValueError`` out of range.
+        """
+        if isinstance(ids, torch.Tensor):
+            values = check_token_ids(ids, "ids").tolist()
+        elif isinstance(ids, (str, bytes, bytearray)):
+            raise TypeError(f"ids must be token ids (a tensor or integers), got {type(ids).__name__}")
+        else:
+            values = [as_int(v, f"ids[{i}]") for i, v in enumerate(ids)]
         bad = [v for v in values if not 0 <= v <= 255]
         if bad:
             raise ValueError(f"byte token ids must be in [0, 255], got {bad[:4]}")

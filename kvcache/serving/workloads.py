@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
-from typing import Callable, Dict, List, NamedTuple, Optional
+from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import torch
 
+from ..managers.base import BaseCacheHandle, BaseCacheManager, InsertResult, SizeInfo
+from .integrity import check_manager
 from .request_flow import RequestFlow
 
 __all__ = [
@@ -29,8 +30,7 @@ class Job(NamedTuple):
     output: torch.Tensor
 
 
-@dataclass(frozen=True)
-class Sample:
+class Sample(NamedTuple):
     """The cache after request ``step``: cumulative token counts and what the manager holds."""
 
     step: int
@@ -138,38 +138,82 @@ WORKLOADS: Dict[str, Callable[..., List[Job]]] = {
 }
 
 
-class TimedManager:
-    """Forwards everything to ``manager``, adding up the time and calls of its four operations.
+class TimedManager(BaseCacheManager):
+    """Forwards everything to ``manager``, adding up the time and calls of its hot operations.
 
     Pass it wherever a manager goes (e.g. ``RequestFlow(TimedManager(m), allocator)``): it
-    changes nothing the manager does. ``seconds[op]`` and ``calls[op]`` per operation in ``OPS``.
+    changes nothing the manager does. ``seconds[op]`` and ``calls[op]`` per operation in ``OPS``
+    (the calls a request makes; ``insert_and_match`` is the flow's insert).
     """
 
-    OPS = ("match_prefix", "lock_handle", "insert_prefix", "evict")
+    OPS = ("match_prefix", "lock_handle", "insert_prefix", "insert_and_match", "evict")
 
-    def __init__(self, manager: object) -> None:
+    def __init__(self, manager: BaseCacheManager) -> None:
+        check_manager(manager)
         self.manager = manager
         self.seconds: Dict[str, float] = dict.fromkeys(self.OPS, 0.0)
         self.calls: Dict[str, int] = dict.fromkeys(self.OPS, 0)
+        self._bound = {op: getattr(manager, op) for op in self.OPS}
 
     @property
     def total_seconds(self) -> float:
         return sum(self.seconds.values())
 
-    def __getattr__(self, name: str):  # only reached for names TimedManager itself lacks
-        attr = getattr(self.manager, name)
-        if name not in self.OPS:
-            return attr
+    def _timed(self, op: str, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self._bound[op](*args, **kwargs)
+        finally:
+            self.seconds[op] += time.perf_counter() - t0
+            self.calls[op] += 1
 
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return attr(*args, **kwargs)
-            finally:
-                self.seconds[name] += time.perf_counter() - t0
-                self.calls[name] += 1
+    def match_prefix(self, *args: Any, **kwargs: Any) -> Any:
+        return self._timed("match_prefix", *args, **kwargs)
 
-        return timed
+    def lock_handle(self, *args: Any, **kwargs: Any) -> None:
+        return self._timed("lock_handle", *args, **kwargs)
+
+    def insert_prefix(self, *args: Any, **kwargs: Any) -> int:
+        return self._timed("insert_prefix", *args, **kwargs)
+
+    def insert_and_match(self, *args: Any, **kwargs: Any) -> InsertResult:
+        return self._timed("insert_and_match", *args, **kwargs)
+
+    def evict(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self._timed("evict", *args, **kwargs)
+
+    # Not timed: forwarded as they are.
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return self.manager.device
+
+    @property
+    def page_size(self) -> int:  # type: ignore[override]
+        return self.manager.page_size
+
+    @property
+    def size_info(self) -> SizeInfo:
+        return self.manager.size_info
+
+    def reset(self) -> None:
+        self.manager.reset()
+
+    def check_integrity(self) -> None:
+        self.manager.check_integrity()
+
+    def cached_indices(self) -> torch.Tensor:
+        return self.manager.cached_indices()
+
+    def handle_indices(self, handle: BaseCacheHandle) -> torch.Tensor:
+        return self.manager.handle_indices(handle)
+
+    def eviction_priority(self, node: Any) -> Any:
+        return self.manager.eviction_priority(node)
+
+    def __getattr__(self, name: str) -> Any:  # only reached for names TimedManager itself lacks
+        if name in ("manager", "_bound"):  # not set yet (during unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.manager, name)
 
 
 def replay(flow: RequestFlow, jobs: List[Job], *, decode: bool = True, token_by_token: bool = False,
@@ -180,16 +224,24 @@ def replay(flow: RequestFlow, jobs: List[Job], *, decode: bool = True, token_by_
     with ``token_by_token=True``, as a server decodes; all at once otherwise, which leaves the
     cache in the same state), so the cached sequence is prompt + output, what the next turn of a
     chat resends. Returns one `Sample` per request.
+
+    A request that fails (e.g. ``RuntimeError`` when the pool runs out) is aborted before the
+    error propagates: no request is left running and its pages are free again.
     """
     samples = []
     for step, job in enumerate(jobs):
         req = flow.begin(job.prompt)
-        flow.mark_computed(req)
-        if decode and len(job.output):
-            for chunk in (job.output.split(1) if token_by_token else (job.output,)):
-                flow.extend(req, chunk)
-                flow.mark_computed(req)
-        flow.finish(req)
+        try:
+            flow.mark_computed(req)
+            if decode and job.output.shape[0]:
+                for chunk in (job.output.split(1) if token_by_token else (job.output,)):
+                    flow.extend(req, chunk)
+                    flow.mark_computed(req)
+            flow.finish(req)
+        except BaseException:
+            if flow.is_running(req):  # e.g. the pool ran out during decode: give its pages back
+                flow.abort(req)
+            raise
         st = flow.stats
         sample = Sample(step, st.prompt_tokens, st.reused_tokens, st.computed_tokens,
                         flow.manager.size_info.total_size, st.evicted_tokens,

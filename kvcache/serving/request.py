@@ -1,0 +1,181 @@
+"""A running `Request`, the flow's `FlowStats` and its step events (`FlowEvent`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
+
+import numpy as np
+import torch
+
+from ..managers.base import BaseCacheHandle
+
+__all__ = ["Request", "FlowStats", "FlowEvent", "Tracer", "HostCopy"]
+
+
+class Request:
+    """A running request's view of the cache.
+
+    ``input_ids`` (CPU int64, shape ``(L,)``) are all its tokens so far and ``indices`` (int32 on
+    the pool's device, shape ``(L,)``) their KV slots. ``indices[:tree_len]`` are the tree's,
+    locked through ``handle``; the rest are the request's own. ``num_computed`` tokens already
+    have K/V stored; ``out_loc`` are the slots still to fill.
+
+    Both live on the host in ``host`` (a `HostCopy`, which `RequestFlow` computes with); the
+    tensors are views of it made on first read (on the CPU they share its memory, so a write
+    through ``request.indices`` is a write to the request; on a GPU ``indices`` is a device copy).
+    Assigning ``input_ids`` or ``indices`` replaces the host copy (same length as the other).
+    """
+
+    __slots__ = ("rid", "handle", "reused_len", "num_computed", "finished", "host", "device", "_views")
+
+    def __init__(self, rid: int, input_ids: torch.Tensor, indices: torch.Tensor, handle: BaseCacheHandle,
+                 reused_len: int, num_computed: int, finished: bool = False) -> None:
+        if input_ids.shape != indices.shape:
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} and indices {tuple(indices.shape)} differ in shape")
+        self.rid, self.handle, self.reused_len, self.num_computed, self.finished = (
+            rid, handle, reused_len, num_computed, finished)
+        self.device = indices.device
+        self.host = HostCopy(input_ids.numpy(), indices.cpu().numpy())
+        self._views: tuple = (None, -1, None, None)  # (host, length, input_ids, indices) last made
+
+    @classmethod
+    def from_host(cls, rid: int, host: "HostCopy", handle: BaseCacheHandle, reused_len: int,
+                  device: torch.device) -> "Request":
+        """A request over ``host`` (taken as it is, not copied), ``num_computed = reused_len``."""
+        req = cls.__new__(cls)
+        req.rid, req.handle, req.reused_len, req.num_computed, req.finished = rid, handle, reused_len, reused_len, False
+        req.device, req.host = device, host
+        req._views = (None, -1, None, None)
+        return req
+
+    def _tensors(self) -> tuple:
+        h = self.host
+        views = self._views
+        if views[0] is not h or views[1] != h.length:
+            n = h.length
+            slots = torch.from_numpy(h.slots[:n])
+            views = self._views = (h, n, torch.from_numpy(h.ids[:n]),
+                                   slots if self.device.type == "cpu" else slots.to(self.device))
+        return views
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self._tensors()[2]
+
+    @input_ids.setter
+    def input_ids(self, value: torch.Tensor) -> None:
+        self.host = HostCopy(value.numpy(), self.host.slots[:self.host.length])
+
+    @property
+    def indices(self) -> torch.Tensor:
+        return self._tensors()[3]
+
+    @indices.setter
+    def indices(self, value: torch.Tensor) -> None:
+        self.host = HostCopy(self.host.ids[:self.host.length], value.cpu().numpy())
+
+    @property
+    def tree_len(self) -> int:
+        return self.handle.cached_len
+
+    @property
+    def out_loc(self) -> torch.Tensor:
+        """Slots whose K/V the model must still store, in token order."""
+        return self.indices[self.num_computed:]
+
+    def __len__(self) -> int:
+        return self.host.length
+
+    def __repr__(self) -> str:
+        return (f"Request(rid={self.rid}, len={len(self)}, tree_len={self.tree_len}, "
+                f"num_computed={self.num_computed}, finished={self.finished})")
+
+
+@dataclass
+class FlowStats:
+    """Token counts over the flow's life (``computed = prompt + decoded - reused``).
+
+    A request counts from `RequestFlow.begin` on, whether it is later finished or aborted.
+    """
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    decoded_tokens: int = 0
+    evicted_tokens: int = 0
+    evictions: int = 0
+
+    @property
+    def computed_tokens(self) -> int:
+        return self.prompt_tokens + self.decoded_tokens - self.reused_tokens
+
+    @property
+    def hit_rate(self) -> float:
+        return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass(frozen=True)
+class FlowEvent:
+    """One step taken for a request, as the source document numbers them (0: not one of the seven)."""
+
+    rid: int
+    step: int
+    name: str
+    detail: str
+
+
+@dataclass
+class Tracer:
+    """Keeps the events of a traced flow and passes each to ``sink``."""
+
+    sink: Optional[Callable[[FlowEvent], None]] = None
+    events: List[FlowEvent] = field(default_factory=list)
+
+    def __call__(self, rid: int, step: int, name: str, detail: str) -> None:
+        event = FlowEvent(rid, step, name, detail)
+        self.events.append(event)
+        if self.sink is not None:
+            self.sink(event)
+
+
+class HostCopy:
+    """The host-side copy of one request's token ids and slots, in NumPy.
+
+    ``ids[:length]`` (int64) and ``slots[:length]`` (int32) keep spare capacity, so appending
+    ``k`` tokens costs O(k) and no torch op; `RequestFlow` computes with these arrays, and a
+    `Request` shows them as tensors.
+    """
+
+    __slots__ = ("ids", "slots", "length")
+
+    def __init__(self, ids: np.ndarray, slots: np.ndarray, prefix: Optional[np.ndarray] = None) -> None:
+        """Copies of ``ids`` and their slots: ``prefix`` (if given) then ``slots``, as many as ids."""
+        n = ids.shape[0]
+        cap = n + 16 + (n >> 2)
+        self.ids = np.empty(cap, dtype=np.int64)
+        self.slots = np.empty(cap, dtype=np.int32)
+        self.ids[:n] = ids
+        if prefix is None:
+            if slots.shape[0] != n:
+                raise ValueError(f"{n} ids but {slots.shape[0]} slots")
+            self.slots[:n] = slots
+        else:
+            m = prefix.shape[0]
+            if m + slots.shape[0] != n:
+                raise ValueError(f"{n} ids but {m + slots.shape[0]} slots")
+            self.slots[:m] = prefix
+            self.slots[m:n] = slots
+        self.length = n
+
+    def append(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        """Append ``ids`` and their ``slots`` (same length), growing the arrays by doubling."""
+        n, k = self.length, ids.shape[0]
+        if n + k > self.ids.shape[0]:
+            cap = max(2 * self.ids.shape[0], n + k)
+            grown_ids, grown_slots = np.empty(cap, dtype=np.int64), np.empty(cap, dtype=np.int32)
+            grown_ids[:n], grown_slots[:n] = self.ids[:n], self.slots[:n]
+            self.ids, self.slots = grown_ids, grown_slots
+        self.ids[n:n + k] = ids
+        self.slots[n:n + k] = slots
+        self.length = n + k
