@@ -6,15 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import ids as t, slots as s
 from kvcache import EVICTION_POLICIES, RadixCacheManager, SizeInfo, register_eviction_policy
-
-
-def t(*xs: int) -> torch.Tensor:
-    return torch.tensor(xs, dtype=torch.int64)
-
-
-def s(*xs: int) -> torch.Tensor:
-    return torch.tensor(xs, dtype=torch.int32)
 
 
 def test_partial_match_refreshes_the_matched_part():
