@@ -222,7 +222,28 @@ def make_machine(kind: str, ps: int, num_pages: int, *, policy: str = "lru",
             toks = tuple(self.pick(i).input_ids.tolist())
             self.start(toks[:max(1, round(cut * len(toks)))], False, store)
 
-        def start(self, p: Prefix, compute_last: bool, store: Optional[float]) -> None:
+        @rule(p=shared_prompt, k=st.integers(2, 3), order=st.permutations(range(3)),
+              ends=st.lists(st.sampled_from(["finish", "finish", "cache", "abort"]), min_size=3, max_size=3))
+        def parallel(self, p: Prefix, k: int, order: List[int], ends: List[str]) -> None:
+            """``k`` requests for one prompt at once (parallel sampling): each computes every page,
+            then they finish, cache or abort in some order; all but the first to insert must give
+            their copies up. Every check runs between the calls too."""
+            reqs = []
+            for _ in range(k):
+                req = self.start(p, False, 1.0)
+                self.consistent()
+                if req is not None:
+                    reqs.append(req)
+            for j in order:
+                if j < len(reqs):
+                    if ends[j] == "cache":
+                        self.cache_one(reqs[j])
+                    else:
+                        self.stop(reqs[j], ends[j])
+                    self.consistent()
+
+        def start(self, p: Prefix, compute_last: bool, store: Optional[float]) -> Optional[Request]:
+            """Begin ``p`` (checking the refusal when the pool cannot hold it), then store K/V."""
             q = p[:-1] if compute_last else p
             m = self.longest(q) if caching else 0
             need = -(-(len(p) - m) // ps)
@@ -231,7 +252,7 @@ def make_machine(kind: str, ps: int, num_pages: int, *, policy: str = "lru",
                 with unchanged(self.outer_state, self.pool), pytest.raises(RuntimeError, match="out of KV pages"):
                     self.flow.begin(ids(*p), compute_last=compute_last)
                 event("begin: out of pages")
-                return
+                return None
             req = self.flow.begin(ids(*p), compute_last=compute_last)
             evicted = self.apply_evictions(short, short if kind == "block" else None)
             event(f"begin: reused {'some' if m else 'none'}, {'evicted' if evicted else 'no eviction'}")
@@ -244,6 +265,7 @@ def make_machine(kind: str, ps: int, num_pages: int, *, policy: str = "lru",
             self.counts["evictions"] += short > 0
             if store is not None:
                 self.store(req, req.num_computed + int(store * (len(req) - req.num_computed)))
+            return req
 
         @precondition(lambda self: self.flow.running)
         @rule(i=st.integers(0, 99), frac=st.sampled_from([1.0, 1.0, 0.5, 0.3, 0.0]), default=st.booleans())
@@ -337,7 +359,10 @@ def make_machine(kind: str, ps: int, num_pages: int, *, policy: str = "lru",
             n = len(seq) // ps * ps
             expected = self.longest(seq[:n]) if caching else n
             assert self.flow.finish(req) == expected
-            event(f"finish: {'some' if expected else 'none'} already cached")
+            if caching:
+                dup = "reused and duplicated" if expected > req.tree_len > 0 else \
+                      "duplicated" if expected > req.tree_len else "no duplicates"
+                event(f"finish: {dup}")
             if caching:
                 self.cached |= self.pages_of(seq)
             self.ended.append(req)
