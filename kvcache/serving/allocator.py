@@ -106,13 +106,21 @@ class PageAllocator:
         """
         return self._out(self.allocate_host_slots(num_tokens))
 
-    def allocate_host_slots(self, num_tokens: int) -> np.ndarray:
-        """`allocate_slots`, returned as a host NumPy ``int32`` array (for bookkeeping on the host)."""
+    def allocate_host_slots(self, num_tokens: int, out: np.ndarray | None = None) -> np.ndarray:
+        """`allocate_slots` as a host NumPy ``int32`` array (for bookkeeping on the host), written
+        into ``out`` (an int32 array of ``num_tokens`` entries) when given."""
         n = check_size(num_tokens, "num_tokens")
+        if out is not None and (not isinstance(out, np.ndarray) or out.dtype != np.int32 or out.shape != (n,)):
+            raise ValueError(f"out must be an int32 NumPy array of shape ({n},), got {out!r:.80}")
         pages = self._pop(-(-n // self.page_size))
         if self.page_size == 1:
-            return pages.astype(np.int32)
-        return (pages[:, None] * self.page_size + self._offsets).reshape(-1)[:n].astype(np.int32)
+            slots = pages
+        else:
+            slots = (pages[:, None] * self.page_size + self._offsets).reshape(-1)[:n]
+        if out is None:
+            return slots.astype(np.int32)
+        out[:] = slots
+        return out
 
     def free(self, pages: torch.Tensor) -> None:
         """Return ``pages`` (1-D integer tensor or NumPy array of page ids) to the end of the free list."""

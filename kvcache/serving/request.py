@@ -168,14 +168,27 @@ class HostCopy:
             self.slots[m:n] = slots
         self.length = n
 
-    def append(self, ids: np.ndarray, slots: np.ndarray) -> None:
-        """Append ``ids`` and their ``slots`` (same length), growing the arrays by doubling."""
-        n, k = self.length, ids.shape[0]
+    @classmethod
+    def with_room(cls, n: int) -> "HostCopy":
+        """An empty copy (``length == 0``) with room for ``n`` tokens and then some."""
+        h = cls.__new__(cls)
+        cap = n + 16 + (n >> 2)
+        h.ids, h.slots, h.length = np.empty(cap, dtype=np.int64), np.empty(cap, dtype=np.int32), 0
+        return h
+
+    def reserve(self, k: int) -> None:
+        """Make room for ``k`` more tokens past ``length`` (doubling), keeping the contents."""
+        n = self.length
         if n + k > self.ids.shape[0]:
             cap = max(2 * self.ids.shape[0], n + k)
             grown_ids, grown_slots = np.empty(cap, dtype=np.int64), np.empty(cap, dtype=np.int32)
             grown_ids[:n], grown_slots[:n] = self.ids[:n], self.slots[:n]
             self.ids, self.slots = grown_ids, grown_slots
+
+    def append(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        """Append ``ids`` and their ``slots`` (same length)."""
+        n, k = self.length, ids.shape[0]
+        self.reserve(k)
         self.ids[n:n + k] = ids
         self.slots[n:n + k] = slots
         self.length = n + k

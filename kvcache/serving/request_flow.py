@@ -108,10 +108,11 @@ class RequestFlow:
         if self._trace is not None:
             self._log(rid, 3, "evict", lambda: f"evicted {slots.shape[0]} cached tokens to free {short} pages")
 
-    def _allocate(self, rid: int, num_tokens: int) -> np.ndarray:
-        """Host slots for ``num_tokens`` on new pages, evicting first when the free list is short."""
+    def _allocate(self, rid: int, num_tokens: int, out: Optional[np.ndarray] = None) -> np.ndarray:
+        """Host slots for ``num_tokens`` on new pages (into ``out`` if given), evicting first when
+        the free list is short; ``RuntimeError`` changing nothing when the pool cannot hold them."""
         self._make_room(rid, -(-num_tokens // self.page_size))
-        slots = self.allocator.allocate_host_slots(num_tokens)
+        slots = self.allocator.allocate_host_slots(num_tokens, out)
         if self._trace is not None:
             self._log(rid, 3, "allocate", lambda: f"pages {self.allocator.slots_to_pages(slots).tolist()}")
         return slots
@@ -138,15 +139,21 @@ class RequestFlow:
             self._log(rid, 2, "lock_handle", lambda: f"protected={self.manager.size_info.protected_size}")
         return handle, prefix
 
-    def _start(self, rid: int, ids: np.ndarray, handle: BaseCacheHandle, prefix: torch.Tensor,
-               own: np.ndarray) -> Request:
-        m = handle.cached_len
-        host = HostCopy(ids, own, prefix.numpy() if prefix.is_cpu else prefix.cpu().numpy()) if m else HostCopy(ids, own)
+    def _start(self, rid: int, ids: np.ndarray, handle: BaseCacheHandle, prefix: torch.Tensor) -> Request:
+        """Pages for the tokens past the cached prefix, then the running request (or raise with
+        nothing taken)."""
+        n, m = ids.shape[0], handle.cached_len
+        host = HostCopy.with_room(n)
+        self._allocate(rid, n - m, host.slots[m:n])  # written in place: no copy of the new slots
+        host.ids[:n] = ids
+        if m:
+            host.slots[:m] = prefix.numpy() if prefix.is_cpu else prefix.cpu().numpy()
+        host.length = n
         req = Request.from_host(rid, host, handle, m, self._device)
         self.running[rid] = req
         st = self.stats
         st.requests += 1
-        st.prompt_tokens += host.length
+        st.prompt_tokens += n
         st.reused_tokens += m
         return req
 
@@ -166,11 +173,10 @@ class RequestFlow:
         rid = next(self._rids)
         handle, prefix = self._match_lock(rid, input_ids, compute_last)
         try:
-            own = self._allocate(rid, n - handle.cached_len)
+            return self._start(rid, ids, handle, prefix)
         except BaseException:
             self.manager.lock_handle(handle, unlock=True)
             raise
-        return self._start(rid, ids, handle, prefix, own)
 
     def begin_batch(self, prompts: Sequence[torch.Tensor], *, compute_last: bool = False) -> List[Request]:
         """`begin` for several prompts at once, all or nothing.
@@ -200,8 +206,7 @@ class RequestFlow:
             for h, _ in matched:
                 self.manager.lock_handle(h, unlock=True)
             raise
-        return [self._start(rid, p.numpy(), h, prefix, self._allocate(rid, n))
-                for rid, p, (h, prefix), n in zip(rids, prompts, matched, new)]
+        return [self._start(rid, p.numpy(), h, prefix) for rid, p, (h, prefix) in zip(rids, prompts, matched)]
 
     def mark_computed(self, req: Request, num_tokens: Optional[int] = None) -> None:
         """Record that K/V of the first ``num_tokens`` tokens (default: all) are stored (step 6).
@@ -249,14 +254,15 @@ class RequestFlow:
         k, length = new_ids.shape[0], h.length
         if k == 0:
             return req.indices[:0]
+        h.reserve(k)  # the new slots are written past ``length``: invisible until it moves
         take = min(k, -length % self.page_size)  # free slots left in the last page
         if take:
             last = int(h.slots[length - 1])
-            tail = np.arange(last + 1, last + 1 + take, dtype=np.int32)
-            new = tail if k == take else np.concatenate([tail, self._allocate(req.rid, k - take)])
-        else:
-            new = self._allocate(req.rid, k)
-        h.append(new_ids.numpy(), new)
+            h.slots[length:length + take] = np.arange(last + 1, last + 1 + take, dtype=np.int32)
+        if k > take:
+            self._allocate(req.rid, k - take, h.slots[length + take:length + k])
+        h.ids[length:length + k] = new_ids.numpy()
+        h.length = length + k
         self.stats.decoded_tokens += k
         out = torch.from_numpy(h.slots[length:length + k])
         return out if self._on_cpu else out.to(self._device)
