@@ -16,12 +16,16 @@ from kvcache import (
     RequestFlow,
     SizeInfo,
 )
-from conftest import ids as t, observe, slots as s, unchanged as watch
+from conftest import ids as t, slots as s, unchanged as watch
 
 
 def radix_state(m: RadixCacheManager) -> Any:
     """Everything observable about the tree, for before/after comparison."""
-    return observe(m)
+    return (
+        m.size_info, m.num_nodes, m.clock,
+        [(n.uuid, None if n.parent is None else n.parent.uuid, n.key.tolist(), n.value.tolist(),
+          n.ref_count, n.timestamp, sorted(map(str, n.children))) for n in m.nodes()],
+    )
 
 
 def populated(page_size: int = 1) -> RadixCacheManager:

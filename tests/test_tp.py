@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcache.storage.distributed import set_tp_info, try_get_tp_info
+from kvcache.storage.distributed import reset_tp_info, set_tp_info, try_get_tp_info
 from kvcache.examples.tp_attention import TPConfig, make_batch, run_single_process, run_tp_attention
 
 

@@ -12,10 +12,10 @@ from typing import Dict, List, Set, Tuple
 
 import pytest
 import torch
+from conftest import slots
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kvcache import PageAllocator, RadixCacheManager, RequestFlow
-from conftest import slots
 from kvcache.serving.tokenizer import ByteTokenizer
 from kvcache.viz import (
     PALETTE, TreeRecorder, TreeSnapshot, diff_snapshots, draw_sequence, draw_tree, format_indices,
