@@ -488,11 +488,12 @@ def make_machine(kind: str, ps: int, num_pages: int, *, policy: str = "lru",
     return FlowMachine
 
 
-# CI: 25 derandomized runs of up to 30 steps per variant (fewer under `python -O`, where the test's
+# CI: 50 derandomized runs of up to 30 steps per variant (fewer under `python -O`, where the test's
 # own asserts vanish and only the package's checks and the refusals are left to catch anything).
-# A long randomized run: KVCACHE_FLOW_EXAMPLES=300 pytest tests/test_flow_stateful.py
+# A long randomized run: KVCACHE_FLOW_EXAMPLES=300 [KVCACHE_FLOW_STEPS=60] pytest tests/test_flow_stateful.py
 _LONG = int(os.environ.get("KVCACHE_FLOW_EXAMPLES", "0"))
-SETTINGS = settings(max_examples=_LONG or (25 if __debug__ else 8), stateful_step_count=30, deadline=None,
+_STEPS = int(os.environ.get("KVCACHE_FLOW_STEPS", "30"))
+SETTINGS = settings(max_examples=_LONG or (50 if __debug__ else 8), stateful_step_count=_STEPS, deadline=None,
                     derandomize=not _LONG, suppress_health_check=[HealthCheck.too_slow])
 
 VARIANTS = {
