@@ -1,6 +1,6 @@
 # kvcache: the package and its executable book.
 #   make book     build the website into _build/html (warnings are errors)
-#   make test     build the book, then run every test and re-execute every chapter (nbval)
+#   make test     build the book, lint, run every test and re-execute every chapter (nbval)
 #   make refresh  re-execute every chapter in place (after changing the package)
 #   make lab      open the chapters in JupyterLab (the venv's python3 kernel, live widgets)
 #   make lint     ruff (lint + format check) over the code and chapters, mypy --strict on kvcache/
@@ -29,8 +29,10 @@ TRITON_INTERPRET ?= $(eval TRITON_INTERPRET := $$(shell $(PY) -c 'import torch; 
 # PYTHONHASHSEED: set/dict orders of strings are the same in every run.
 RUN_ENV = TRITON_INTERPRET=$(TRITON_INTERPRET) JUPYTER_PREFER_ENV_PATH=1 PYTHONHASHSEED=0
 # Every check a caller can trigger must survive `python -O`, which strips asserts.
-OPT_TESTS := tests/test_misuse.py tests/test_mha_pool.py tests/test_store_cache.py \
-             tests/test_distributed.py tests/test_block_manager.py
+OPT_TESTS := tests/test_misuse.py tests/test_serving_misuse.py tests/test_flow_reset.py \
+             tests/test_mha_pool.py tests/test_store_cache.py tests/test_kernel_views.py \
+             tests/test_distributed.py tests/test_tp.py tests/test_radix_manager.py \
+             tests/test_block_manager.py tests/test_flow_stateful.py tests/test_scheduler.py
 NBVAL_FLAGS := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
                --nbval-cell-timeout=1200
 
@@ -100,10 +102,12 @@ lint: setup
 	exit $$rc
 
 # --------------------------------------------------------------------------- tests
-# Package tests (and the website test on the book just built), then every chapter under
-# nbval. Both always run; the target fails if either failed.
+# Lint and types (ruff, mypy), the package tests (and the website tests on the book just built),
+# the misuse tests under python -O, then every chapter under nbval. All always run; the target
+# fails if any failed.
 test: setup book
 	@rc=0; \
+	$(MAKE) --no-print-directory lint || rc=$$?; \
 	$(RUN_ENV) $(PY) -m pytest tests || rc=$$?; \
 	echo "misuse checks again under python -O (asserts stripped)"; \
 	$(RUN_ENV) $(PY) -O -m pytest -q -p no:cacheprovider $(OPT_TESTS) || rc=$$?; \

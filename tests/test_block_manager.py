@@ -1,55 +1,69 @@
-"""BlockHashCacheManager: every method and every misuse, collisions, LRU order, and a stateful test
-under RequestFlow against a reference model (a set of cached full-block prefixes plus the content
-each KV slot was written with)."""
+"""BlockHashCacheManager: every method and every misuse, collisions, LRU order, agreement with the
+radix manager. Its stateful test under RequestFlow is the shared machine in
+tests/test_flow_stateful.py."""
 
 from __future__ import annotations
 
 import copy
 import random
-from typing import Dict, List, Set, Tuple
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from conftest import ids
+from conftest import page_slots as slots_of
+from conftest import unchanged as watch
+from hypothesis import given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvcache.serving.allocator import PageAllocator
 from kvcache import BaseCacheManager, SizeInfo
-from kvcache.managers.block_hash import BlockHashCacheHandle, BlockHashCacheManager, CachedBlock, default_block_hash
+from kvcache.managers.block_hash import (
+    BlockHashCacheHandle,
+    BlockHashCacheManager,
+    CachedBlock,
+    default_block_hash,
+)
 from kvcache.managers.radix import RadixCacheManager
+from kvcache.serving.allocator import PageAllocator
 from kvcache.serving.request_flow import RequestFlow
 
-Prefix = Tuple[int, ...]
+Prefix = tuple[int, ...]
 
 
 # ----------------------------------------------------------------- helpers
-def ids(*xs: int) -> torch.Tensor:
-    return torch.tensor(xs, dtype=torch.int64)
-
-
-def slots_of(pages: List[int], ps: int, n: int | None = None) -> torch.Tensor:
-    out = [p * ps + j for p in pages for j in range(ps)]
-    return torch.tensor(out[:n] if n is not None else out, dtype=torch.int32)
-
-
 def dump(m: BlockHashCacheManager) -> tuple:
     """Everything the manager holds, as plain values: equal dumps mean equal states."""
     queue = tuple(m.free_queue())
     blocks = tuple(
-        (b.block_hash, b.parent_hash, b.tokens, b.page, b.ref_count, b.num_children, b.last_use, b.probe)
+        (
+            b.block_hash,
+            b.parent_hash,
+            b.tokens,
+            b.page,
+            b.ref_count,
+            b.num_children,
+            b.last_use,
+            b.probe,
+        )
         for b in m.blocks()
     )
-    return (blocks, queue, tuple(sorted(m._page_owner.items())), m._num_locked,
-            m.max_probe, m.clock, m.size_info, tuple(m.locked_handles().items()))
+    return (
+        blocks,
+        queue,
+        tuple(sorted(m._page_owner.items())),
+        m._num_locked,
+        m.max_probe,
+        m.clock,
+        m.size_info,
+        tuple(m.locked_handles().items()),
+    )
 
 
-def prefixes_in(m: BlockHashCacheManager) -> Dict[Prefix, int]:
+def prefixes_in(m: BlockHashCacheManager) -> dict[Prefix, int]:
     """Every cached full-block prefix -> its page, rebuilt by following parent hashes."""
-    out: Dict[Prefix, int] = {}
+    out: dict[Prefix, int] = {}
     for b in m.blocks():
-        toks: List[Tuple[int, ...]] = []
+        toks: list[tuple[int, ...]] = []
         node = b
         while node is not None:
             toks.append(node.tokens)
@@ -59,8 +73,9 @@ def prefixes_in(m: BlockHashCacheManager) -> Dict[Prefix, int]:
 
 
 def unchanged(m: BlockHashCacheManager, exc: type, match: str, fn, *args, **kwargs) -> None:
+    """The shared misuse harness (public state), plus the private `dump` of this manager."""
     before = dump(m)
-    with pytest.raises(exc, match=match):
+    with watch(m), pytest.raises(exc, match=match):
         fn(*args, **kwargs)
     assert dump(m) == before
     m.check_integrity()
@@ -74,7 +89,10 @@ def test_is_a_cache_manager_with_attributes():
     assert BlockHashCacheManager("cpu", 4).page_size == 4
 
 
-@pytest.mark.parametrize("ps, exc", [(0, ValueError), (-3, ValueError), (True, TypeError), (2.0, TypeError), ("4", TypeError)])
+@pytest.mark.parametrize(
+    "ps, exc",
+    [(0, ValueError), (-3, ValueError), (True, TypeError), (2.0, TypeError), ("4", TypeError)],
+)
 def test_bad_page_size(ps, exc):
     with pytest.raises(exc, match="page_size"):
         BlockHashCacheManager(page_size=ps)
@@ -103,8 +121,14 @@ def test_insert_then_match_whole_blocks_only():
     assert m.insert_prefix(ids(*range(10)), slots_of([3, 7, 1], 4, 10)) == 0
     assert m.size_info == SizeInfo(8, 0) and m.num_blocks == 2  # the 2-token tail is the caller's
     assert sorted(m.cached_indices().tolist()) == sorted(slots_of([3, 7], 4).tolist())
-    cases = [((*range(12), 99), 8, [3, 7]), (tuple(range(8)), 8, [3, 7]), (tuple(range(7)), 4, [3]),
-             ((0, 1, 2, 3, 4, 5, 6, 99), 4, [3]), ((0, 1, 2, 99, 4, 5, 6, 7), 0, []), ((0, 1, 2), 0, [])]
+    cases = [
+        ((*range(12), 99), 8, [3, 7]),
+        (tuple(range(8)), 8, [3, 7]),
+        (tuple(range(7)), 4, [3]),
+        ((0, 1, 2, 3, 4, 5, 6, 99), 4, [3]),
+        ((0, 1, 2, 99, 4, 5, 6, 7), 0, []),
+        ((0, 1, 2), 0, []),
+    ]
     for prompt, n, pages in cases:
         h, idx = m.match_prefix(ids(*prompt))
         assert h.cached_len == n and len(h.block_hashes) == n // 4
@@ -118,7 +142,7 @@ def test_insert_returns_length_already_cached_and_keeps_the_tree_pages():
     m.insert_prefix(ids(1, 2, 3, 4), slots_of([0, 1], 2))
     # Another request computed the same two blocks on pages 5, 6 and one more on page 7.
     assert m.insert_prefix(ids(1, 2, 3, 4, 5, 6, 7), slots_of([5, 6, 7, 8], 2, 7)) == 4
-    h, idx = m.match_prefix(ids(1, 2, 3, 4, 5, 6))
+    _h, idx = m.match_prefix(ids(1, 2, 3, 4, 5, 6))
     assert idx.tolist() == slots_of([0, 1, 7], 2).tolist()  # cached pages, not the duplicates
     assert m.size_info == SizeInfo(6, 0)
     # Inserting what is cached changes nothing but the use times.
@@ -144,11 +168,14 @@ def test_page_size_one():
     m.check_integrity()
 
 
-@pytest.mark.parametrize("bad, exc, match", [
-    ([1, 2, 3, 4], TypeError, "input_ids must be a torch.Tensor"),
-    (torch.zeros(2, 2, dtype=torch.int64), ValueError, "1-D"),
-    (torch.zeros(4), TypeError, "integer dtype"),
-])
+@pytest.mark.parametrize(
+    "bad, exc, match",
+    [
+        ([1, 2, 3, 4], TypeError, "input_ids must be a torch.Tensor"),
+        (torch.zeros(2, 2, dtype=torch.int64), ValueError, "1-D"),
+        (torch.zeros(4), TypeError, "integer dtype"),
+    ],
+)
 def test_match_misuse_changes_nothing(bad, exc, match):
     m = BlockHashCacheManager(page_size=2)
     m.insert_prefix(ids(1, 2, 3, 4), slots_of([0, 1], 2))
@@ -162,20 +189,47 @@ def _filled() -> BlockHashCacheManager:
     return m
 
 
-@pytest.mark.parametrize("input_ids, indices, exc, match", [
-    ([0, 1, 2, 3], slots_of([5], 4), TypeError, "input_ids"),
-    (ids(*range(8)), [20, 21, 22, 23, 24, 25, 26, 27], TypeError, "indices must be a torch.Tensor"),
-    (ids(*range(8)), slots_of([5, 6], 4).long(), TypeError, "torch.int32"),
-    (ids(*range(8)), slots_of([5, 6], 4).view(2, 4), ValueError, "1-D"),
-    (ids(*range(8)), torch.zeros(8, dtype=torch.int32, device="meta"), ValueError, "device"),
-    (ids(*range(12)), slots_of([5, 6], 4), ValueError, r"len\(indices\) \(8\) must equal len\(input_ids\) \(12\)"),
-    (ids(*range(12)), slots_of([5, 6, 7], 4) + 1, ValueError, "consecutive slots of one page"),
-    (ids(*range(12)), torch.tensor([*range(20, 28), 28, 29, 31, 30], dtype=torch.int32),
-     ValueError, "consecutive slots"),
-    (ids(*range(12)), slots_of([5, 6, -1], 4), ValueError, ">= 0"),
-    (ids(*range(4), 9, 9, 9, 9), slots_of([5, 3], 4), ValueError, "page 3 .* already holds cached block"),
-    (ids(*range(4), *[9] * 8), slots_of([5, 6, 6], 4), ValueError, "page 6 appears in more than one new block"),
-])
+@pytest.mark.parametrize(
+    "input_ids, indices, exc, match",
+    [
+        ([0, 1, 2, 3], slots_of([5], 4), TypeError, "input_ids"),
+        (
+            ids(*range(8)),
+            [20, 21, 22, 23, 24, 25, 26, 27],
+            TypeError,
+            "indices must be a torch.Tensor",
+        ),
+        (ids(*range(8)), slots_of([5, 6], 4).long(), TypeError, "torch.int32"),
+        (ids(*range(8)), slots_of([5, 6], 4).view(2, 4), ValueError, "1-D"),
+        (ids(*range(8)), torch.zeros(8, dtype=torch.int32, device="meta"), ValueError, "device"),
+        (
+            ids(*range(12)),
+            slots_of([5, 6], 4),
+            ValueError,
+            r"len\(indices\) \(8\) must equal len\(input_ids\) \(12\)",
+        ),
+        (ids(*range(12)), slots_of([5, 6, 7], 4) + 1, ValueError, "consecutive slots of one page"),
+        (
+            ids(*range(12)),
+            torch.tensor([*range(20, 28), 28, 29, 31, 30], dtype=torch.int32),
+            ValueError,
+            "consecutive slots",
+        ),
+        (ids(*range(12)), slots_of([5, 6, -1], 4), ValueError, ">= 0"),
+        (
+            ids(*range(4), 9, 9, 9, 9),
+            slots_of([5, 3], 4),
+            ValueError,
+            "page 3 .* already holds cached block",
+        ),
+        (
+            ids(*range(4), *[9] * 8),
+            slots_of([5, 6, 6], 4),
+            ValueError,
+            "page 6 appears in more than one new block",
+        ),
+    ],
+)
 def test_insert_misuse_changes_nothing(input_ids, indices, exc, match):
     m = _filled()
     unchanged(m, exc, match, m.insert_prefix, input_ids, indices)
@@ -183,7 +237,9 @@ def test_insert_misuse_changes_nothing(input_ids, indices, exc, match):
 
 def test_unaligned_tail_is_not_checked_and_stays_the_callers():
     m = BlockHashCacheManager(page_size=4)
-    idx = torch.tensor([8, 9, 10, 11, 30, 1], dtype=torch.int32)  # tail past the full block: anything
+    idx = torch.tensor(
+        [8, 9, 10, 11, 30, 1], dtype=torch.int32
+    )  # tail past the full block: anything
     assert m.insert_prefix(ids(*range(6)), idx) == 0
     assert sorted(m.cached_indices().tolist()) == [8, 9, 10, 11]
 
@@ -217,9 +273,11 @@ def test_hash_collisions_never_return_wrong_slots(hash_fn):
 def test_default_hash_is_stable_across_processes():
     """Hashes of int tuples ignore PYTHONHASHSEED (pytest runs under a random one), so a block's
     hash is the same in every process on a 64-bit CPython: here, a value computed once."""
-    from kvcache.managers.block_hash import ROOT_HASH_SEED, default_block_hash as h
+    from kvcache.managers.block_hash import ROOT_HASH_SEED
+    from kvcache.managers.block_hash import default_block_hash as h
+
     assert h(h(ROOT_HASH_SEED, (1, 2, 3)), (4, 5, 6)) == 6344552939871388144
-    assert 0 <= h(ROOT_HASH_SEED, (-5,)) < 2 ** 64
+    assert 0 <= h(ROOT_HASH_SEED, (-5,)) < 2**64
 
 
 # ------------------------------------------------------------ lock / unlock
@@ -250,12 +308,23 @@ def test_lock_misuse_changes_nothing():
     m.lock_handle(h, unlock=True)
     unchanged(m, RuntimeError, "not locked", m.lock_handle, h, unlock=True)  # unlocked twice
     from kvcache.managers.radix import RadixCacheHandle
+
     unchanged(m, TypeError, "BlockHashCacheHandle", m.lock_handle, RadixCacheHandle(0, None))
     unchanged(m, TypeError, "BlockHashCacheHandle", m.lock_handle, "handle")
-    unchanged(m, RuntimeError, "cached_len=6 but names 2 blocks", m.lock_handle,
-              BlockHashCacheHandle(6, h.block_hashes))
-    unchanged(m, RuntimeError, "does not chain", m.lock_handle,
-              BlockHashCacheHandle(4, h.block_hashes[::-1]))
+    unchanged(
+        m,
+        RuntimeError,
+        "cached_len=6 but names 2 blocks",
+        m.lock_handle,
+        BlockHashCacheHandle(6, h.block_hashes),
+    )
+    unchanged(
+        m,
+        RuntimeError,
+        "does not chain",
+        m.lock_handle,
+        BlockHashCacheHandle(4, h.block_hashes[::-1]),
+    )
     unchanged(m, RuntimeError, "was evicted", m.lock_handle, BlockHashCacheHandle(2, (12345,)))
     unchanged(m, RuntimeError, "was evicted", m.handle_indices, BlockHashCacheHandle(2, (12345,)))
     # Queue: [5 6], [3 4], [1 2]; evicting two blocks takes h's last block.
@@ -288,8 +357,15 @@ def test_handle_indices_is_read_only():
 
 
 # -------------------------------------------------------------------- evict
-@pytest.mark.parametrize("size, exc, match", [(True, TypeError, "size"), (1.0, TypeError, "size"),
-                                              (-1, ValueError, ">= 0"), (9, RuntimeError, "only 8 are evictable")])
+@pytest.mark.parametrize(
+    "size, exc, match",
+    [
+        (True, TypeError, "size"),
+        (1.0, TypeError, "size"),
+        (-1, ValueError, ">= 0"),
+        (9, RuntimeError, "only 8 are evictable"),
+    ],
+)
 def test_evict_misuse_changes_nothing(size, exc, match):
     m = BlockHashCacheManager(page_size=4)
     m.insert_prefix(ids(*range(12)), slots_of([0, 1, 2], 4))
@@ -313,7 +389,9 @@ def test_lru_order_and_chain_order():
     m = BlockHashCacheManager(page_size=1)
     m.insert_prefix(ids(1, 2), torch.tensor([10, 11], dtype=torch.int32))  # chain A
     m.insert_prefix(ids(7), torch.tensor([20], dtype=torch.int32))  # B
-    m.insert_prefix(ids(1, 3), torch.tensor([0, 12], dtype=torch.int32))  # child of A's head: uses it
+    m.insert_prefix(
+        ids(1, 3), torch.tensor([0, 12], dtype=torch.int32)
+    )  # child of A's head: uses it
     m.check_integrity()
     # A's tail [2] is oldest, then B, then the new child [3], then A's head [1] (just used).
     assert m.evict(4).tolist() == [11, 20, 12, 10]
@@ -387,23 +465,29 @@ def _corrupt(fn):
     return m
 
 
-@pytest.mark.parametrize("fn, match", [
-    (lambda m, b: setattr(b[2], "ref_count", -1), "negative ref_count|free queue"),
-    (lambda m, b: setattr(b[1], "ref_count", 2), "exceeds its parent"),
-    (lambda m, b: setattr(b[2], "token_bytes", np.array([5, 9]).astype(np.int64).tobytes()), "hash does not match"),
-    (lambda m, b: setattr(b[2], "token_bytes", b"\x05" * 8), "not 2 ints"),
-    (lambda m, b: m._free.pop(b[3].block_hash), "not in the free queue"),
-    (lambda m, b: m._free.__setitem__(b[0].block_hash, None), "in the free queue"),
-    (lambda m, b: m._free.__setitem__(999, None), "not cached"),
-    (lambda m, b: m._blocks.pop(b[1].block_hash), "parent .* is not cached"),
-    (lambda m, b: setattr(b[3], "page", 1), "page 1 is not recorded"),
-    (lambda m, b: m._page_owner.__setitem__(77, b[0].block_hash), "pages recorded"),
-    (lambda m, b: setattr(b[0], "num_children", 1), "records 1 children, has 2"),
-    (lambda m, b: setattr(m, "_num_locked", 3), "recorded 3 locked blocks, counted 2"),
-    (lambda m, b: setattr(b[3], "last_use", 0), "LRU order"),
-    (lambda m, b: setattr(b[2], "probe", 5), "probe 5 outside"),
-    (lambda m, b: setattr(b[0], "block_hash", 1), "wrong key"),
-])
+@pytest.mark.parametrize(
+    "fn, match",
+    [
+        (lambda m, b: setattr(b[2], "ref_count", -1), "negative ref_count|free queue"),
+        (lambda m, b: setattr(b[1], "ref_count", 2), "exceeds its parent"),
+        (
+            lambda m, b: setattr(b[2], "token_bytes", np.array([5, 9]).astype(np.int64).tobytes()),
+            "hash does not match",
+        ),
+        (lambda m, b: setattr(b[2], "token_bytes", b"\x05" * 8), "not 2 ints"),
+        (lambda m, b: m._free.pop(b[3].block_hash), "not in the free queue"),
+        (lambda m, b: m._free.__setitem__(b[0].block_hash, None), "in the free queue"),
+        (lambda m, b: m._free.__setitem__(999, None), "not cached"),
+        (lambda m, b: m._blocks.pop(b[1].block_hash), "parent .* is not cached"),
+        (lambda m, b: setattr(b[3], "page", 1), "page 1 is not recorded"),
+        (lambda m, b: m._page_owner.__setitem__(77, b[0].block_hash), "pages recorded"),
+        (lambda m, b: setattr(b[0], "num_children", 1), "records 1 children, has 2"),
+        (lambda m, b: setattr(m, "_num_locked", 3), "recorded 3 locked blocks, counted 2"),
+        (lambda m, b: setattr(b[3], "last_use", 0), "LRU order"),
+        (lambda m, b: setattr(b[2], "probe", 5), "probe 5 outside"),
+        (lambda m, b: setattr(b[0], "block_hash", 1), "wrong key"),
+    ],
+)
 def test_check_integrity_catches(fn, match):
     m = _corrupt(fn)
     with pytest.raises(RuntimeError, match=match):
@@ -430,7 +514,9 @@ def test_request_flow_shares_prefixes_and_evicts():
     flow.mark_computed(a)
     assert flow.finish(a) == 0
     b = flow.begin(ids(*range(8), 50, 51, 52))
-    assert b.reused_len == 8 and b.indices[:8].tolist() == m.match_prefix(ids(*range(8)))[1].tolist()
+    assert (
+        b.reused_len == 8 and b.indices[:8].tolist() == m.match_prefix(ids(*range(8)))[1].tolist()
+    )
     flow.check_integrity()
     flow.mark_computed(b)
     assert flow.finish(b) == 8
@@ -444,11 +530,14 @@ def test_request_flow_shares_prefixes_and_evicts():
 
 def test_manager_agrees_with_radix_on_page_accounting_example():
     for ps in (1, 4):
-        flows = [RequestFlow(cls(page_size=ps), PageAllocator(64, ps)) for cls in (BlockHashCacheManager, RadixCacheManager)]
-        for prompt in [tuple(range(9)), tuple(range(5)) + (9, 9, 9), tuple(range(9)) + (1,)]:
+        flows = [
+            RequestFlow(cls(page_size=ps), PageAllocator(64, ps))
+            for cls in (BlockHashCacheManager, RadixCacheManager)
+        ]
+        for prompt in [tuple(range(9)), (*tuple(range(5)), 9, 9, 9), (*tuple(range(9)), 1)]:
             reqs = [f.begin(ids(*prompt)) for f in flows]
             assert reqs[0].reused_len == reqs[1].reused_len
-            for f, r in zip(flows, reqs):
+            for f, r in zip(flows, reqs, strict=False):
                 f.mark_computed(r)
             assert flows[0].finish(reqs[0]) == flows[1].finish(reqs[1])
 
@@ -456,9 +545,12 @@ def test_manager_agrees_with_radix_on_page_accounting_example():
 # --------------------------------------------------- agreement with radix
 def _prompts(ps: int):
     bases = [tuple(random.Random(s).randrange(3) for _ in range(5 * ps)) for s in range(3)]
-    return st.builds(lambda b, k, tail: bases[b][:k] + tuple(tail), st.integers(0, 2),
-                     st.integers(0, 5 * ps), st.lists(st.integers(0, 2), max_size=2 * ps)
-                     ).filter(lambda p: len(p) > 0)
+    return st.builds(
+        lambda b, k, tail: bases[b][:k] + tuple(tail),
+        st.integers(0, 2),
+        st.integers(0, 5 * ps),
+        st.lists(st.integers(0, 2), max_size=2 * ps),
+    ).filter(lambda p: len(p) > 0)
 
 
 @pytest.mark.parametrize("ps", [1, 4])
@@ -468,15 +560,21 @@ def test_agrees_with_radix_on_cached_len(ps):
     both flows allocate the same pages, they hold the same slots."""
 
     @settings(max_examples=40, deadline=None, derandomize=True)
-    @given(ops=st.lists(st.tuples(_prompts(ps), st.integers(0, 3), st.booleans()), min_size=1, max_size=12))
+    @given(
+        ops=st.lists(
+            st.tuples(_prompts(ps), st.integers(0, 3), st.booleans()), min_size=1, max_size=12
+        )
+    )
     def run(ops):
-        flows = [RequestFlow(BlockHashCacheManager(page_size=ps), PageAllocator(512, ps)),
-                 RequestFlow(RadixCacheManager(page_size=ps), PageAllocator(512, ps))]
-        running: List[list] = []
+        flows = [
+            RequestFlow(BlockHashCacheManager(page_size=ps), PageAllocator(512, ps)),
+            RequestFlow(RadixCacheManager(page_size=ps), PageAllocator(512, ps)),
+        ]
+        running: list[list] = []
         for prompt, finish_k, chunk in ops:
             pair = [f.begin(ids(*prompt)) for f in flows]
             assert pair[0].reused_len == pair[1].reused_len
-            for f, r in zip(flows, pair):
+            for f, r in zip(flows, pair, strict=False):
                 f.mark_computed(r)
             if chunk:  # a chunked request: insert what is computed and keep running
                 assert flows[0].cache(pair[0]) == flows[1].cache(pair[1])
@@ -488,7 +586,9 @@ def test_agrees_with_radix_on_cached_len(ps):
             for f in flows:
                 f.check_integrity()
             assert flows[0].manager.size_info == flows[1].manager.size_info
-            assert sorted(flows[0].manager.cached_indices().tolist()) == sorted(flows[1].manager.cached_indices().tolist())
+            assert sorted(flows[0].manager.cached_indices().tolist()) == sorted(
+                flows[1].manager.cached_indices().tolist()
+            )
         for prompt, _, _ in ops:
             (h0, i0), (h1, i1) = (f.manager.match_prefix(ids(*prompt)) for f in flows)
             assert h0.cached_len == h1.cached_len and i0.tolist() == i1.tolist()
@@ -515,7 +615,7 @@ def test_only_locked_handles_unlock(ops):
         m.lock_handle(copy.copy(handles[i]) if unlock else handles[i], unlock=unlock)
         model[i] += -1 if unlock else 1
         m.check_integrity()
-        assert m.locked_handles() == {h: n for h, n in zip(handles, model) if n}
+        assert m.locked_handles() == {h: n for h, n in zip(handles, model, strict=False) if n}
         depth = max([k + 1 for k in range(4) if model[k]], default=0)
         assert m.size_info == SizeInfo(8 - 2 * depth, 2 * depth)
 
@@ -580,26 +680,44 @@ def test_hash_fn_raising_on_a_later_block_example():
     fn = RaisingHash()
     m = BlockHashCacheManager(page_size=2, hash_fn=fn)
     m.insert_prefix(ids(1, 2), slots_of([0], 2))
-    m2 = BlockHashCacheManager(page_size=2, hash_fn=fn)  # no remembered hashes: every block is hashed
+    m2 = BlockHashCacheManager(
+        page_size=2, hash_fn=fn
+    )  # no remembered hashes: every block is hashed
     for mgr in (m, m2):
         fn.arm(3)
-        unchanged(mgr, KeyError, "hash_fn failed", mgr.insert_prefix, ids(5, 6, 7, 8, 9, 9), slots_of([4, 5, 6], 2))
+        unchanged(
+            mgr,
+            KeyError,
+            "hash_fn failed",
+            mgr.insert_prefix,
+            ids(5, 6, 7, 8, 9, 9),
+            slots_of([4, 5, 6], 2),
+        )
 
 
 @pytest.mark.parametrize("bad", [1.5, True, None, "7"])
 def test_hash_fn_must_return_an_int(bad):
     m = BlockHashCacheManager(page_size=2, hash_fn=lambda p, t: bad)
-    unchanged(m, TypeError, "hash_fn must return an int", m.insert_prefix, ids(1, 2), slots_of([0], 2))
+    unchanged(
+        m, TypeError, "hash_fn must return an int", m.insert_prefix, ids(1, 2), slots_of([0], 2)
+    )
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
-@given(old=st.lists(st.integers(0, 3), min_size=2, max_size=6), new=st.lists(st.integers(0, 3), min_size=2, max_size=6),
-       weak=st.sampled_from(["zero", "first token", "length"]))
+@given(
+    old=st.lists(st.integers(0, 3), min_size=2, max_size=6),
+    new=st.lists(st.integers(0, 3), min_size=2, max_size=6),
+    weak=st.sampled_from(["zero", "first token", "length"]),
+)
 def test_stale_handle_never_names_another_prompts_blocks(old, new, weak):
     """Issue 9 item 14: with a weak hash, evict a handle's blocks and cache other tokens that take
     the same keys: the old handle must neither lock nor name the new blocks. Caching the *same*
     tokens again revives it (a handle names content)."""
-    hash_fn = {"zero": lambda p, t: 0, "first token": lambda p, t: t[0], "length": lambda p, t: len(t)}[weak]
+    hash_fn = {
+        "zero": lambda p, t: 0,
+        "first token": lambda p, t: t[0],
+        "length": lambda p, t: len(t),
+    }[weak]
     n = min(len(old), len(new)) // 2 * 2
     old, new = tuple(old[:n]), tuple(new[:n])
     m = BlockHashCacheManager(page_size=2, hash_fn=hash_fn)
@@ -627,8 +745,21 @@ def test_stale_handle_after_collision_example():
     unchanged(m, RuntimeError, "other tokens", m.lock_handle, h, unlock=True)
 
 
-@pytest.mark.parametrize("size", [True, np.bool_(True), torch.tensor(True), 1.0, 2j, np.float64(2.0),
-                                  torch.tensor(2.0), torch.tensor([2]), "2", None])
+@pytest.mark.parametrize(
+    "size",
+    [
+        True,
+        np.bool_(True),
+        torch.tensor(True),
+        1.0,
+        2j,
+        np.float64(2.0),
+        torch.tensor(2.0),
+        torch.tensor([2]),
+        "2",
+        None,
+    ],
+)
 def test_evict_counts_must_be_real_ints(size):
     """Issue 9 items 2/5: counts are real integers; bools, floats and complex numbers are refused."""
     m = BlockHashCacheManager(page_size=2)
@@ -636,20 +767,36 @@ def test_evict_counts_must_be_real_ints(size):
     unchanged(m, TypeError, "size must be an int", m.evict, size)
 
 
-@pytest.mark.parametrize("size", [2, np.int64(2), torch.tensor(2), torch.tensor(2, dtype=torch.int32)])
+@pytest.mark.parametrize(
+    "size", [2, np.int64(2), torch.tensor(2), torch.tensor(2, dtype=torch.int32)]
+)
 def test_evict_accepts_integer_counts(size):
     m = BlockHashCacheManager(page_size=2)
     m.insert_prefix(ids(1, 2, 3, 4), slots_of([0, 1], 2))
     assert m.evict(size).tolist() == [2, 3]
 
 
-@pytest.mark.parametrize("dtype", [torch.bool, torch.float32, torch.float64, torch.complex64, torch.int64,
-                                   torch.int16, torch.uint8])
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.bool,
+        torch.float32,
+        torch.float64,
+        torch.complex64,
+        torch.int64,
+        torch.int16,
+        torch.uint8,
+    ],
+)
 def test_slots_must_be_int32_before_any_cast(dtype):
     """Issue 9 item 2: slots are dtype-checked before anything is cast: a slot of 2**32 + 1 can
     never wrap to 1, a float or bool is never truncated."""
     m = _filled()
-    idx = torch.tensor([2 ** 32 + 4, 2 ** 32 + 5, 2 ** 32 + 6, 2 ** 32 + 7]) if dtype == torch.int64 else torch.ones(4)
+    idx = (
+        torch.tensor([2**32 + 4, 2**32 + 5, 2**32 + 6, 2**32 + 7])
+        if dtype == torch.int64
+        else torch.ones(4)
+    )
     unchanged(m, TypeError, "torch.int32", m.insert_prefix, ids(9, 9, 9, 9), idx.to(dtype))
 
 
@@ -657,7 +804,9 @@ def test_slots_must_be_int32_before_any_cast(dtype):
 def test_token_ids_must_be_integers(dtype):
     m = _filled()
     unchanged(m, TypeError, "integer dtype", m.match_prefix, torch.ones(4, dtype=dtype))
-    unchanged(m, TypeError, "integer dtype", m.insert_prefix, torch.ones(4, dtype=dtype), slots_of([9], 4))
+    unchanged(
+        m, TypeError, "integer dtype", m.insert_prefix, torch.ones(4, dtype=dtype), slots_of([9], 4)
+    )
 
 
 def test_lock_flag_must_be_a_bool():
@@ -669,7 +818,11 @@ def test_lock_flag_must_be_a_bool():
 def test_insert_and_match_is_one_walk_with_the_same_result():
     """insert_and_match == insert_prefix then match_prefix (cached length, handle, its slots)."""
     a, b = BlockHashCacheManager(page_size=2), BlockHashCacheManager(page_size=2)
-    for seq, pages in [((1, 2, 3, 4, 5), [0, 1, 2]), ((1, 2, 3, 4, 6, 6, 7), [3, 4, 5, 6]), ((8, 8), [7])]:
+    for seq, pages in [
+        ((1, 2, 3, 4, 5), [0, 1, 2]),
+        ((1, 2, 3, 4, 6, 6, 7), [3, 4, 5, 6]),
+        ((8, 8), [7]),
+    ]:
         idx = slots_of(pages, 2, len(seq))
         res = a.insert_and_match(ids(*seq), idx)
         assert res.cached_len == b.insert_prefix(ids(*seq), idx)
@@ -705,7 +858,9 @@ def test_views_of_ids_and_slots_act_like_their_contents(ps):
     pages = [5, 2, 9, 4]
     a, b = BlockHashCacheManager(page_size=ps), BlockHashCacheManager(page_size=ps)
     ids_view = torch.tensor([[t, -1] for t in seq])[:, 0]  # stride 2
-    slot_view = torch.cat([torch.zeros(3, dtype=torch.int32), slots_of(pages, ps).repeat_interleave(2)])[3::2]
+    slot_view = torch.cat(
+        [torch.zeros(3, dtype=torch.int32), slots_of(pages, ps).repeat_interleave(2)]
+    )[3::2]
     assert a.insert_prefix(ids_view, slot_view) == b.insert_prefix(ids(*seq), slots_of(pages, ps))
     assert prefixes_in(a) == prefixes_in(b)
     same = torch.tensor([7], dtype=torch.int16).expand(2 * ps)  # stride 0
@@ -724,18 +879,26 @@ def test_agrees_with_a_vllm_style_stand_in_on_a_seeded_trace():
     tokens evicted, and the slots cached after every request."""
     import sys
     from pathlib import Path
+
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from vllm_standin import VllmStandIn
+
     from kvcache.serving.workloads import multi_turn_chat
 
     jobs = multi_turn_chat(6, 4, system_len=40, message_len=(5, 30), output_len=(5, 30), seed=3)
     for ps in (1, 4):
-        flows = [RequestFlow(make, PageAllocator(600 // ps, ps)) for make in
-                 (BlockHashCacheManager("cpu", ps), VllmStandIn("cpu", ps), VllmStandIn("cpu", ps, hash_once=False))]
+        flows = [
+            RequestFlow(make, PageAllocator(600 // ps, ps))
+            for make in (
+                BlockHashCacheManager("cpu", ps),
+                VllmStandIn("cpu", ps),
+                VllmStandIn("cpu", ps, hash_once=False),
+            )
+        ]
         for job in jobs:
             reqs = [f.begin(job.prompt) for f in flows]
             assert len({r.reused_len for r in reqs}) == 1
-            for f, r in zip(flows, reqs):
+            for f, r in zip(flows, reqs, strict=False):
                 f.mark_computed(r)
                 f.extend(r, job.output)
                 f.mark_computed(r)
@@ -745,215 +908,3 @@ def test_agrees_with_a_vllm_style_stand_in_on_a_seeded_trace():
             assert cached[0] == cached[1] == cached[2]
         assert flows[0].stats.evicted_tokens > 0
         flows[0].check_integrity()
-
-
-# ------------------------------------------ stateful: under RequestFlow
-def make_flow_machine(ps: int, num_pages: int, hash_fn=None):
-    bases = [tuple(random.Random(s).randrange(3) for _ in range(3 * ps + 2)) for s in range(2)]
-    shared = [b[:k] for b in bases for k in range(ps, len(b) + 1, ps)]  # prompts that reuse a lot
-    prompts = st.one_of(st.sampled_from(shared), _prompts(ps).map(lambda p: p[:3 * ps + 2]))
-
-    class FlowMachine(RuleBasedStateMachine):
-        """Model: ``cached`` = the set of cached full-block prefixes; ``content[slot]`` = the prefix
-        whose last token's K/V was stored at ``slot`` (what a model would really have written)."""
-
-        @initialize()
-        def setup(self) -> None:
-            self.m = BlockHashCacheManager(page_size=ps, hash_fn=hash_fn)
-            self.flow = RequestFlow(self.m, PageAllocator(num_pages, ps))
-            self.cached: Set[Prefix] = set()
-            self.content: Dict[int, Prefix] = {}
-            self.evictions: List[Tuple[int, List[int]]] = []
-            real_evict = self.m.evict
-
-            def recording_evict(size: int) -> torch.Tensor:
-                out = real_evict(size)
-                self.evictions.append((size, out.tolist()))
-                return out
-
-            self.m.evict = recording_evict  # RequestFlow evicts through the manager's attribute
-
-        # -------------------------------------------------------- model
-        def longest(self, seq: Prefix) -> int:
-            k = 0
-            while k + ps <= len(seq) and seq[:k + ps] in self.cached:
-                k += ps
-            return k
-
-        def locked(self) -> Set[Prefix]:
-            out: Set[Prefix] = set()
-            for r in self.flow.running.values():
-                toks = tuple(r.input_ids[:r.tree_len].tolist())
-                out.update(toks[:k] for k in range(ps, len(toks) + 1, ps))
-            return out
-
-        def free_pages(self) -> int:
-            held = sum(-(-(len(r) - r.tree_len) // ps) for r in self.flow.running.values())
-            return num_pages - len(self.cached) - held
-
-        def add(self, seq: Prefix) -> None:
-            self.cached.update(seq[:k] for k in range(ps, len(seq) // ps * ps + 1, ps))
-
-        def apply_evictions(self) -> None:
-            locked = self.locked()
-            for size, slots in self.evictions:
-                assert len(slots) == -(-size // ps) * ps, "evict freed more whole blocks than needed"
-                for i in range(0, len(slots), ps):
-                    block = slots[i:i + ps]
-                    assert block == list(range(block[0], block[0] + ps)) and block[0] % ps == 0
-                    prefix = self.content[block[-1]]
-                    assert prefix in self.cached and prefix not in locked
-                    assert not any(len(q) == len(prefix) + ps and q[:len(prefix)] == prefix for q in self.cached), \
-                        "evicted a block that a cached block chains from"
-                    self.cached.remove(prefix)
-            self.evictions.clear()
-
-        def check_match(self, prompt: Prefix, got_len: int, indices: torch.Tensor) -> None:
-            assert got_len == self.longest(prompt)
-            assert len(indices) >= got_len
-            for i, slot in enumerate(indices[:got_len].tolist()):
-                assert self.content[slot] == prompt[:i + 1], f"slot {slot} holds other K/V"
-
-        def pick(self, i: int):
-            reqs = list(self.flow.running.values())
-            return reqs[i % len(reqs)]
-
-        def observable(self) -> tuple:
-            return (frozenset(prefixes_in(self.m).items()), self.m.size_info,
-                    self.flow.allocator.free_pages().tolist(),
-                    tuple((r.rid, r.input_ids.tolist(), r.indices.tolist(), r.num_computed, r.handle)
-                          for r in self.flow.running.values()))
-
-        # -------------------------------------------------------- rules
-        @rule(prompt=prompts, compute_last=st.booleans())
-        def begin(self, prompt: Prefix, compute_last: bool) -> None:
-            q = prompt[:-1] if compute_last else prompt
-            m = self.longest(q)
-            need = -(-(len(prompt) - m) // ps)
-            locked = self.locked() | {q[:k] for k in range(ps, m + 1, ps)}
-            if need > self.free_pages() + len(self.cached - locked):
-                before = self.observable()
-                with pytest.raises(RuntimeError, match="out of KV pages"):
-                    self.flow.begin(ids(*prompt), compute_last=compute_last)
-                assert self.observable() == before
-                return
-            req = self.flow.begin(ids(*prompt), compute_last=compute_last)
-            self.check_match(q, req.reused_len, req.indices)
-            self.apply_evictions()
-
-        def store(self, req, n: int) -> None:
-            """The model stores K/V of tokens ``[num_computed, n)`` at their slots."""
-            for j in range(req.num_computed, n):
-                self.content[int(req.indices[j])] = tuple(req.input_ids[:j + 1].tolist())
-            self.flow.mark_computed(req, n)
-
-        @precondition(lambda self: self.flow.running)
-        @rule(i=st.integers(0, 99), frac=st.sampled_from([1.0, 1.0, 0.5, 0.3, 0.0]))
-        def mark_computed(self, i: int, frac: float) -> None:
-            req = self.pick(i)
-            self.store(req, req.num_computed + int(frac * (len(req) - req.num_computed)))
-
-        @precondition(lambda self: self.flow.running)
-        @rule(i=st.integers(0, 99), new=st.lists(st.integers(0, 2), min_size=1, max_size=ps + 2))
-        def extend(self, i: int, new: List[int]) -> None:
-            req = self.pick(i)
-            spare = (ps - len(req) % ps) % ps
-            need = -(-max(0, len(new) - spare) // ps)
-            if need > self.free_pages() + len(self.cached - self.locked()):
-                before = self.observable()
-                with pytest.raises(RuntimeError, match="out of KV pages"):
-                    self.flow.extend(req, ids(*new))
-                assert self.observable() == before
-                return
-            slots = self.flow.extend(req, ids(*new))
-            assert slots.tolist() == req.indices[-len(new):].tolist()
-            self.apply_evictions()
-
-        @precondition(lambda self: self.flow.running)
-        @rule(i=st.integers(0, 99))
-        def cache(self, i: int) -> None:
-            req = self.pick(i)
-            n = req.num_computed // ps * ps
-            seq = tuple(req.input_ids[:n].tolist())
-            assert self.flow.cache(req) == self.longest(seq)
-            self.add(seq)
-            assert req.tree_len == n
-            self.check_match(seq, req.tree_len, req.indices)
-
-        @precondition(lambda self: self.flow.running)
-        @rule(i=st.integers(0, 99), how=st.sampled_from(["finish", "finish", "finish", "as is", "abort"]))
-        def end(self, i: int, how: str) -> None:
-            """Finish a request (storing what is left first, or as it is: refused unless all is
-            stored), or abort it."""
-            req = self.pick(i)
-            if how == "abort":
-                self.flow.abort(req)
-                return
-            if how == "finish":
-                self.store(req, len(req))
-            if req.num_computed != len(req):
-                before = self.observable()
-                with pytest.raises(RuntimeError, match="without stored K/V"):
-                    self.flow.finish(req)
-                assert self.observable() == before
-                return
-            seq = tuple(req.input_ids.tolist())
-            assert self.flow.finish(req) == self.longest(seq[:len(seq) // ps * ps])
-            self.add(seq)
-
-        @precondition(lambda self: self.m.num_blocks > 0)
-        @rule(size=st.integers(0, ps + 1))
-        def evict(self, size: int) -> None:
-            evictable = len(self.cached - self.locked()) * ps
-            if size > evictable:
-                before = dump(self.m)
-                with pytest.raises(RuntimeError, match="evictable"):
-                    self.m.evict(size)
-                assert dump(self.m) == before
-                self.evictions.clear()
-                return
-            out = self.m.evict(size)
-            self.flow.allocator.free(self.flow.allocator.slots_to_pages(out))
-            self.apply_evictions()
-
-        @rule(prompt=prompts)
-        def probe(self, prompt: Prefix) -> None:
-            handle, idx = self.m.match_prefix(ids(*prompt))
-            assert len(idx) == handle.cached_len and idx.dtype == torch.int32
-            self.check_match(prompt, handle.cached_len, idx)
-
-        @precondition(lambda self: not self.flow.running)
-        @rule()
-        def reset(self) -> None:
-            pages = self.flow.allocator.slots_to_pages(self.m.cached_indices())
-            self.m.reset()
-            self.flow.allocator.free(pages)
-            self.cached.clear()
-
-        # ---------------------------------------------------- invariants
-        @invariant()
-        def consistent(self) -> None:
-            if not hasattr(self, "m"):
-                return
-            self.flow.check_integrity()
-            got = prefixes_in(self.m)
-            assert set(got) == self.cached
-            for prefix, page in got.items():  # every cached slot holds its own prefix's K/V
-                for j in range(ps):
-                    assert self.content[page * ps + j] == prefix[:len(prefix) - ps + j + 1]
-            locked = self.locked()
-            assert self.m.size_info == SizeInfo(len(self.cached - locked) * ps, len(locked) * ps)
-            assert self.flow.allocator.num_free_pages == self.free_pages()
-            assert self.flow.allocator.num_free_pages + len(self.cached) + sum(
-                len(self.flow.allocator.slots_to_pages(r.indices[r.tree_len:])) for r in self.flow.running.values()
-            ) == num_pages
-
-    FlowMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
-                                             derandomize=True, suppress_health_check=[HealthCheck.too_slow,
-                                                                                      HealthCheck.filter_too_much])
-    return FlowMachine
-
-
-TestFlowPS1 = make_flow_machine(1, 10).TestCase
-TestFlowPS4 = make_flow_machine(4, 8).TestCase
-TestFlowPS2WeakHash = make_flow_machine(2, 8, hash_fn=lambda p, t: t[0] % 2).TestCase

@@ -1,4 +1,5 @@
-"""TP info is process-global state: every test leaves it unset (see the fixture)."""
+"""TP info is process-global state: every test starts and ends with it unset (the autouse fixture
+in conftest.py)."""
 
 from __future__ import annotations
 
@@ -16,13 +17,6 @@ from kvcache.storage.distributed import (
     set_tp_info,
     try_get_tp_info,
 )
-
-
-@pytest.fixture(autouse=True)
-def _clean_tp():
-    reset_tp_info()
-    yield
-    reset_tp_info()
 
 
 def test_unset_by_default():

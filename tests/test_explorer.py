@@ -236,7 +236,7 @@ def test_tree_pane_renders_the_dot_it_shows(widget_explorer):
     # node labels hold the text; the just-inserted leaf is green; the title is the last action
     assert "You are terse. What is a" in dot and "radix tree?" in dot
     assert 'class="kv-evictable kv-inserted"' in dot
-    assert 'insert &quot;You are terse. What is a ra' in dot  # the title (an HTML label, escaped)
+    assert "insert &quot;You are terse. What is a ra" in dot  # the title (an HTML label, escaped)
     # preview marks what evict N would take (the LRU leaf: "KV cache?")
     w.evict_n.value = 3
     w.preview.value = True

@@ -14,13 +14,6 @@ from kvcache.storage.mha_pool import MHAKVCache
 LF, PF = KVCacheLayout.LayerFirst, KVCacheLayout.PageFirst
 
 
-@pytest.fixture(autouse=True)
-def _clean_tp():
-    reset_tp_info()
-    yield
-    reset_tp_info()
-
-
 def make(layout=LF, *, heads=2, layers=3, head_dim=4, pages=5, page_size=1, dtype=torch.float32):
     return MHAKVCache(heads, layers, head_dim, pages, dtype, layout, "cpu", page_size=page_size)
 

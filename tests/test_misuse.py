@@ -7,6 +7,9 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import ids as t
+from conftest import slots as s
+from conftest import unchanged as watch
 
 from kvcache import (
     NaiveCacheManager,
@@ -15,14 +18,6 @@ from kvcache import (
     RequestFlow,
     SizeInfo,
 )
-
-
-def t(*xs: int) -> torch.Tensor:
-    return torch.tensor(xs, dtype=torch.int64)
-
-
-def s(*xs: int) -> torch.Tensor:
-    return torch.tensor(xs, dtype=torch.int32)
 
 
 def radix_state(m: RadixCacheManager) -> Any:
@@ -59,10 +54,8 @@ def populated(page_size: int = 1) -> RadixCacheManager:
 
 
 def unchanged(m: RadixCacheManager, call: Callable[[], Any], exc: type, match: str) -> None:
-    before = radix_state(m)
-    with pytest.raises(exc, match=match):
+    with watch(m), pytest.raises(exc, match=match):
         call()
-    assert radix_state(m) == before
     m.check_integrity()
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kvcache.kernels.store as store_module
 from kvcache import KVCacheLayout, NaiveCacheManager, PageAllocator, RadixCacheManager
 from kvcache.serving.engine import Engine
 from kvcache.serving.model import TinyLlama, TinyLlamaConfig
@@ -45,11 +44,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-@pytest.fixture
-def torch_store(monkeypatch):
-    monkeypatch.setattr(store_module, "TRITON_INTERPRET", False)
 
 
 @pytest.fixture(scope="module")

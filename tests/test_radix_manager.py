@@ -5,18 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import ids as t
+from conftest import slots as s
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcache import EVICTION_POLICIES, RadixCacheManager, SizeInfo, register_eviction_policy
-
-
-def t(*xs: int) -> torch.Tensor:
-    return torch.tensor(xs, dtype=torch.int64)
-
-
-def s(*xs: int) -> torch.Tensor:
-    return torch.tensor(xs, dtype=torch.int32)
 
 
 def test_partial_match_refreshes_the_matched_part():

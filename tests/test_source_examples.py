@@ -2,19 +2,12 @@
 
 import pytest
 import torch
+from conftest import ids, slots
 
 from kvcache import NaiveCacheManager, PageAllocator, RadixCacheManager, RequestFlow, SizeInfo
 
 # Token ids standing for the words of the examples.
 HELLO, WORLD, HOW, ARE, YOU, THERE, WHAT, IS, YOUR, NAME = range(10, 20)
-
-
-def ids(*xs: int) -> torch.Tensor:
-    return torch.tensor(xs, dtype=torch.int64)
-
-
-def slots(*xs: int) -> torch.Tensor:
-    return torch.tensor(xs, dtype=torch.int32)
 
 
 def test_section7_hello_world_flow():

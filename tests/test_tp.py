@@ -16,14 +16,7 @@ from kvcache.examples.tp_attention import (
     run_single_process,
     run_tp_attention,
 )
-from kvcache.storage.distributed import reset_tp_info, set_tp_info, try_get_tp_info
-
-
-@pytest.fixture(autouse=True)
-def _clean_tp():
-    reset_tp_info()
-    yield
-    reset_tp_info()
+from kvcache.storage.distributed import set_tp_info, try_get_tp_info
 
 
 @pytest.fixture(scope="module")

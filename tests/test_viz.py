@@ -15,6 +15,7 @@ from xml.etree import ElementTree
 
 import pytest
 import torch
+from conftest import slots
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -53,10 +54,6 @@ def words(text: str) -> torch.Tensor:
 
 def say(ids: list[int]) -> str:
     return " ".join(WORDS[i] for i in ids)
-
-
-def slots(*xs: int) -> torch.Tensor:
-    return torch.tensor(xs, dtype=torch.int32)
 
 
 def source_13_4() -> tuple[RadixCacheManager, TreeRecorder]:
