@@ -1,4 +1,5 @@
-"""What the kernel benchmarks share: timing, the copy-bandwidth ceiling and the device label.
+"""What the kernel benchmarks share: timing, the copy-bandwidth ceiling, the device label and
+where their JSON goes.
 
 Imported by ``benchmarks/store_kv.py`` and ``benchmarks/paged_decode.py`` after they have set (or
 not) ``TRITON_INTERPRET``; it imports torch but not triton or kvcache.
@@ -7,8 +8,10 @@ not) ``TRITON_INTERPRET``; it imports torch but not triton or kvcache.
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import platform
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -69,3 +72,12 @@ def device_label(device: torch.device) -> dict[str, object]:
         date=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         **extra,
     )
+
+
+def write_result(result: dict[str, object], out: str | Path | None, name: str) -> Path:
+    """Write ``result`` as JSON to ``out``, or to ``benchmarks/results/{name}.json``; say where."""
+    path = Path(out or Path(__file__).resolve().parent / "results" / f"{name}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    print(f"# wrote {path}")
+    return path

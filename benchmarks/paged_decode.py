@@ -24,7 +24,6 @@ bandwidth measured in the same run. Results go to a JSON file with the device, v
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Callable
@@ -65,7 +64,7 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_bench import copy_bandwidth, device_label, time_fn  # noqa: E402
+from kernel_bench import copy_bandwidth, device_label, time_fn, write_result  # noqa: E402
 
 from kvcache import KVCacheLayout  # noqa: E402
 from kvcache.kernels import paged_attention, paged_decode_attention, paged_decode_backend  # noqa: E402
@@ -173,12 +172,7 @@ def main(args: argparse.Namespace) -> dict:
         slot_distribution="random distinct slots (torch.randperm)",
         rows=rows,
     )
-    out = Path(
-        args.out or Path(__file__).resolve().parent / "results" / f"paged_decode-{device.type}.json"
-    )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"# wrote {out}")
+    write_result(result, args.out, f"paged_decode-{device.type}")
     return result
 
 

@@ -31,7 +31,6 @@ file with the device name, versions and date.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Callable
@@ -70,7 +69,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_bench import copy_bandwidth, device_label, time_fn  # noqa: E402
+from kernel_bench import copy_bandwidth, device_label, time_fn, write_result  # noqa: E402
 
 from kvcache import KVCacheLayout  # noqa: E402
 from kvcache.kernels import store_cache, store_cache_backend, store_cache_torch, store_cache_triton  # noqa: E402
@@ -215,12 +214,7 @@ def main(args: argparse.Namespace) -> dict:
         index_distribution="random distinct slots (torch.randperm)",
         rows=rows,
     )
-    out = Path(
-        args.out or Path(__file__).resolve().parent / "results" / f"store_kv-{device.type}.json"
-    )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"# wrote {out}")
+    write_result(result, args.out, f"store_kv-{device.type}")
     return result
 
 
