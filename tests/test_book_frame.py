@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from kvcache.viz.style import LEGEND_TEXT
+from kvcache.viz.style import LEGEND_TEXT, node_style
 
 REPO = Path(__file__).resolve().parents[1]
 BOOK = REPO / "book"
@@ -97,13 +97,31 @@ def test_bibliography_entries_have_labels_and_links():
         assert re.search(r"\]\(https://", chunk), f"entry without a stable link: {chunk[:80]!r}"
 
 
-def test_intro_colour_key_names_every_state():
+# The states a key entry stands for (a fill state, then the flag drawn over it), as the figures
+# combine them.
+KEY_STATES = {
+    "protected": ("protected",),
+    "evictable": ("evictable",),
+    "inserted": ("evictable", "inserted"),
+    "split": ("evictable", "split"),
+    "evict": ("evictable", "evict"),
+    "evicted": ("evicted",),
+}
+
+
+def test_intro_colour_key_matches_the_figures():
+    """One row per state of `LEGEND_TEXT`, in its words, with a swatch in the figures' own fill,
+    border colour and border style (so a palette change that forgets the page fails here)."""
     text = (BOOK / "intro.md").read_text()
     rows = [line for line in text.splitlines() if line.startswith("| ")]
-    for words in LEGEND_TEXT.values():
-        assert any(row.startswith(f"| {words} |") for row in rows), (
-            f"the landing page's colour key has no row for {words!r}"
-        )
+    assert set(KEY_STATES) == set(LEGEND_TEXT)
+    for state, words in LEGEND_TEXT.items():
+        row = next((r for r in rows if r.startswith(f"| {words} |")), None)
+        assert row, f"the landing page's colour key has no row for {words!r}"
+        style = node_style(KEY_STATES[state])
+        dash = "dashed" if "dashed" in style["style"] else "solid"
+        assert f"background:{style['fillcolor']};" in row, f"{words}: fill is not {style}"
+        assert f"{dash} {style['color']}" in row, f"{words}: border is not {style}"
 
 
 def test_intro_maps_every_chapter():
