@@ -1,0 +1,131 @@
+"""The book's frame: the landing page, the glossary and the bibliography.
+
+Checked from the markdown sources (no build needed): every glossary entry names the study guide's
+term and links a numbered chapter the toc lists; every bibliography entry has a `ref-` label; the
+landing page's colour key names every state the tree figures colour, in the package's own words.
+"""
+
+import re
+from pathlib import Path
+
+import yaml
+
+from kvcache.viz.style import LEGEND_TEXT, node_style
+
+REPO = Path(__file__).resolve().parents[1]
+BOOK = REPO / "book"
+
+
+def toc_chapters() -> set[str]:
+    """Document names (relative to book/) of the chapters in the toc's numbered parts."""
+    toc = yaml.safe_load((REPO / "_toc.yml").read_text())
+    return {
+        Path(ch["file"]).name
+        for part in toc["parts"]
+        if part.get("numbered")
+        for ch in part["chapters"]
+    }
+
+
+def toc_files() -> set[str]:
+    toc = yaml.safe_load((REPO / "_toc.yml").read_text())
+    return {ch["file"] for part in toc["parts"] for ch in part["chapters"]}
+
+
+def glossary_entries() -> list[tuple[list[str], str]]:
+    """(names, body) of each entry of the glossary directive."""
+    text = (BOOK / "glossary.md").read_text()
+    block = re.search(r"```\{glossary\}\n(.*?)\n```", text, re.S)
+    assert block, "glossary.md has no {glossary} directive"
+    entries: list[tuple[list[str], str]] = []
+    names: list[str] = []
+    body: list[str] = []
+    for line in block.group(1).splitlines():
+        if line and not line.startswith(" "):
+            if body:
+                entries.append((names, "\n".join(body)))
+                names, body = [], []
+            names.append(line.strip())
+        elif line.strip():
+            body.append(line.strip())
+    if names:
+        entries.append((names, "\n".join(body)))
+    return entries
+
+
+def test_toc_lists_the_glossary_and_bibliography():
+    files = toc_files()
+    assert {"book/glossary", "book/bibliography"} <= files
+
+
+def test_every_glossary_entry_has_the_guide_term_and_a_chapter():
+    chapters = toc_chapters()
+    entries = glossary_entries()
+    assert len(entries) >= 30, f"only {len(entries)} glossary entries"
+    for names, body in entries:
+        assert re.search(r"\*Guide:\* \S", body), f"{names}: no '*Guide:*' term (or '—')"
+        links = re.findall(r"\{chapter\}`([^`<]+?)`", body)
+        assert links, f"{names}: no {{chapter}} link to where it is taught"
+        for target in links:
+            assert target in chapters, f"{names}: links {target!r}, not a numbered chapter"
+            assert (BOOK / f"{target}.ipynb").exists(), f"{names}: {target}.ipynb missing"
+
+
+def test_glossary_names_are_unique():
+    seen: dict[str, list[str]] = {}
+    for names, _ in glossary_entries():
+        for n in names:
+            seen.setdefault(n.lower(), []).append(n)
+    twice = {k: v for k, v in seen.items() if len(v) > 1}
+    assert not twice, f"glossary terms defined twice: {twice}"
+
+
+def test_bibliography_entries_have_labels_and_links():
+    text = (BOOK / "bibliography.md").read_text()
+    labels = re.findall(r"^\((ref-[a-z0-9-]+)\)=$", text, re.M)
+    wanted = {
+        "ref-vllm",
+        "ref-sglang",
+        "ref-mini-sglang",
+        "ref-nano-vllm",
+        "ref-triton",
+        "ref-flashattention",
+    }
+    assert wanted <= set(labels), f"missing labels: {wanted - set(labels)}"
+    assert len(labels) == len(set(labels)), f"a label used twice: {labels}"
+    for chunk in re.split(r"^\(ref-[a-z0-9-]+\)=$", text, flags=re.M)[1:]:
+        assert re.search(r"\]\(https://", chunk), f"entry without a stable link: {chunk[:80]!r}"
+
+
+# The states a key entry stands for (a fill state, then the flag drawn over it), as the figures
+# combine them.
+KEY_STATES = {
+    "protected": ("protected",),
+    "evictable": ("evictable",),
+    "inserted": ("evictable", "inserted"),
+    "split": ("evictable", "split"),
+    "evict": ("evictable", "evict"),
+    "evicted": ("evicted",),
+}
+
+
+def test_intro_colour_key_matches_the_figures():
+    """One row per state of `LEGEND_TEXT`, in its words, with a swatch in the figures' own fill,
+    border colour and border style (so a palette change that forgets the page fails here)."""
+    text = (BOOK / "intro.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| ")]
+    assert set(KEY_STATES) == set(LEGEND_TEXT)
+    for state, words in LEGEND_TEXT.items():
+        row = next((r for r in rows if r.startswith(f"| {words} |")), None)
+        assert row, f"the landing page's colour key has no row for {words!r}"
+        style = node_style(KEY_STATES[state])
+        dash = "dashed" if "dashed" in style["style"] else "solid"
+        assert f"background:{style['fillcolor']};" in row, f"{words}: fill is not {style}"
+        assert f"{dash} {style['color']}" in row, f"{words}: border is not {style}"
+
+
+def test_intro_maps_every_chapter():
+    text = (BOOK / "intro.md").read_text()
+    linked = set(re.findall(r"\{chapter\}`Chapter <([^>]+)>`", text))
+    missing = toc_chapters() - linked
+    assert not missing, f"chapters missing from the landing page's map: {sorted(missing)}"
