@@ -40,7 +40,7 @@ from .radix_node import (
     token_array,
     unlock_path,
 )
-from .radix_roots import RadixRoots, evictable_leaf, path_tokens
+from .radix_roots import RadixRoots, path_tokens
 from .slot_owners import SlotOwners
 
 __all__ = ["RadixTreeNode", "RadixCacheHandle", "RadixCacheManager"]
@@ -121,6 +121,12 @@ class RadixCacheManager(RadixRoots):
     def _tick(self) -> int:
         self._clock += 1
         return self._clock
+
+    def _is_evictable_leaf(self, node: RadixTreeNode) -> bool:
+        """`evictable_leaf` through the slots (it is the eviction loop's test)."""
+        return (
+            node._in_tree and not node.ref_count and not node.children and node._parent is not None
+        )
 
     def _out(self, values: np.ndarray) -> torch.Tensor:
         out = torch.from_numpy(values)
@@ -365,7 +371,7 @@ class RadixCacheManager(RadixRoots):
         evicted: list[np.ndarray] = []
         freed, key_of = 0, self._key_of
         while freed < size:
-            node = self._leaves.pop(evictable_leaf)
+            node = self._leaves.pop(self._is_evictable_leaf)
             if self._events is not None:
                 tokens, root = path_tokens(node)
                 self._events.removed(self._root_keys[root.uuid], tokens, node._value.tolist())
