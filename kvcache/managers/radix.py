@@ -165,13 +165,13 @@ class RadixCacheManager(RadixRoots):
         self._num_nodes += 1
         return new
 
-    def _walk(self, ids_b: bytes, ids: np.ndarray, root: RadixTreeNode) -> _Walk:
+    def _walk(self, ids_b: bytes, ids: np.ndarray, root: RadixTreeNode | None = None) -> _Walk:
         """Follow ``ids_b`` (whole pages of int64 token bytes) down the tree; change nothing.
 
         Returns ``(path, matched_bytes, partial, cut)``: the nodes matched whole (root excluded),
         and the node after them matching only its first ``cut`` tokens (whole pages), or ``None``.
         """
-        node, pos, n = root, 0, len(ids_b)
+        node, pos, n = root or self.root_node, 0, len(ids_b)  # default: the None namespace
         path: list[RadixTreeNode] = []
         append, startswith = path.append, ids_b.startswith  # bound once: this loop is the hot path
         # The filing key of the page at byte ``pos``: the token (``ids.item``) or a tuple of them.
@@ -190,7 +190,7 @@ class RadixCacheManager(RadixRoots):
             node = child
         return path, pos, None, 0
 
-    def _commit(self, walk: _Walk, tic: int, root: RadixTreeNode) -> RadixTreeNode:
+    def _commit(self, walk: _Walk, tic: int, root: RadixTreeNode | None = None) -> RadixTreeNode:
         """Apply a walk: stamp the matched path with ``tic``, split the partial node; return the end."""
         path, _, partial, cut = walk
         for node in path:
@@ -199,7 +199,7 @@ class RadixCacheManager(RadixRoots):
             end = self._split_at(partial, cut)
             end.timestamp = tic
             return end
-        return path[-1] if path else root
+        return path[-1] if path else root or self.root_node
 
     # ------------------------------------------------------------- public
     def match_prefix(
