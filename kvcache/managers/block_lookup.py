@@ -118,7 +118,7 @@ class RequestHashes:
         self.width = 8 * page_size
         self.capacity = capacity
         self._entries: OrderedDict[
-            tuple[Hashable, bytes], tuple[bytes, list[int], list[CachedBlock], tuple[int, ...]]
+            Hashable, tuple[bytes, list[int], list[CachedBlock], tuple[int, ...]]
         ] = OrderedDict()
 
     def remember(
@@ -130,7 +130,8 @@ class RequestHashes:
     ) -> None:
         if len(rows):
             entries = self._entries
-            key = (extra_key, rows[0].tobytes())
+            first = rows[0].tobytes()
+            key = first if extra_key is None else (extra_key, first)  # bytes never equal a tuple
             entries.pop(key, None)
             entries[key] = (rows.tobytes(), hashes, chain, tuple(map(_KEY, chain)))
             if len(entries) > self.capacity:
@@ -145,7 +146,12 @@ class RequestHashes:
     ) -> tuple[list[int], list[CachedBlock]]:
         """The hashes of every row of ``rows`` (only rows not remembered are hashed) and the longest
         remembered chain that still matches them (possibly empty)."""
-        entry = self._entries.get((extra_key, rows[0].tobytes())) if len(rows) else None
+        first = rows[0].tobytes() if len(rows) else None
+        entry = (
+            None
+            if first is None
+            else self._entries.get(first if extra_key is None else (extra_key, first))
+        )
         if entry is not None:
             raw, hashes, chain, keys = entry
             n = min(len(hashes), len(rows))
