@@ -2,12 +2,16 @@
 
 `BaseCacheManager` (the contract every manager keeps), `NaiveCacheManager` (caches nothing),
 `RadixCacheManager` (a radix tree with pluggable eviction policies) and `BlockHashCacheManager`
-(chained block hashes, vLLM style). Managers see token ids and slot indices only: they import
-neither the storage, the kernels nor anything that serves or draws.
+(chained block hashes, vLLM style). Every manager keeps prefixes of different namespaces
+(``extra_key``) apart; the radix and block-hash ones can log `BlockStored`, `BlockRemoved` and
+`AllCleared` events (``events=True``, read with ``take_events()``) for a mirror outside.
+Managers see token ids and slot indices only: they import neither the storage, the kernels nor
+anything that serves or draws.
 """
 
 from .base import BaseCacheHandle, BaseCacheManager, InsertResult, SizeInfo
 from .block_hash import BlockHashCacheHandle, BlockHashCacheManager, CachedBlock
+from .cache_events import AllCleared, BlockRemoved, BlockStored, CacheEvent
 from .eviction import EVICTION_POLICIES, register_eviction_policy
 from .naive import NaiveCacheHandle, NaiveCacheManager
 from .radix import RadixCacheHandle, RadixCacheManager, RadixTreeNode
@@ -27,4 +31,8 @@ __all__ = [
     "CachedBlock",
     "EVICTION_POLICIES",
     "register_eviction_policy",
+    "BlockStored",
+    "BlockRemoved",
+    "AllCleared",
+    "CacheEvent",
 ]

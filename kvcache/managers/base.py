@@ -8,6 +8,7 @@ lives at ``[s // page_size, s % page_size]`` of a per-layer cache view.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -67,8 +68,11 @@ class BaseCacheManager(ABC):
     page_size: int = 1
 
     @abstractmethod
-    def match_prefix(self, input_ids: torch.Tensor) -> tuple[BaseCacheHandle, torch.Tensor]:
-        """Longest cached prefix of ``input_ids`` (1-D, CPU) and its slots (1-D int32)."""
+    def match_prefix(
+        self, input_ids: torch.Tensor, extra_key: Hashable = None
+    ) -> tuple[BaseCacheHandle, torch.Tensor]:
+        """Longest prefix of ``input_ids`` (1-D, CPU) cached under ``extra_key``, and its slots
+        (1-D int32). Prefixes cached under another key never match; ``None`` is a key too."""
 
     @abstractmethod
     def lock_handle(self, handle: BaseCacheHandle, unlock: bool = False) -> None:
@@ -80,8 +84,11 @@ class BaseCacheManager(ABC):
         """
 
     @abstractmethod
-    def insert_prefix(self, input_ids: torch.Tensor, indices: torch.Tensor) -> int:
-        """Cache ``input_ids`` whose K/V sit at ``indices``; return the length already cached."""
+    def insert_prefix(
+        self, input_ids: torch.Tensor, indices: torch.Tensor, extra_key: Hashable = None
+    ) -> int:
+        """Cache ``input_ids`` whose K/V sit at ``indices`` under the namespace ``extra_key``
+        (any hashable; ``TypeError`` otherwise); return the length already cached there."""
 
     @abstractmethod
     def evict(self, size: int) -> torch.Tensor:
@@ -100,15 +107,21 @@ class BaseCacheManager(ABC):
     def check_integrity(self) -> None:
         """Raise ``RuntimeError`` if the manager's bookkeeping is inconsistent."""
 
-    def insert_and_match(self, input_ids: torch.Tensor, indices: torch.Tensor) -> InsertResult:
+    def insert_and_match(
+        self, input_ids: torch.Tensor, indices: torch.Tensor, extra_key: Hashable = None
+    ) -> InsertResult:
         """`insert_prefix`, then the handle of what is now cached, in one call.
 
         The default runs the two public calls; a manager may override it to walk its index once
         (the request flow calls it on every `cache` and `finish`). Same validation and errors as
         `insert_prefix`; the returned handle is not locked.
         """
-        cached_len = self.insert_prefix(input_ids, indices)
-        handle, _ = self.match_prefix(input_ids)
+        if extra_key is None:  # a manager written before namespaces takes no key
+            cached_len = self.insert_prefix(input_ids, indices)
+            handle, _ = self.match_prefix(input_ids)
+        else:
+            cached_len = self.insert_prefix(input_ids, indices, extra_key)
+            handle, _ = self.match_prefix(input_ids, extra_key)
         return InsertResult(cached_len, handle)
 
     @abstractmethod

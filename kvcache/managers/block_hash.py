@@ -22,31 +22,14 @@ cached. Slots are built in NumPy; an insert validates its new blocks only. A han
 blocks it was made for, so locking one made since the last eviction re-checks nothing, and a
 match's LRU refresh waits for the next call, which skips it when it locks that very chain.
 
-Collisions. A 64-bit hash can collide (and a caller's ``hash_fn`` may be weak on purpose). Every
-block keeps its tokens and its parent's key, and a lookup compares both, so a collision can cost a
-cache hit but never returns another prefix's K/V. A block whose hash is taken by a different block
-is stored under the next free key (``hash + 1``, ``hash + 2``, ... modulo 2**64, its ``probe``
-offset), and lookups try every offset up to the largest ever used (``0`` unless a collision
-happened). A child's hash chains from its parent's hash, not its key, so probing changes no other
-block's name.
-
-Eviction rule. vLLM evicts any free block (an orphaned child just lingers, unmatchable). Here
-the cache's content must stay exact (`cached_indices`, `check_integrity`, the page accounting of
-`RequestFlow`), so a block is evicted only when no cached block chains from it. The free queue
-keeps **every free block after all of its cached descendants**, so its head is always a leaf and
-``evict`` pops from the head in ``O(1)`` per block, like vLLM. The order holds because a
-descendant's ref count never exceeds its ancestor's (a handle locks a whole chain) and an unlock
-releases a chain deepest block first; ``insert_prefix`` and ``match_prefix`` move a used chain's
-free blocks to the tail deepest first (new blocks are appended deepest first too), which also
-keeps the queue in least-recently-used order; locking and evicting only remove blocks.
-``check_integrity`` verifies the order; ``evict`` re-checks each victim has no children left.
+Collisions: see `block_lookup`. Eviction rule: see `block_evict`; ``check_integrity`` verifies the free queue's order.
 """
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict, deque
-from collections.abc import Iterator, Sequence
-from itertools import islice, repeat
+from collections import OrderedDict
+from collections.abc import Hashable, Iterator, Sequence
+from itertools import repeat
 from operator import attrgetter
 
 import numpy as np
@@ -54,11 +37,20 @@ import torch
 
 from .._validate import check_count, check_indices, check_positive_int, check_token_ids
 from .base import BaseCacheHandle, BaseCacheManager, InsertResult, SizeInfo
-from .block_hash_chain import ROOT_HASH_SEED, ChainHasher, HashFn, default_block_hash, token_array
+from .block_evict import evict_blocks
+from .block_hash_chain import (
+    ROOT_HASH_SEED,
+    ChainHasher,
+    HashFn,
+    default_block_hash,
+    key_seed,
+    token_array,
+)
 from .block_lookup import RequestHashes, walk
 from .block_pool import (
     BlockHashCacheHandle,
     CachedBlock,
+    chain_slots,
     check_pool,
     handle_chain,
     lock_blocks,
@@ -66,6 +58,7 @@ from .block_pool import (
     new_pages,
     release_blocks,
 )
+from .cache_events import CacheEvent, EventLog, check_extra_key, events_off
 
 __all__ = [
     "CachedBlock",
@@ -75,10 +68,7 @@ __all__ = [
     "default_block_hash",
 ]
 
-_PARENT = attrgetter("parent_hash")
 _KEY = attrgetter("block_hash")
-_CHILDREN = attrgetter("num_children")
-_PAGE = attrgetter("page")
 
 
 class BlockHashCacheManager(BaseCacheManager):
@@ -91,6 +81,10 @@ class BlockHashCacheManager(BaseCacheManager):
             default `default_block_hash`, computed for a whole sequence at once). ``tokens`` is a
             tuple of ints. A deliberately weak one (say ``lambda p, t: 0``) exercises the
             collision handling; results stay correct, lookups get slower.
+        events: keep the log `take_events` returns (keyword only; off by default: no cost).
+
+    Namespaces: a chain under ``extra_key`` starts from `key_seed` (not `ROOT_HASH_SEED`);
+    each block keeps the key, compared on every hit.
     """
 
     def __init__(
@@ -99,8 +93,11 @@ class BlockHashCacheManager(BaseCacheManager):
         page_size: int = 16,
         *,
         hash_fn: HashFn | None = None,
+        events: bool = False,
     ) -> None:
         check_positive_int(page_size, "page_size")
+        if not isinstance(events, bool):
+            raise TypeError(f"events must be a bool, got {type(events).__name__}")
         if hash_fn is not None and not callable(hash_fn):
             raise TypeError(f"hash_fn must be callable, got {type(hash_fn).__name__}")
         self.device = torch.device(device)
@@ -112,6 +109,7 @@ class BlockHashCacheManager(BaseCacheManager):
         self._clock = 0
         self._token = object()  # names this manager in the handles it makes
         self._epoch = 0  # bumped whenever a block leaves the cache
+        self._events = EventLog() if events else None
         self._init_state()
 
     # ------------------------------------------------------------------ state
@@ -169,13 +167,7 @@ class BlockHashCacheManager(BaseCacheManager):
 
     def _slots(self, chain: Sequence[CachedBlock]) -> torch.Tensor:
         """The slots of ``chain``'s pages, block after block (1-D int32 on ``device``)."""
-        if not chain:
-            return self.empty_tensor
-        pages = np.fromiter(map(_PAGE, chain), dtype=np.int32, count=len(chain))
-        if self.page_size > 1:
-            pages = (pages[:, None] * self.page_size + self._offsets).reshape(-1)
-        out = torch.from_numpy(pages)
-        return out if self.device.type == "cpu" else out.to(self.device)
+        return chain_slots(chain, self._offsets, self.device) if chain else self.empty_tensor
 
     def cached_indices(self) -> torch.Tensor:
         return self._slots(list(self._blocks.values()))
@@ -188,6 +180,17 @@ class BlockHashCacheManager(BaseCacheManager):
                 "unlock every handle first"
             )
         self._init_state()
+        if self._events is not None:
+            self._events.cleared()
+
+    def take_events(self) -> list[CacheEvent]:
+        """What was stored, removed and cleared since the last call, oldest first; empties the log.
+
+        ``RuntimeError`` unless the manager was built with ``events=True``.
+        """
+        if self._events is None:
+            raise events_off(type(self).__name__)
+        return self._events.take()
 
     # ----------------------------------------------------------- lookups
     def _rows(self, input_ids: torch.Tensor) -> np.ndarray:
@@ -219,24 +222,32 @@ class BlockHashCacheManager(BaseCacheManager):
         )
 
     # ------------------------------------------------------------- public
-    def match_prefix(self, input_ids: torch.Tensor) -> tuple[BlockHashCacheHandle, torch.Tensor]:
-        """Longest cached chain of full blocks of ``input_ids`` and its slots, in order.
+    def match_prefix(
+        self, input_ids: torch.Tensor, extra_key: Hashable = None
+    ) -> tuple[BlockHashCacheHandle, torch.Tensor]:
+        """Longest chain of full blocks of ``input_ids`` cached under ``extra_key``, and its slots.
 
         Not read-only: the matched blocks count as used (they move to the tail of the free queue).
         """
         rows = self._rows(input_ids)
-        hashes = self._hasher.chain(rows)
+        if extra_key is None:
+            hashes = self._hasher.chain(rows)
+        else:
+            hashes = self._hasher.chain(rows, key_seed(check_extra_key(extra_key)))
         self._flush()
-        chain = walk(self._blocks, self._max_probe, rows, hashes)
-        self._pending.remember(rows, hashes, chain)
+        chain = walk(self._blocks, self._max_probe, rows, hashes, (), extra_key)
+        self._pending.remember(rows, hashes, chain, extra_key)
         self._clock += 1
         handle = self._handle(chain)
         if chain:
             self._touch = (handle.blocks, self._clock)
         return handle, self._slots(chain)
 
-    def insert_prefix(self, input_ids: torch.Tensor, indices: torch.Tensor) -> int:
-        """Cache the full blocks of ``input_ids`` whose K/V sit at ``indices``; return the length already cached.
+    def insert_prefix(
+        self, input_ids: torch.Tensor, indices: torch.Tensor, extra_key: Hashable = None
+    ) -> int:
+        """Cache the full blocks of ``input_ids`` (at ``indices``) under ``extra_key``; return
+        the length already cached there.
 
         Only the blocks past the cached prefix are added (each takes the page of its indices);
         ``indices[:returned]`` (duplicates of cached blocks) and the tail past the last full block
@@ -245,30 +256,34 @@ class BlockHashCacheManager(BaseCacheManager):
         consecutive slots of one page, and its page must not already belong to the cache.
         Everything that can raise (including ``hash_fn``) runs before anything changes.
         """
-        return self._insert(input_ids, indices)[0]
+        return self._insert(input_ids, indices, extra_key)[0]
 
-    def insert_and_match(self, input_ids: torch.Tensor, indices: torch.Tensor) -> InsertResult:
+    def insert_and_match(
+        self, input_ids: torch.Tensor, indices: torch.Tensor, extra_key: Hashable = None
+    ) -> InsertResult:
         """`insert_prefix` and the (unlocked) handle on the whole inserted chain, in one walk."""
-        cached, chain = self._insert(input_ids, indices)
+        cached, chain = self._insert(input_ids, indices, extra_key)
         return InsertResult(cached, self._handle(chain))
 
     def _insert(
-        self, input_ids: torch.Tensor, indices: torch.Tensor
+        self, input_ids: torch.Tensor, indices: torch.Tensor, extra_key: Hashable
     ) -> tuple[int, list[CachedBlock]]:
         rows = self._rows(input_ids)
+        if extra_key is not None:
+            check_extra_key(extra_key)
         check_indices(indices, self.device)
         if indices.shape[0] != input_ids.shape[0]:
             raise ValueError(
                 f"len(indices) ({len(indices)}) must equal len(input_ids) ({len(input_ids)})"
             )
         self._flush()
-        hashes, known = self._pending.recall(rows, self._blocks, self._hasher)
-        chain = walk(self._blocks, self._max_probe, rows, hashes, known)
+        hashes, known = self._pending.recall(rows, self._blocks, self._hasher, extra_key)
+        chain = walk(self._blocks, self._max_probe, rows, hashes, known, extra_key)
         ps, m, nb = self.page_size, len(chain), len(rows)
         if m == nb:
             self._clock += 1
             self._use(chain, self._clock)
-            self._pending.remember(rows, hashes, chain)
+            self._pending.remember(rows, hashes, chain, extra_key)
             return m * ps, chain
         pages = new_pages(indices[m * ps : nb * ps], ps, self._page_owner)
         # Validation done; from here on nothing raises.
@@ -276,7 +291,7 @@ class BlockHashCacheManager(BaseCacheManager):
         tic = self._clock
         parent = chain[-1].block_hash if m else None
         keys, created, probe_max = new_blocks(
-            hashes[m:], parent, rows[m:], pages, self._blocks, self._max_probe, tic
+            hashes[m:], parent, rows[m:], pages, self._blocks, self._max_probe, tic, extra_key
         )
         if m:
             chain[-1].num_children += 1
@@ -286,7 +301,10 @@ class BlockHashCacheManager(BaseCacheManager):
         self._max_probe = probe_max
         self._use(chain, tic)
         chain += created
-        self._pending.remember(rows, hashes, chain)
+        self._pending.remember(rows, hashes, chain, extra_key)
+        if self._events is not None:
+            slots = indices[m * ps : nb * ps]
+            self._events.stored(extra_key, rows.reshape(-1).tolist(), slots.tolist())
         return m * ps, chain
 
     def _chain(self, handle: BaseCacheHandle) -> tuple[CachedBlock, ...]:
@@ -361,24 +379,10 @@ class BlockHashCacheManager(BaseCacheManager):
                 f"cannot evict {size} tokens: only {evictable} are evictable "
                 f"({self._num_locked * self.page_size} are locked)"
             )
-        keys = list(islice(self._free, -(-size // self.page_size)))
-        blocks, free = self._blocks, self._free
-        victims = list(map(blocks.__getitem__, keys))
-        parents = Counter(map(_PARENT, victims))
-        # Every victim's children must be victims too (the queue's order promises it).
-        if list(map(_CHILDREN, victims)) != list(map(parents.get, keys, repeat(0))):
-            bad = next(b for b in victims if b.num_children != parents.get(b.block_hash, 0))
-            raise RuntimeError(
-                f"internal error: free block {bad.block_hash:#018x} would be evicted before its "
-                f"{bad.num_children} children; nothing was evicted"
-            )
+        victims = evict_blocks(
+            self._blocks, self._free, self._page_owner, size, self.page_size, self._events
+        )
         self._epoch += 1
-        deque(map(free.pop, keys), 0)
-        deque(map(blocks.pop, keys), 0)
-        deque(map(self._page_owner.pop, map(_PAGE, victims)), 0)
-        for parent, count in parents.items():
-            if parent is not None and parent in blocks:
-                blocks[parent].num_children -= count
         return self._slots(victims)
 
     def check_integrity(self) -> None:

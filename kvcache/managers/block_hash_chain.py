@@ -16,12 +16,20 @@ nothing but the tokens: equal in every process and run.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import hashlib
+from collections.abc import Callable, Hashable
 
 import numpy as np
 import torch
 
-__all__ = ["ROOT_HASH_SEED", "HashFn", "default_block_hash", "token_array", "ChainHasher"]
+__all__ = [
+    "ROOT_HASH_SEED",
+    "HashFn",
+    "default_block_hash",
+    "token_array",
+    "ChainHasher",
+    "key_seed",
+]
 
 _MASK = (1 << 64) - 1
 #: What block 0 of every sequence chains from.
@@ -59,6 +67,18 @@ def default_block_hash(parent_hash: int, tokens: tuple[int, ...]) -> int:
         w = (w * _P) & _MASK
         c = (c + (t & _MASK) * w) & _MASK
     return (parent_hash * _M + _mix64(c)) & _MASK
+
+
+def key_seed(extra_key: Hashable) -> int:
+    """What block 0 chains from under namespace ``extra_key``: `ROOT_HASH_SEED` for ``None``,
+    else the seed mixed with a digest of ``repr(extra_key)`` and its type (the same in every
+    process, unlike ``hash`` of a str). Keys are still compared on every hit: a digest that
+    collides costs a hit, never another namespace's K/V."""
+    if extra_key is None:
+        return ROOT_HASH_SEED
+    raw = f"{type(extra_key).__qualname__}:{extra_key!r}".encode()
+    digest = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
+    return (ROOT_HASH_SEED ^ digest) & _MASK or 1
 
 
 def token_array(input_ids: torch.Tensor) -> np.ndarray:

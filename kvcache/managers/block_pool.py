@@ -3,7 +3,7 @@ integrity check over the whole pool of blocks."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, MutableMapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 
@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from .base import BaseCacheHandle
-from .block_hash_chain import ROOT_HASH_SEED, ChainHasher
+from .block_hash_chain import ChainHasher, key_seed
 
 __all__ = [
     "CachedBlock",
@@ -22,6 +22,7 @@ __all__ = [
     "new_blocks",
     "lock_blocks",
     "release_blocks",
+    "chain_slots",
 ]
 
 _MASK = (1 << 64) - 1
@@ -37,12 +38,14 @@ class CachedBlock:
     that chain from it. ``last_use`` is the manager's clock when it was last matched or inserted while
     free, or released.
     ``token_bytes`` holds the tokens as little-endian int64 (compared on every hit); ``tokens``
-    gives them as a tuple of ints. Read-only for callers.
+    gives them as a tuple of ints. ``extra_key`` is the namespace of the chain it belongs to.
+    Read-only for callers.
     """
 
     __slots__ = (
         "base",
         "block_hash",
+        "extra_key",
         "last_use",
         "num_children",
         "page",
@@ -62,7 +65,9 @@ class CachedBlock:
         last_use: int,
         probe: int = 0,
         num_children: int = 0,
+        extra_key: Hashable = None,
     ) -> None:
+        self.extra_key = extra_key
         self.block_hash = block_hash
         self.base = base
         self.parent_hash = parent_hash
@@ -203,6 +208,7 @@ def new_blocks(
     taken: Mapping[int, CachedBlock],
     max_probe: int,
     tic: int,
+    extra_key: Hashable = None,
 ) -> tuple[list[int], list[CachedBlock], int]:
     """The blocks an insert adds: one per row of ``rows`` (``(n, page_size)`` int64) with chained
     hash ``new_hashes[i]`` on page ``pages[i]``, the first chaining from key ``parent``.
@@ -241,6 +247,7 @@ def new_blocks(
             repeat(tic, n),
             repeat(0) if probes is None else probes,
             [1] * (n - 1) + [0],
+            repeat(extra_key, n),
         )
     )
     return keys, created, max_probe
@@ -271,6 +278,18 @@ def release_blocks(
             free[block.block_hash] = None
             released += 1
     return released
+
+
+def chain_slots(
+    chain: Sequence[CachedBlock], offsets: np.ndarray, device: torch.device
+) -> torch.Tensor:
+    """The slots of ``chain``'s pages (``offsets`` is ``arange(page_size)``), block after block,
+    as 1-D int32 on ``device``."""
+    pages = np.fromiter((b.page for b in chain), dtype=np.int32, count=len(chain))
+    if len(offsets) > 1:
+        pages = (pages[:, None] * len(offsets) + offsets).reshape(-1)
+    out = torch.from_numpy(pages)
+    return out if device.type == "cpu" else out.to(device)
 
 
 def check_pool(
@@ -312,13 +331,15 @@ def check_pool(
         parent = blocks.get(block.parent_hash) if block.parent_hash is not None else None
         if block.parent_hash is not None and parent is None:
             raise RuntimeError(f"{where}: parent {block.parent_hash:#018x} is not cached")
-        parent_base = parent.base if parent is not None else ROOT_HASH_SEED
+        parent_base = parent.base if parent is not None else key_seed(block.extra_key)
+        if parent is not None and parent.extra_key != block.extra_key:
+            raise RuntimeError(f"{where}: namespace {block.extra_key!r} under a block of another")
         if (
             block.base != hasher.one(parent_base, block.tokens)
             or key != (block.base + block.probe) & _MASK
         ):
             raise RuntimeError(f"{where}: hash does not match its parent and tokens")
-        content = (block.parent_hash, block.token_bytes)
+        content = (block.parent_hash, block.extra_key, block.token_bytes)
         if content in contents:
             raise RuntimeError(f"{where}: the same tokens after the same parent are cached twice")
         contents.add(content)

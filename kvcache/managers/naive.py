@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -9,6 +10,7 @@ import torch
 
 from .._validate import check_indices, check_positive_int, check_size, check_token_ids
 from .base import BaseCacheHandle, BaseCacheManager, SizeInfo
+from .cache_events import check_extra_key
 
 __all__ = ["NaiveCacheHandle", "NaiveCacheManager"]
 
@@ -33,8 +35,11 @@ class NaiveCacheManager(BaseCacheManager):
         self.empty_tensor = torch.empty(0, dtype=torch.int32, device=self.device)
         self._locks: dict[int, list[Any]] = {}  # id(handle) -> [handle, times locked]
 
-    def match_prefix(self, input_ids: torch.Tensor) -> tuple[NaiveCacheHandle, torch.Tensor]:
+    def match_prefix(
+        self, input_ids: torch.Tensor, extra_key: Hashable = None
+    ) -> tuple[NaiveCacheHandle, torch.Tensor]:
         check_token_ids(input_ids)
+        check_extra_key(extra_key)
         return NaiveCacheHandle(0), self.empty_tensor
 
     def lock_handle(self, handle: BaseCacheHandle, unlock: bool = False) -> None:
@@ -55,8 +60,11 @@ class NaiveCacheManager(BaseCacheManager):
         else:
             entry[1] -= 1
 
-    def insert_prefix(self, input_ids: torch.Tensor, indices: torch.Tensor) -> int:
+    def insert_prefix(
+        self, input_ids: torch.Tensor, indices: torch.Tensor, extra_key: Hashable = None
+    ) -> int:
         check_token_ids(input_ids)
+        check_extra_key(extra_key)
         check_indices(indices, self.device)
         if len(indices) != len(input_ids):
             raise ValueError(

@@ -17,21 +17,21 @@ No method recurses over the tree's depth.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Hashable
 from typing import Any
 
 import numpy as np
 import torch
 
 from .._validate import check_positive_int, check_size
-from .base import BaseCacheHandle, BaseCacheManager, InsertResult, SizeInfo
+from .base import BaseCacheHandle, InsertResult
+from .cache_events import EventLog, check_extra_key
 from .eviction import EVICTION_POLICIES, EvictionPolicy, LeafHeap
 from .radix_node import (
     ITEM,
     RadixCacheHandle,
     RadixTreeNode,
     TreeInfo,
-    census_tree,
     common_tokens,
     key_reader,
     lock_path,
@@ -40,6 +40,7 @@ from .radix_node import (
     token_array,
     unlock_path,
 )
+from .radix_roots import RadixRoots, path_tokens
 from .slot_owners import SlotOwners
 
 __all__ = ["RadixTreeNode", "RadixCacheHandle", "RadixCacheManager"]
@@ -47,7 +48,7 @@ __all__ = ["RadixTreeNode", "RadixCacheHandle", "RadixCacheManager"]
 _Walk = tuple[list[RadixTreeNode], int, RadixTreeNode | None, int]
 
 
-class RadixCacheManager(BaseCacheManager):
+class RadixCacheManager(RadixRoots):
     """Prefix cache on a radix tree.
 
     Args:
@@ -55,12 +56,24 @@ class RadixCacheManager(BaseCacheManager):
         page_size: tokens per page; matching and insertion only ever cover whole pages.
         eviction_policy: a name registered in `kvcache.managers.eviction.EVICTION_POLICIES`
             (``"lru"`` or ``"fifo"`` built in).
+        events: record what is stored, removed and cleared for `take_events` (keyword only;
+            off by default, when the log costs one ``is None`` test per insert and eviction).
+
+    Namespaces: each ``extra_key`` has its own root, made by its first insert (``None``'s is
+    ``root_node``); eviction, sizes and integrity cover every root.
     """
 
     def __init__(
-        self, device: torch.device | str = "cpu", page_size: int = 1, eviction_policy: str = "lru"
+        self,
+        device: torch.device | str = "cpu",
+        page_size: int = 1,
+        eviction_policy: str = "lru",
+        *,
+        events: bool = False,
     ) -> None:
         check_positive_int(page_size, "page_size")
+        if not isinstance(events, bool):
+            raise TypeError(f"events must be a bool, got {type(events).__name__}")
         if eviction_policy not in EVICTION_POLICIES:
             raise ValueError(
                 f"eviction_policy must be one of {sorted(EVICTION_POLICIES)}, got {eviction_policy!r}"
@@ -78,18 +91,25 @@ class RadixCacheManager(BaseCacheManager):
         self._unpack = struct.Struct(f"={page_size}q").unpack_from
         self._owners = SlotOwners(page_size)
         self._uuid = self._clock = 0
+        self._events = EventLog() if events else None
         self._init_tree()
 
     # ------------------------------------------------------------------ state
     def _init_tree(self) -> None:
         self._tree = TreeInfo(self.device)
-        self.root_node = self._node(b"", np.empty(0, dtype=np.int32), self._clock, self._clock)
-        self.root_node.ref_count = 1  # the root is never evicted
+        self.root_node = self._new_root()
+        self._roots: dict[Hashable, RadixTreeNode] = {None: self.root_node}
+        self._root_keys: dict[int, Hashable] = {self.root_node.uuid: None}
         self._evictable_size = self._protected_size = 0
         self._num_nodes = 0  # excluding the root
         self._leaves.clear()
         self._locks: dict[int, list[Any]] = {}  # id(handle) -> [handle, times locked]
         self._owners.clear()
+
+    def _new_root(self) -> RadixTreeNode:
+        root = self._node(b"", np.empty(0, dtype=np.int32), self._clock, self._clock)
+        root.ref_count = 1  # a root is never evicted
+        return root
 
     def _node(
         self, kb: bytes, value: np.ndarray, timestamp: int, insert_time: int
@@ -102,36 +122,15 @@ class RadixCacheManager(BaseCacheManager):
         self._clock += 1
         return self._clock
 
-    @property
-    def size_info(self) -> SizeInfo:
-        return SizeInfo(evictable_size=self._evictable_size, protected_size=self._protected_size)
+    def _is_evictable_leaf(self, node: RadixTreeNode) -> bool:
+        """`evictable_leaf` through the slots (it is the eviction loop's test)."""
+        return (
+            node._in_tree and not node.ref_count and not node.children and node._parent is not None
+        )
 
-    @property
-    def num_nodes(self) -> int:
-        """Nodes in the tree, the root excluded."""
-        return self._num_nodes
-
-    @property
-    def clock(self) -> int:
-        """The logical clock: incremented by every ``match_prefix`` and ``insert_prefix``."""
-        return self._clock
-
-    @property
-    def num_locked_handles(self) -> int:
-        """Distinct handles locked now (each counted once however often it was locked)."""
-        return len(self._locks)
-
-    def nodes(self) -> Iterator[RadixTreeNode]:
-        """Every node, the root first, depth first, children in insertion order."""
-        stack = [self.root_node]
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(reversed(list(node.children.values())))
-
-    def cached_indices(self) -> torch.Tensor:
-        values = [n.value_array for n in self.nodes() if not n.is_root()]
-        return self._out(np.concatenate(values)) if values else self.empty_tensor
+    def _out(self, values: np.ndarray) -> torch.Tensor:
+        out = torch.from_numpy(values)
+        return out if self._on_cpu else out.to(self.device)
 
     def reset(self) -> None:
         """Forget every prefix. Locks on empty (root) handles are forgotten with them."""
@@ -139,19 +138,12 @@ class RadixCacheManager(BaseCacheManager):
             raise RuntimeError(
                 f"cannot reset while {self._protected_size} tokens are locked; unlock every handle first"
             )
-        for node in self.nodes():
-            node._in_tree = False
+        for key in self._roots:
+            for node in self.nodes(key):
+                node._in_tree = False
         self._init_tree()
-
-    # ----------------------------------------------------------- helpers
-    def _out(self, values: np.ndarray) -> torch.Tensor:
-        out = torch.from_numpy(values)
-        return out if self._on_cpu else out.to(self.device)
-
-    def _is_evictable_leaf(self, node: RadixTreeNode) -> bool:
-        return (
-            node._in_tree and node.ref_count == 0 and not node.children and node._parent is not None
-        )
+        if self._events is not None:
+            self._events.cleared()
 
     # --------------------------------------------------------------- tree
     def _split_at(self, node: RadixTreeNode, pos: int) -> RadixTreeNode:
@@ -173,13 +165,13 @@ class RadixCacheManager(BaseCacheManager):
         self._num_nodes += 1
         return new
 
-    def _walk(self, ids_b: bytes, ids: np.ndarray) -> _Walk:
+    def _walk(self, ids_b: bytes, ids: np.ndarray, root: RadixTreeNode | None = None) -> _Walk:
         """Follow ``ids_b`` (whole pages of int64 token bytes) down the tree; change nothing.
 
         Returns ``(path, matched_bytes, partial, cut)``: the nodes matched whole (root excluded),
         and the node after them matching only its first ``cut`` tokens (whole pages), or ``None``.
         """
-        node, pos, n = self.root_node, 0, len(ids_b)
+        node, pos, n = root or self.root_node, 0, len(ids_b)  # default: the None namespace
         path: list[RadixTreeNode] = []
         append, startswith = path.append, ids_b.startswith  # bound once: this loop is the hot path
         # The filing key of the page at byte ``pos``: the token (``ids.item``) or a tuple of them.
@@ -198,7 +190,7 @@ class RadixCacheManager(BaseCacheManager):
             node = child
         return path, pos, None, 0
 
-    def _commit(self, walk: _Walk, tic: int) -> RadixTreeNode:
+    def _commit(self, walk: _Walk, tic: int, root: RadixTreeNode | None = None) -> RadixTreeNode:
         """Apply a walk: stamp the matched path with ``tic``, split the partial node; return the end."""
         path, _, partial, cut = walk
         for node in path:
@@ -207,19 +199,25 @@ class RadixCacheManager(BaseCacheManager):
             end = self._split_at(partial, cut)
             end.timestamp = tic
             return end
-        return path[-1] if path else self.root_node
+        return path[-1] if path else root or self.root_node
 
     # ------------------------------------------------------------- public
-    def match_prefix(self, input_ids: torch.Tensor) -> tuple[RadixCacheHandle, torch.Tensor]:
-        """Longest cached whole-page prefix of ``input_ids`` and its slots, in order.
+    def match_prefix(
+        self, input_ids: torch.Tensor, extra_key: Hashable = None
+    ) -> tuple[RadixCacheHandle, torch.Tensor]:
+        """Longest whole-page prefix of ``input_ids`` cached under ``extra_key``, and its slots.
 
         Not read-only: a node matched only in part is split so that the handle can point at the
         end of the match, and the matched path's timestamps are refreshed.
         """
         ids = token_array(input_ids)
+        root = self.root_node if extra_key is None else self._roots.get(check_extra_key(extra_key))
+        if root is None:  # a namespace never inserted into: nothing to match
+            self._tick()
+            return RadixCacheHandle(0, self.root_node), self.empty_tensor
         n = len(ids) // self.page_size * self.page_size
-        walk = self._walk(ids[:n].tobytes(), ids)
-        node = self._commit(walk, self._tick())
+        walk = self._walk(ids[:n].tobytes(), ids, root)
+        node = self._commit(walk, self._tick(), root)
         if walk[1] == 0:
             return RadixCacheHandle(0, self.root_node), self.empty_tensor
         values = [p._value for p in walk[0]]
@@ -228,22 +226,30 @@ class RadixCacheManager(BaseCacheManager):
         out = values[0].copy() if len(values) == 1 else np.concatenate(values)
         return RadixCacheHandle(walk[1] // ITEM, node), self._out(out)
 
-    def insert_prefix(self, input_ids: torch.Tensor, indices: torch.Tensor) -> int:
-        """Cache the whole-page part of ``input_ids`` with ``indices``; return the length already cached.
+    def insert_prefix(
+        self, input_ids: torch.Tensor, indices: torch.Tensor, extra_key: Hashable = None
+    ) -> int:
+        """Cache the whole-page part of ``input_ids`` with ``indices`` under ``extra_key``; return
+        the length already cached there.
 
         Only ``indices[returned:aligned]`` enter the tree (copied); ``indices[:returned]`` and the
         tail past the last whole page stay the caller's, to free or keep. Raises ``ValueError``
         (changing nothing) when a slot that would enter is negative, already held by the tree,
         listed twice, or (``page_size > 1``) not part of a whole aligned page.
         """
-        return self._insert(input_ids, indices).cached_len
+        return self._insert(input_ids, indices, extra_key).cached_len
 
-    def insert_and_match(self, input_ids: torch.Tensor, indices: torch.Tensor) -> InsertResult:
+    def insert_and_match(
+        self, input_ids: torch.Tensor, indices: torch.Tensor, extra_key: Hashable = None
+    ) -> InsertResult:
         """`insert_prefix` and the (unlocked) handle of the whole inserted prefix, in one walk."""
-        return self._insert(input_ids, indices)
+        return self._insert(input_ids, indices, extra_key)
 
-    def _insert(self, input_ids: torch.Tensor, indices: torch.Tensor) -> InsertResult:
+    def _insert(
+        self, input_ids: torch.Tensor, indices: torch.Tensor, extra_key: Hashable
+    ) -> InsertResult:
         ids = token_array(input_ids)
+        root = self.root_node if extra_key is None else self._roots.get(check_extra_key(extra_key))
         all_slots = slot_array(indices, self.device)
         if len(all_slots) != len(ids):
             raise ValueError(
@@ -251,14 +257,17 @@ class RadixCacheManager(BaseCacheManager):
             )
         n = len(ids) // self.page_size * self.page_size
         ids_b = ids[:n].tobytes()
-        walk = self._walk(ids_b, ids)
+        walk = self._walk(ids_b, ids, root) if root is not None else ([], 0, None, 0)
         pos = walk[1]
         prefix_len = pos // ITEM
         if prefix_len < n:  # check what would enter before anything changes
             slots = all_slots[prefix_len:n]
             self._owners.claim_new(slots)  # the last check: it holds the pages when it passes
+        if root is None:  # the namespace's first insert: its root, now that nothing can raise
+            root = self._roots[extra_key] = self._new_root()
+            self._root_keys[root.uuid] = extra_key
         tic = self._tick()
-        node = self._commit(walk, tic)
+        node = self._commit(walk, tic, root)
         if prefix_len == n:
             return InsertResult(prefix_len, RadixCacheHandle(n, node))
         new = self._node(ids_b[pos:], slots.copy(), tic, tic)
@@ -267,6 +276,8 @@ class RadixCacheManager(BaseCacheManager):
         self._num_nodes += 1
         self._evictable_size += n - prefix_len
         self._leaves.file(new)
+        if self._events is not None:
+            self._events.stored(extra_key, ids[:n].tolist(), slots.tolist())
         return InsertResult(prefix_len, RadixCacheHandle(n, new))
 
     def _checked_path_end(self, handle: BaseCacheHandle) -> RadixTreeNode:
@@ -361,6 +372,9 @@ class RadixCacheManager(BaseCacheManager):
         freed, key_of = 0, self._key_of
         while freed < size:
             node = self._leaves.pop(self._is_evictable_leaf)
+            if self._events is not None:
+                tokens, root = path_tokens(node)
+                self._events.removed(self._root_keys[root.uuid], tokens, node._value.tolist())
             evicted.append(node._value)
             freed += len(node._value)
             parent = node._parent
@@ -373,25 +387,3 @@ class RadixCacheManager(BaseCacheManager):
         out = evicted[0] if len(evicted) == 1 else np.concatenate(evicted)
         self._owners.release(out)
         return self._out(out)
-
-    # ---------------------------------------------------------- integrity
-    def check_integrity(self) -> None:
-        """Walk the whole tree (no recursion) and raise ``RuntimeError`` on the first inconsistency."""
-        evictable, protected, count, allv = census_tree(
-            self.root_node,
-            self._tree,
-            self.page_size,
-            self._key_of,
-            lambda c: self._is_evictable_leaf(c) and not self._leaves.is_filed(c),
-        )
-        if (evictable, protected) != (self._evictable_size, self._protected_size):
-            raise RuntimeError(
-                f"sizes disagree with the nodes: recorded (evictable={self._evictable_size}, "
-                f"protected={self._protected_size}), counted (evictable={evictable}, protected={protected})"
-            )
-        if count != self._num_nodes:
-            raise RuntimeError(f"recorded {self._num_nodes} nodes, counted {count}")
-        ps = self.page_size
-        pages = allv[::ps] // ps if ps > 1 else allv
-        if self._owners.count != len(pages) or not self._owners.held(pages.astype(np.int64)).all():
-            raise RuntimeError("the record of held slots disagrees with the slots in the tree")

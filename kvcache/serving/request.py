@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
+from .._validate import aligned_run_pages
 from ..managers.base import BaseCacheHandle
 
-__all__ = ["Request", "FlowStats", "FlowEvent", "Tracer", "HostCopy"]
+__all__ = ["Request", "FlowStats", "FlowEvent", "Tracer", "HostCopy", "keyed"]
+
+T = TypeVar("T")
 
 
 class Request:
@@ -30,6 +34,7 @@ class Request:
     __slots__ = (
         "_views",
         "device",
+        "extra_key",
         "finished",
         "handle",
         "host",
@@ -44,6 +49,8 @@ class Request:
     finished: bool
     device: torch.device
     host: HostCopy
+    #: The namespace the request matched in and inserts into (``RequestFlow.begin``'s key).
+    extra_key: Hashable
     #: The tensors last made, with the host copy and length they were made of (None: none yet).
     _views: tuple[HostCopy, int, torch.Tensor, torch.Tensor] | None
 
@@ -71,6 +78,7 @@ class Request:
         self.device = indices.device
         self.host = HostCopy(input_ids.numpy(), indices.cpu().numpy())
         self._views = None
+        self.extra_key = None
 
     @classmethod
     def from_host(
@@ -80,6 +88,7 @@ class Request:
         handle: BaseCacheHandle,
         reused_len: int,
         device: torch.device,
+        extra_key: Hashable = None,
     ) -> Request:
         """A request over ``host`` (taken as it is, not copied), ``num_computed = reused_len``."""
         req = cls.__new__(cls)
@@ -90,7 +99,7 @@ class Request:
             reused_len,
             False,
         )
-        req.device, req.host = device, host
+        req.device, req.host, req.extra_key = device, host, extra_key
         req._views = None
         return req
 
@@ -156,6 +165,12 @@ class FlowStats:
     decoded_tokens: int = 0
     evicted_tokens: int = 0
     evictions: int = 0
+
+    def count_request(self, prompt_tokens: int, reused_tokens: int) -> None:
+        """Count a request that begins with ``prompt_tokens``, ``reused_tokens`` of them cached."""
+        self.requests += 1
+        self.prompt_tokens += prompt_tokens
+        self.reused_tokens += reused_tokens
 
     @property
     def computed_tokens(self) -> int:
@@ -241,6 +256,16 @@ class HostCopy:
             grown_ids[:n], grown_slots[:n] = self.ids[:n], self.slots[:n]
             self.ids, self.slots = grown_ids, grown_slots
 
+    def finished_pages(self, lo: int, already: int, n: int, page_size: int) -> np.ndarray:
+        """The pages a finishing request frees after inserting its first ``n`` tokens: its own
+        pages in ``[lo, already)`` (the tree had them first) and those past ``n``. Both runs start
+        page-aligned, so their pages are every ``page_size``-th slot."""
+        tail = aligned_run_pages(self.slots[n : self.length], page_size)
+        if already <= lo:
+            return tail
+        dup = aligned_run_pages(self.slots[lo:already], page_size)
+        return np.concatenate([dup, tail]) if n < self.length else dup
+
     def append(self, ids: np.ndarray, slots: np.ndarray) -> None:
         """Append ``ids`` and their ``slots`` (same length)."""
         n, k = self.length, ids.shape[0]
@@ -248,3 +273,9 @@ class HostCopy:
         self.ids[n : n + k] = ids
         self.slots[n : n + k] = slots
         self.length = n + k
+
+
+def keyed(method: Callable[..., T], extra_key: Hashable, *args: Any) -> T:
+    """``method(*args, extra_key)``, or ``method(*args)`` for the ``None`` key, so that a manager
+    written before namespaces (no ``extra_key`` parameter) still serves the default one."""
+    return method(*args) if extra_key is None else method(*args, extra_key)

@@ -19,17 +19,18 @@ own pages in ``[tree_len, already_cached)``, which another request inserted firs
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 import torch
 
 from .._validate import aligned_run_pages, check_int_in, check_token_ids, reject_one_tensor
 from ..managers.base import BaseCacheHandle, BaseCacheManager
+from ..managers.cache_events import check_extra_key
 from .allocator import PageAllocator
 from .flow_pages import FlowPages
 from .integrity import check_flow_parts, check_page_partition
-from .request import FlowEvent, FlowStats, HostCopy, Request, Tracer
+from .request import FlowEvent, FlowStats, HostCopy, Request, Tracer, keyed
 
 __all__ = ["Request", "FlowStats", "FlowEvent", "RequestFlow"]
 
@@ -96,9 +97,9 @@ class RequestFlow:
 
     # ------------------------------------------------------------ steps
     def _match_lock(
-        self, rid: int, ids: torch.Tensor, compute_last: bool
+        self, rid: int, ids: torch.Tensor, compute_last: bool, key: Hashable
     ) -> tuple[BaseCacheHandle, torch.Tensor]:
-        handle, prefix = self.manager.match_prefix(ids[:-1] if compute_last else ids)
+        handle, prefix = keyed(self.manager.match_prefix, key, ids[:-1] if compute_last else ids)
         m = handle.cached_len
         if self._trace is not None:
             self._trace(rid, 1, "match_prefix", f"cached_len={m} indices={prefix.tolist()}")
@@ -108,29 +109,33 @@ class RequestFlow:
         return handle, prefix
 
     def _start(
-        self, rid: int, ids: np.ndarray, handle: BaseCacheHandle, prefix: torch.Tensor
+        self,
+        rid: int,
+        ids: np.ndarray,
+        handle: BaseCacheHandle,
+        prefix: torch.Tensor,
+        key: Hashable,
     ) -> Request:
         """Pages for the tokens past the cached prefix, then the running request (or raise with
         nothing taken)."""
         n, m = ids.shape[0], handle.cached_len
         host = HostCopy.with_room(n)
-        self._pages.allocate(
-            rid, n - m, host.slots[m:n]
-        )  # written in place: no copy of the new slots
+        self._pages.allocate(rid, n - m, host.slots[m:n])  # in place: the new slots, no copy
         host.ids[:n] = ids
         if m:
             host.slots[:m] = prefix.numpy() if prefix.is_cpu else prefix.cpu().numpy()
         host.length = n
-        req = Request.from_host(rid, host, handle, m, self._device)
+        req = Request.from_host(rid, host, handle, m, self._device, key)
         self.running[rid] = req
-        st = self.stats
-        st.requests += 1
-        st.prompt_tokens += n
-        st.reused_tokens += m
+        self.stats.count_request(n, m)
         return req
 
-    def begin(self, input_ids: torch.Tensor, *, compute_last: bool = False) -> Request:
+    def begin(
+        self, input_ids: torch.Tensor, *, compute_last: bool = False, extra_key: Hashable = None
+    ) -> Request:
         """Steps 1-3: match the longest cached prefix, lock it, allocate pages for the rest.
+
+        ``extra_key``: the namespace (tenant, adapter) it matches in and later inserts into.
 
         With ``compute_last=True`` the last token is never taken from the cache, so a model
         always has at least one token to run (to get the next-token logits).
@@ -138,22 +143,27 @@ class RequestFlow:
         lock is then released and no page changes hands (the match's LRU refresh stays).
         """
         check_token_ids(input_ids)
+        check_extra_key(extra_key)
         n = input_ids.shape[0]
         if n == 0:
             raise ValueError("input_ids must hold at least one token")
         ids = input_ids.numpy()
         rid = next(self._rids)
-        handle, prefix = self._match_lock(rid, input_ids, compute_last)
+        handle, prefix = self._match_lock(rid, input_ids, compute_last, extra_key)
         try:
-            return self._start(rid, ids, handle, prefix)
+            return self._start(rid, ids, handle, prefix, extra_key)
         except BaseException:
             self.manager.lock_handle(handle, unlock=True)
             raise
 
     def begin_batch(
-        self, prompts: Sequence[torch.Tensor], *, compute_last: bool = False
+        self,
+        prompts: Sequence[torch.Tensor],
+        *,
+        compute_last: bool = False,
+        extra_key: Hashable = None,
     ) -> list[Request]:
-        """`begin` for several prompts at once, all or nothing.
+        """`begin` for several prompts at once (all in namespace ``extra_key``), all or nothing.
 
         Every prompt is checked first; then all are matched and locked, and only if the pool
         can hold every one of them (after eviction) are pages taken, with one eviction for the
@@ -168,11 +178,12 @@ class RequestFlow:
             check_token_ids(p, f"prompts[{i}]")
             if p.shape[0] == 0:
                 raise ValueError(f"prompts[{i}] must hold at least one token")
+        check_extra_key(extra_key)
         rids = [next(self._rids) for _ in prompts]
         matched: list[tuple[BaseCacheHandle, torch.Tensor]] = []
         try:
             for rid, p in zip(rids, prompts, strict=True):
-                matched.append(self._match_lock(rid, p, compute_last))
+                matched.append(self._match_lock(rid, p, compute_last, extra_key))
             new = [p.shape[0] - h.cached_len for p, (h, _) in zip(prompts, matched, strict=True)]
             self._pages.make_room(rids[0], sum(-(-n // self.page_size) for n in new))
         except BaseException:
@@ -180,7 +191,7 @@ class RequestFlow:
                 self.manager.lock_handle(h, unlock=True)
             raise
         return [
-            self._start(rid, p.numpy(), h, prefix)
+            self._start(rid, p.numpy(), h, prefix, extra_key)
             for rid, p, (h, prefix) in zip(rids, prompts, matched, strict=True)
         ]
 
@@ -274,19 +285,12 @@ class RequestFlow:
         h = req.host
         length = h.length
         idx = torch.from_numpy(h.slots[:n]) if self._on_cpu else req.indices[:n]
-        res = self.manager.insert_and_match(torch.from_numpy(h.ids[:n]), idx)
+        res = keyed(self.manager.insert_and_match, req.extra_key, torch.from_numpy(h.ids[:n]), idx)
         already, lo = res.cached_len, req.tree_len
         if self._trace is not None:
             self._trace(req.rid, 4, "insert_prefix", f"{n} tokens, {already} already cached")
         if not keep_running:
-            # Runs from page-aligned positions: their pages are every page_size-th slot.
-            ps = self.page_size
-            if already > lo:
-                to_free = aligned_run_pages(h.slots[lo:already], ps)
-                if n < length:
-                    to_free = np.concatenate([to_free, aligned_run_pages(h.slots[n:length], ps)])
-            else:
-                to_free = aligned_run_pages(h.slots[n:length], ps)
+            to_free = h.finished_pages(lo, already, n, self.page_size)
             if to_free.shape[0]:
                 self.allocator.free(to_free)
             if self._trace is not None:

@@ -1,0 +1,138 @@
+"""`RadixRoots`: what a `RadixCacheManager` keeps per namespace and over all of them.
+
+Each ``extra_key`` has its own root (``None``'s is ``root_node``, made with the tree; any other
+is made by the key's first insert), so prefixes under different keys never share a node. This
+base class holds the parts that see every root at once: the node listings, the cached slots,
+the event log and the integrity check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from .base import BaseCacheManager, SizeInfo
+from .cache_events import CacheEvent, EventLog, check_extra_key, events_off
+from .eviction import LeafHeap
+from .radix_node import RadixTreeNode, TreeInfo, census_tree
+from .slot_owners import SlotOwners
+
+__all__ = ["RadixRoots", "evictable_leaf", "path_tokens"]
+
+
+def evictable_leaf(node: RadixTreeNode) -> bool:
+    """Whether ``node`` may be evicted now: in the tree, unlocked, childless, not a root."""
+    return node.in_tree and node.ref_count == 0 and not node.children and node.parent is not None
+
+
+def path_tokens(node: RadixTreeNode) -> tuple[list[int], RadixTreeNode]:
+    """The tokens from ``node``'s root down through ``node``, and that root."""
+    parts = []
+    while (up := node.parent) is not None:
+        parts.append(node.key_bytes)
+        node = up
+    return np.frombuffer(b"".join(reversed(parts)), dtype=np.int64).tolist(), node
+
+
+class RadixRoots(BaseCacheManager):
+    """The namespace-wide half of `RadixCacheManager` (not a manager on its own)."""
+
+    root_node: RadixTreeNode
+    empty_tensor: torch.Tensor
+    _roots: dict[Hashable, RadixTreeNode]
+    _root_keys: dict[int, Hashable]  # a root's uuid -> its extra_key
+    _events: EventLog | None
+    _tree: TreeInfo
+    _leaves: LeafHeap[RadixTreeNode]
+    _owners: SlotOwners
+    _evictable_size: int
+    _protected_size: int
+    _num_nodes: int
+    _clock: int
+    _locks: dict[int, list[Any]]  # id(handle) -> [handle, times locked]
+    _key_of: Callable[[bytes, int], Hashable]
+
+    @property
+    def size_info(self) -> SizeInfo:
+        return SizeInfo(evictable_size=self._evictable_size, protected_size=self._protected_size)
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes in the tree, the root excluded."""
+        return self._num_nodes
+
+    @property
+    def clock(self) -> int:
+        """The logical clock: incremented by every ``match_prefix`` and ``insert_prefix``."""
+        return self._clock
+
+    @property
+    def num_locked_handles(self) -> int:
+        """Distinct handles locked now (each counted once however often it was locked)."""
+        return len(self._locks)
+
+    @property
+    def roots(self) -> dict[Hashable, RadixTreeNode]:
+        """The root of each namespace (``extra_key``) inserted into since the last reset (a copy)."""
+        return dict(self._roots)
+
+    def take_events(self) -> list[CacheEvent]:
+        """What was stored, removed and cleared since the last call, oldest first; empties the log.
+
+        ``RuntimeError`` unless the manager was built with ``events=True``.
+        """
+        if self._events is None:
+            raise events_off(type(self).__name__)
+        return self._events.take()
+
+    def nodes(self, extra_key: Hashable = None) -> Iterator[RadixTreeNode]:
+        """Every node of namespace ``extra_key``'s tree (default ``None``'s), the root first,
+        depth first, children in insertion order."""
+        root = self._roots.get(check_extra_key(extra_key))
+        stack = [root] if root is not None else []
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(reversed(list(node.children.values())))
+
+    def cached_indices(self) -> torch.Tensor:
+        values = [n.value_array for k in self._roots for n in self.nodes(k) if not n.is_root()]
+        return (
+            torch.from_numpy(np.concatenate(values)).to(self.device)
+            if values
+            else self.empty_tensor
+        )
+
+    # ---------------------------------------------------------- integrity
+    def check_integrity(self) -> None:
+        """Walk every namespace's tree (no recursion) and raise ``RuntimeError`` on the first inconsistency."""
+        evictable = protected = count = 0
+        every: list[np.ndarray] = []
+        for root in self._roots.values():
+            part = census_tree(
+                root,
+                self._tree,
+                self.page_size,
+                self._key_of,
+                lambda c: evictable_leaf(c) and not self._leaves.is_filed(c),
+            )
+            evictable, protected = evictable + part.evictable, protected + part.protected
+            count += part.num_nodes
+            every.append(part.slots)
+        allv = np.concatenate(every)
+        if len(self._roots) > 1 and len(np.unique(allv)) != len(allv):
+            raise RuntimeError("a slot is held by two namespaces")
+        if (evictable, protected) != (self._evictable_size, self._protected_size):
+            raise RuntimeError(
+                f"sizes disagree with the nodes: recorded (evictable={self._evictable_size}, "
+                f"protected={self._protected_size}), counted (evictable={evictable}, protected={protected})"
+            )
+        if count != self._num_nodes:
+            raise RuntimeError(f"recorded {self._num_nodes} nodes, counted {count}")
+        ps = self.page_size
+        pages = allv[::ps] // ps if ps > 1 else allv
+        if self._owners.count != len(pages) or not self._owners.held(pages.astype(np.int64)).all():
+            raise RuntimeError("the record of held slots disagrees with the slots in the tree")
