@@ -3,7 +3,9 @@
 // Sphinx scores a page by its best single query word: a word in any section title counts as
 // much as the page's own title, so "radix tree" ranked "Integrity" (a section title with
 // "tree", "radix" in its text) level with "The radix tree", and ties go alphabetically. Here a
-// result whose page title (or section title) holds every word of the query comes first.
+// result whose page title (or section title) holds every word of the query comes first, above
+// index entries too (a glossary term scores up to 100 for an exact match, which would put the
+// glossary above the chapter that teaches the term).
 var Scorer = {
   score: (result) => {
     const [docname, title, anchor, descr, score, filename] = result;
@@ -11,7 +13,7 @@ var Scorer = {
     const words = query.toLowerCase().split(/\s+/).filter((w) => w.length > 2);
     const plain = (title || "").replace(/<[^>]*>/g, "").toLowerCase();
     const section = plain.includes(" > ") ? plain.split(" > ").pop() : plain;
-    if (words.length && words.every((w) => section.includes(w))) return score + (anchor ? 20 : 30);
+    if (words.length && words.every((w) => section.includes(w))) return score + (anchor ? 120 : 130);
     return score;
   },
   // Sphinx's defaults for everything else
