@@ -24,11 +24,12 @@ from urllib.parse import unquote, urlparse
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_site import (
+from test_site import (  # noqa: F401  (browser: the module's Chromium fixture)
     HTML,
     PAGE_TIMEOUT_S,
     Chromium,
     DevToolsError,
+    browser,
     find_chromium,
     needs_site,
     page_id,
@@ -102,25 +103,25 @@ MEASURE = r"""
 """.replace("%(tol)s", str(TOLERANCE))
 
 
-def measure(browser: Chromium, url: str) -> list[dict]:
+def measure(chrome: Chromium, url: str) -> list[dict]:
     """Open ``url`` in a fresh tab, wait for its load event, and run `MEASURE` in it."""
-    target = browser.call("Target.createTarget", {"url": "about:blank"})["targetId"]
-    session = browser.call("Target.attachToTarget", {"targetId": target, "flatten": True})[
+    target = chrome.call("Target.createTarget", {"url": "about:blank"})["targetId"]
+    session = chrome.call("Target.attachToTarget", {"targetId": target, "flatten": True})[
         "sessionId"
     ]
     try:
-        browser.call("Page.enable", session=session)
-        browser.take_events()
-        browser.call("Page.navigate", {"url": url}, session=session)
+        chrome.call("Page.enable", session=session)
+        chrome.take_events()
+        chrome.call("Page.navigate", {"url": url}, session=session)
         deadline = time.monotonic() + PAGE_TIMEOUT_S
         while not any(
             e.get("method") == "Page.loadEventFired" and e.get("sessionId") == session
-            for e in browser.take_events()
+            for e in chrome.take_events()
         ):
             if time.monotonic() > deadline:
                 raise DevToolsError(f"{url} did not load within {PAGE_TIMEOUT_S}s")
             time.sleep(0.05)
-        result = browser.call(
+        result = chrome.call(
             "Runtime.evaluate",
             {"expression": MEASURE, "awaitPromise": True, "returnByValue": True},
             session=session,
@@ -130,7 +131,7 @@ def measure(browser: Chromium, url: str) -> list[dict]:
             raise DevToolsError(f"measuring {url} failed: {result['exceptionDetails']}")
         return result["result"]["value"]
     finally:
-        browser.call("Target.closeTarget", {"targetId": target})
+        chrome.call("Target.closeTarget", {"targetId": target})
 
 
 def graphviz_images(page: Path) -> list[Path]:
@@ -157,16 +158,6 @@ def tree_pages() -> list[Path]:
     return pages
 
 
-@pytest.fixture(scope="module")
-def browser():
-    exe = find_chromium()
-    if exe is None:
-        pytest.fail("Chromium not found (Debian: apt-get install -y chromium; make setup does it)")
-    b = Chromium(exe)
-    yield b
-    b.close()
-
-
 @needs_site
 def test_some_page_shows_a_tree():
     assert tree_pages(), f"no page under {HTML / 'book'} shows a tree figure"
@@ -174,7 +165,7 @@ def test_some_page_shows_a_tree():
 
 @needs_site
 @pytest.mark.parametrize("page", tree_pages(), ids=page_id)
-def test_tree_text_fits_its_shapes(browser, page):
+def test_tree_text_fits_its_shapes(browser, page):  # noqa: F811  (the fixture from test_site)
     """No text of a tree figure runs past its node, its panel or the figure's edge."""
     figures = measure(browser, page.as_uri())
     for svg in graphviz_images(page):
