@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -160,6 +161,10 @@ class SourceRadixCacheManager(BaseCacheManager):
                 stack.extend(node.children.values())
         return leaves
 
+    def _child_key(self, node: SourceNode) -> Hashable:
+        """The key ``node`` is filed under in its parent's children (its first token)."""
+        return int(node._key[0].item())
+
     def evict(self, size: int) -> torch.Tensor:
         if size == 0:
             return self.empty_tensor
@@ -174,7 +179,7 @@ class SourceRadixCacheManager(BaseCacheManager):
             evicted.append(node.value)
             self.evictable_size -= node.length
             parent = node.parent
-            del parent.children[int(node._key[0].item())]
+            del parent.children[self._child_key(node)]
             if parent.is_leaf() and parent.ref_count == 0:
                 heapq.heappush(leaves, parent)
         return torch.cat(evicted)

@@ -12,7 +12,6 @@ unchanged: one ``tolist`` per child lookup, a full tree scan and a fresh heap on
 
 from __future__ import annotations
 
-import heapq
 import time
 from collections.abc import Hashable
 
@@ -92,21 +91,5 @@ class PagedSourceRadixCacheManager(SourceRadixCacheManager):
             self.evictable_size += new_node.length
         return prefix_len
 
-    def evict(self, size: int) -> torch.Tensor:
-        if size == 0:
-            return self.empty_tensor
-        if size > self.evictable_size:
-            raise RuntimeError(f"cannot evict {size}: only {self.evictable_size} evictable")
-        leaves = self._collect_leave_nodes_for_evict()
-        heapq.heapify(leaves)
-        evicted, evicted_size = [], 0
-        while evicted_size < size:
-            node = heapq.heappop(leaves)
-            evicted_size += node.length
-            evicted.append(node.value)
-            self.evictable_size -= node.length
-            parent = node.parent
-            del parent.children[_page_key(node._key, self.page_size)]  # type: ignore[arg-type]
-            if parent.is_leaf() and parent.ref_count == 0:
-                heapq.heappush(leaves, parent)
-        return torch.cat(evicted)
+    def _child_key(self, node: SourceNode) -> Hashable:
+        return _page_key(node._key, self.page_size)
