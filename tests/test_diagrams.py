@@ -127,6 +127,9 @@ def test_request_steps_follow_the_flow():
         "begin(input_ids)",
         "finish(req)",
         "mark_computed(req)",
+        "the flow calls",  # the colour key
+        "the caller calls",
+        "returns",
     ):
         assert name in labels
     calls = [call for _, _, _, call, _ in REQUEST_STEPS]

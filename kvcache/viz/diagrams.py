@@ -12,9 +12,8 @@ Three matplotlib figures in the book's style (its font `FONT`, ink and palette f
   caller, `RequestFlow`, the manager, the `PageAllocator` and the pool; given a request's traced
   `FlowEvent` list it prints what each step found under its arrow.
 
-Each returns a `DiagramFigure`, a ``matplotlib.figure.Figure`` (no pyplot state) that Jupyter
-shows as SVG with its text drawn as paths, so it reads the same at any width. Sizes are chosen
-so that the smallest text stays about 8 px high when the figure is shown 420 px wide.
+Each returns a `DiagramFigure`: a matplotlib ``Figure`` (no pyplot state) shown as SVG, text as
+paths; the smallest text stays about 8 px high when a figure is shown 420 px wide.
 """
 
 from __future__ import annotations
@@ -118,12 +117,11 @@ def _runs(positions: Sequence[int]) -> list[tuple[int, int]]:
 def pool_block_order(
     layout: KVCacheLayout, num_layers: int, num_pages: int
 ) -> list[tuple[int, int, int]]:
-    """``(kv, layer, page)`` of each page-of-one-layer block of a pool's buffer, in memory order.
+    """``(kv, layer, page)`` (``kv``: 0 = K, 1 = V) of each block of a pool's buffer, in memory order.
 
-    ``kv`` is 0 for K, 1 for V. Read off a real `MHAKVCache` on the ``meta`` device (one head of
-    one element, one slot a page: a block of any geometry is ``page_size * heads * head_dim``
-    contiguous elements in the same order): the storage offset of ``k_cache(l)[p]`` and
-    ``v_cache(l)[p]``.
+    A block is one page of one layer, ``page_size * heads * head_dim`` contiguous elements; the
+    order is read off the storage offsets of ``k_cache(l)[p]`` / ``v_cache(l)[p]`` of a real
+    `MHAKVCache` on the ``meta`` device.
     """
     if not isinstance(layout, KVCacheLayout):
         raise TypeError(f"layout must be a KVCacheLayout, got {type(layout).__name__}")
@@ -342,13 +340,13 @@ def draw_request_steps(events: Sequence[FlowEvent] | None = None) -> DiagramFigu
             rows.append(("phase", "mark_computed(req)"))
     row_h = {"phase": 0.44, "call": 0.46, "detail": 0.28, "return": 0.4}
     head = 0.75
-    height = head + sum(row_h[r[0]] for r in rows) + 0.2
+    height = head + sum(row_h[r[0]] for r in rows) + 0.55
     width = left + 0.45 + (len(_LANES) - 1) * lane_w + 0.65
     fig, ax = _canvas(width, height)
     for key, label in _LANES.items():
         _box(ax, xs[key] - 0.55, 0.08, 1.1, 0.52, PALETTE["root"]["fillcolor"], EDGE, rounded=0.06)
         _text(ax, xs[key], 0.34, label, size=_FS - 1.5, linespacing=1.15)
-        ax.plot([xs[key]] * 2, [0.6, height - 0.1], color=EDGE, lw=1, ls=(0, (4, 3)), zorder=0)
+        ax.plot([xs[key]] * 2, [0.6, height - 0.45], color=EDGE, lw=1, ls=(0, (4, 3)), zorder=0)
     y = head
     for kind, *rest in rows:
         h = row_h[kind]
@@ -373,6 +371,11 @@ def draw_request_steps(events: Sequence[FlowEvent] | None = None) -> DiagramFigu
             at = (xs[src] + xs[dst]) / 2, mid - (0.02 if kind == "detail" else 0.07)
             _text(ax, *at, text, size=_FS - 1.5, color=META_INK, bbox=_BOX)
         y += h
+    blue, green = PALETTE["protected"]["color"], PALETTE["inserted"]["color"]
+    legend = ((blue, True, "the flow calls"), (green, True, "the caller calls"))
+    for n, (colour, solid, words) in enumerate((*legend, (META_INK, False, "returns"))):
+        _arrow(ax, left + n * 1.85, left + n * 1.85 + 0.35, height - 0.22, colour, solid)
+        _text(ax, left + n * 1.85 + 0.45, height - 0.22, words, size=_FS - 1.5, ha="left")
     return fig
 
 
