@@ -30,7 +30,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -149,27 +149,29 @@ class Router:
             raise ValueError(f"balance_abs_threshold must be >= 0, got {balance_abs_threshold}")
         self.balance_rel_threshold = _number(balance_rel_threshold, "balance_rel_threshold", 1.0)
         self.event_delay_s = _number(event_delay_s, "event_delay_s", 0.0)
+        takes: list[Callable[[], list[CacheEvent]]] = []
         for i, s in enumerate(replicas):
+            take = getattr(s.flow.manager, "take_events", None)  # radix and block-hash have it
             if not s.idle or s.steps or s.requests:
                 raise ValueError(f"replicas[{i}] has served requests already; give a fresh one")
-            if s.flow.manager.size_info.total_size or not callable(
-                getattr(s.flow.manager, "take_events", None)
-            ):
+            if s.flow.manager.size_info.total_size or not callable(take):
                 raise ValueError(
                     f"replicas[{i}]'s manager must be a radix or block-hash manager with an "
                     f"empty cache, got {type(s.flow.manager).__name__} holding "
                     f"{s.flow.manager.size_info.total_size} tokens"
                 )
+            takes.append(take)
         mirrors = [PrefixMirror(s.flow.page_size) for s in replicas]
-        for i, s in enumerate(replicas):
+        for i, take in enumerate(takes):
             try:  # the caches are empty: whatever the logs held nets to nothing
-                mirrors[i].apply(s.flow.manager.take_events())
+                mirrors[i].apply(take())
             except RuntimeError:
                 raise ValueError(
                     f"replicas[{i}]'s manager records no events; construct it with events=True"
                 ) from None
         self.replicas: tuple[Scheduler, ...] = tuple(replicas)
         self.mirrors: tuple[PrefixMirror, ...] = tuple(mirrors)
+        self._take_events = tuple(takes)
         self.policy = policy
         self.balance_abs_threshold = balance_abs_threshold
         self.now = 0.0
@@ -272,7 +274,7 @@ class Router:
             flow_req = sched.requests[sid].flow_req
             if rid not in self._realized and flow_req is not None:
                 self._realized[rid] = flow_req.reused_len
-        events = sched.flow.manager.take_events()
+        events = self._take_events[r]()
         if events:
             due = sched.clock + self.event_delay_s
             heapq.heappush(self._in_flight, (due, next(self._seq), r, events))
@@ -289,8 +291,8 @@ class Router:
         """Deliver every event published or not yet taken, whatever its delay (the mirrors then
         equal the replicas' caches)."""
         self._deliver(math.inf)
-        for r, s in enumerate(self.replicas):
-            self.mirrors[r].apply(s.flow.manager.take_events())
+        for r, take in enumerate(self._take_events):
+            self.mirrors[r].apply(take())
 
     def run(self, jobs: Sequence[Job], arrivals: Sequence[float] | None = None) -> RouterReport:
         """Serve ``jobs`` (their outputs forced) arriving at ``arrivals`` (non-decreasing, from
