@@ -43,6 +43,7 @@ from .workloads import Job
 
 __all__ = ["Router", "RouterReport", "ROUTING_POLICIES", "poisson_arrivals"]
 
+#: The policies a `Router` takes (see the module docstring of `kvcache.serving.router`).
 ROUTING_POLICIES = ("cache_aware", "round_robin", "least_loaded")
 
 
@@ -71,11 +72,18 @@ class RouterReport:
     predicted_tokens: int
     realized_tokens: int
     mean_events_in_flight: float
+    busy_seconds: float
 
     @property
     def throughput(self) -> float:
         """Output tokens per simulated second, from the first arrival to the last step."""
         return self.output_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def tokens_per_busy_second(self) -> float:
+        """Output tokens per replica-second spent stepping (the GPU time the run cost): unlike
+        `throughput` it does not depend on how fast requests arrive."""
+        return self.output_tokens / self.busy_seconds if self.busy_seconds else 0.0
 
     @property
     def hit_rate(self) -> float:
@@ -346,6 +354,11 @@ class Router:
             predicted_tokens=sum(self._predicted[i] for i in self._realized),
             realized_tokens=sum(self._realized.values()),
             mean_events_in_flight=self._flight_sum / len(self.placement) if self.placement else 0.0,
+            busy_seconds=sum(
+                s.cost_model.step_seconds(rec.num_tokens)
+                for s in self.replicas
+                for rec in s.history
+            ),
         )
 
     def check_integrity(self) -> None:
