@@ -19,7 +19,7 @@ from conftest import ids, observe
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from test_events import cached_pages
+from test_events import MAKERS, EventMirror, cached_pages, replay
 
 from kvcache import (
     BlockHashCacheManager,
@@ -217,6 +217,37 @@ def test_the_mirror_rejects_events_that_do_not_fit_and_stays_as_it_was() -> None
     assert m.pages() == {} and m.cached_tokens == 0
 
 
+class PrefixMirrorReplay(EventMirror):
+    """`test_events`'s machine (inserts, matches that split, locks, evictions, resets under
+    several namespaces), with a `PrefixMirror` fed the same events: it must equal both the
+    manager's cached set and the test's own replay after every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trie = PrefixMirror(self.ps)
+
+    @invariant()
+    def mirror_equals_cache(self) -> None:
+        events = self.m.take_events()
+        replay(self.mirror, events, self.ps)
+        self.trie.apply(events)
+        assert self.trie.pages() == self.mirror == cached_pages(self.m)
+        assert self.trie.cached_tokens == self.m.size_info.total_size
+        for (key, toks), _ in self.mirror.items():
+            assert self.trie.match(ids(*toks), extra_key=key) >= len(toks)
+
+
+@pytest.mark.parametrize("make", list(MAKERS))
+def test_prefix_mirror_replays_every_namespace(make: str) -> None:
+    machine: type[PrefixMirrorReplay] = type(
+        f"PrefixMirrorReplay_{make}", (PrefixMirrorReplay,), {"make": make}
+    )
+    machine.TestCase.settings = settings(
+        max_examples=25, stateful_step_count=30, deadline=None, derandomize=True
+    )
+    machine.TestCase().runTest()
+
+
 # ------------------------------------------------------------------ misuse
 def test_bad_replica_lists_are_refused_and_leave_the_replicas_as_they_were() -> None:
     good = replicas("radix-1", 2)
@@ -279,6 +310,8 @@ def test_refused_calls_leave_the_router_unchanged(policy: str) -> None:
         (lambda: r.submit(ids(1, 2), 2, ids(5)), ValueError, "forced"),
         (lambda: r.submit(ids(*range(17)), 2, ids(5, 5)), ValueError, "never fit"),
         (lambda: r.submit(torch.tensor([1.0]), 1, ids(5)), TypeError, "prompt"),
+        (lambda: r.submit([1, 2], 1, ids(5)), TypeError, "prompt must be a torch.Tensor"),
+        (lambda: r.route(ids(1, 2).reshape(1, 2)), ValueError, "prompt must be 1-D"),
         (lambda: r.run([], [1.0]), ValueError, "arrivals holds 1"),
         (lambda: r.run(few_shot(2, seed=0), [2.0, 1.5]), ValueError, r"arrivals\[1\]"),
     ]

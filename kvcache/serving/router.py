@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._validate import check_token_ids
 from ..managers.cache_events import CacheEvent
 from .cost_model import percentile
 from .prefix_mirror import PrefixMirror
@@ -209,7 +210,13 @@ class Router:
     # ------------------------------------------------------------------ deciding
     def route(self, prompt: torch.Tensor) -> tuple[int, str, int]:
         """Where ``prompt`` would go now: ``(replica, reason, predicted prefix tokens)``; reason is
-        ``"prefix"``, ``"load"`` or ``"room"`` (round robin: ``"load"``). Changes nothing."""
+        ``"prefix"``, ``"load"`` or ``"room"`` (round robin: ``"load"``). Changes nothing.
+
+        ``prompt``: 1-D integer token ids on the CPU, at least one (``TypeError``/``ValueError``).
+        """
+        check_token_ids(prompt, "prompt")
+        if len(prompt) == 0:
+            raise ValueError("prompt must hold at least one token")
         n = self.num_replicas
         toks = prompt[:-1]  # the last prompt token is always computed (it yields the logits)
         matches = [m.match(toks) for m in self.mirrors]
@@ -246,7 +253,9 @@ class Router:
         queue it there; returns its router id (`placement` maps it to ``(replica, sid)``).
 
         The events due by ``at`` reach the mirrors first. A request the chosen replica refuses
-        (`Scheduler.submit`'s errors) changes nothing here."""
+        (`Scheduler.submit`'s errors) changes nothing here. An idle replica's clock jumps to
+        ``at``; a busy one's is left alone (`run` steps every busy replica up to an arrival
+        before it submits, so that a request never starts before it arrived)."""
         t = self.now if at is None else _number(at, "at", self.now)
         self._deliver(t)
         r, reason, predicted = self.route(prompt)
