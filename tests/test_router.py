@@ -190,8 +190,26 @@ def test_a_routed_run_reports_every_request_and_round_robin_spreads_them_evenly(
         assert rep.output_tokens == sum(len(j.output) for j in jobs)
         figures[policy] = rep
     assert figures["round_robin"].routed == (8, 8, 8)
+    assert figures["round_robin"].by_load == 24 and figures["least_loaded"].by_prefix == 0
     assert figures["cache_aware"].by_prefix > 0
     assert figures["cache_aware"].hit_rate >= figures["round_robin"].hit_rate
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.003, 0.05])
+def test_a_run_keeps_arrival_times_and_late_mirrors_catch_up(delay: float) -> None:
+    jobs = few_shot(30, num_tasks=2, shots=2, shot_len=12, output_len=(1, 5), seed=4)
+    arrivals = poisson_arrivals(len(jobs), 300.0, seed=1)
+    r = Router(replicas("block-2", 2, pages=40, token_budget=16), event_delay_s=delay)
+    rep = r.run(jobs, arrivals)
+    r.check_integrity()
+    assert rep.requests == len(jobs) and rep.busy_seconds > 0
+    for rid, (replica, sid) in enumerate(r.placement):
+        sreq = r.replicas[replica].requests[sid]
+        assert sreq.arrival_time == arrivals[rid]
+        assert sreq.first_token_time is not None and sreq.first_token_time > sreq.arrival_time
+    r.sync()
+    for m, s in zip(r.mirrors, r.replicas, strict=True):
+        assert m.pages() == cached_pages(s.flow.manager)
 
 
 def test_the_mirror_rejects_events_that_do_not_fit_and_stays_as_it_was() -> None:
