@@ -8,7 +8,7 @@ this list:
 - `kvcache.managers`: prefix-cache managers (`NaiveCacheManager`, `RadixCacheManager`,
   `BlockHashCacheManager`) behind one contract, `BaseCacheManager`;
 - `kvcache.serving`: pages and requests (`PageAllocator`, `RequestFlow`), a tiny model and its
-  `Engine`, workloads;
+  `Engine`, workloads, the `Scheduler` and the `Router` over replicas;
 - `kvcache.viz`: drawings, the recorder, the explorer widget and the static step player;
 - `kvcache.examples`: runnable demos (tensor-parallel attention over processes).
 
@@ -60,8 +60,11 @@ from .serving import (
     FlowEvent,
     FlowStats,
     PageAllocator,
+    PrefixMirror,
     Request,
     RequestFlow,
+    Router,
+    RouterReport,
     SchedRequest,
     Scheduler,
     ServeReport,
@@ -187,6 +190,9 @@ __all__ = [
     "CostModel",
     "LLAMA3_8B_H100",
     "ServeReport",
+    "Router",
+    "RouterReport",
+    "PrefixMirror",
     "Explorer",
     "StepPlayer",
     "step_player",

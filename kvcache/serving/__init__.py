@@ -4,7 +4,8 @@
 manager, with `check_integrity` over pages), `TinyLlama` and `Engine` (a model whose K/V live
 only in the pool), the `Scheduler` that serves many requests at once (continuous batching,
 chunked prefill, preemption, FCFS/LPM admission) with its `CostModel`, the `ByteTokenizer`,
-and seeded `workloads`.
+seeded `workloads`, and the `Router` that spreads requests over replicas, cache-aware through a
+`PrefixMirror` of each replica fed by its cache events.
 """
 
 from .allocator import PageAllocator
@@ -12,7 +13,9 @@ from .batch import SchedRequest, StepRecord, model_runner
 from .cost_model import LLAMA3_8B_H100, CostModel, ServeReport
 from .engine import Engine
 from .model import TinyLlama, TinyLlamaConfig
+from .prefix_mirror import PrefixMirror
 from .request_flow import FlowEvent, FlowStats, Request, RequestFlow
+from .router import ROUTING_POLICIES, Router, RouterReport, poisson_arrivals
 from .scheduler import Scheduler
 from .tokenizer import ByteTokenizer
 
@@ -33,4 +36,9 @@ __all__ = [
     "CostModel",
     "LLAMA3_8B_H100",
     "ServeReport",
+    "Router",
+    "RouterReport",
+    "ROUTING_POLICIES",
+    "PrefixMirror",
+    "poisson_arrivals",
 ]

@@ -1,0 +1,167 @@
+"""`PrefixMirror`: a replica's cached prefixes, rebuilt outside it from its cache events only.
+
+A router cannot read a replica's radix tree or block table (in a real deployment they live in
+another process, on another machine); what it can read is the replica's event stream
+(``manager.take_events()``: `BlockStored`, `BlockRemoved`, `AllCleared`). The mirror replays
+that stream into a trie of pages, one node per cached page, keyed by the page's tokens under
+its parent, one trie per namespace (``extra_key``). `match` then says how many leading tokens
+of a prompt the replica holds, as far as the events delivered so far tell.
+
+It is *approximate* only in time: after the events up to some moment are applied it equals the
+replica's cached set at that moment exactly (page for page, with the same slots; the tests check
+this after every step), but events in flight (network latency, batching of publications) are
+not seen yet, so a prefix stored a moment ago looks absent and one evicted a moment ago looks
+present.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Sequence
+
+import torch
+
+from .._validate import check_positive_int
+from ..managers.cache_events import AllCleared, BlockRemoved, BlockStored, CacheEvent
+
+__all__ = ["PrefixMirror"]
+
+Page = tuple[int, ...]
+
+
+class _Node:
+    """One page of a prefix: ``slots`` where the replica holds it, ``None`` when it holds it no
+    more but the node is still the path to cached descendants (kept until they leave)."""
+
+    __slots__ = ("children", "page", "parent", "slots")
+
+    def __init__(self, parent: _Node | None, page: Page) -> None:
+        self.children: dict[Page, _Node] = {}
+        self.slots: Page | None = None
+        self.parent = parent
+        self.page = page
+
+
+class PrefixMirror:
+    """The pages a replica caches, per namespace, as its events tell (see the module docstring).
+
+    Args:
+        page_size: the replica's page size (tokens per page), >= 1; every event's runs are whole
+            pages of it.
+    """
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = check_positive_int(page_size, "page_size")
+        self._roots: dict[Hashable, _Node] = {}
+        self._num_pages = 0
+        self.events_applied = 0
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens the replica caches (whole pages), all namespaces together."""
+        return self._num_pages * self.page_size
+
+    def match(self, tokens: torch.Tensor | Sequence[int], extra_key: Hashable = None) -> int:
+        """Leading tokens of ``tokens`` (1-D) held under ``extra_key``: a multiple of the page
+        size, the longest run of whole pages cached from the first one on."""
+        toks = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+        node, ps, n = self._roots.get(extra_key), self.page_size, 0
+        while node is not None and n + ps <= len(toks):
+            node = node.children.get(tuple(toks[n : n + ps]))
+            if node is None or node.slots is None:
+                break
+            n += ps
+        return n
+
+    def pages(self) -> dict[tuple[Hashable, Page], Page]:
+        """Every cached page: ``(extra_key, tokens from the prefix's start through the page) ->
+        slots`` (the form the event tests compare with a manager's cached set)."""
+        out: dict[tuple[Hashable, Page], Page] = {}
+        for key, root in self._roots.items():
+            stack: list[tuple[_Node, Page]] = [(root, ())]
+            while stack:
+                node, prefix = stack.pop()
+                for page, child in node.children.items():
+                    toks = prefix + page
+                    if child.slots is not None:
+                        out[(key, toks)] = child.slots
+                    stack.append((child, toks))
+        return out
+
+    # ------------------------------------------------------------------ writing
+    def apply(self, events: Iterable[CacheEvent]) -> None:
+        """Replay ``events``, oldest first. Each event is checked before it changes anything
+        (``ValueError`` for one that does not fit the mirror: a run that is not whole pages, a
+        page stored twice, a removal of a page not held or held at other slots); the events
+        before it stay applied, as they would on a subscriber reading a stream."""
+        for ev in events:
+            if isinstance(ev, AllCleared):
+                self._roots.clear()
+                self._num_pages = 0
+            elif isinstance(ev, BlockStored):
+                self._store(ev)
+            elif isinstance(ev, BlockRemoved):
+                self._remove(ev)
+            else:
+                raise TypeError(f"events must hold cache events, got {type(ev).__name__}")
+            self.events_applied += 1
+
+    def _pages_of(self, ev: BlockStored | BlockRemoved) -> tuple[list[Page], list[Page]]:
+        """The event's prefix before its run and the run itself, as pages (checked)."""
+        ps, n, m = self.page_size, len(ev.tokens), len(ev.slots)
+        if m == 0 or m % ps or n % ps or m > n:
+            raise ValueError(
+                f"{type(ev).__name__} must cover whole pages of {ps} tokens: {n} tokens, {m} slots"
+            )
+        pages = [ev.tokens[i : i + ps] for i in range(0, n, ps)]
+        slots = [ev.slots[i : i + ps] for i in range(0, m, ps)]
+        return pages, slots
+
+    def _store(self, ev: BlockStored) -> None:
+        pages, slots = self._pages_of(ev)
+        head = len(pages) - len(slots)
+        node = self._roots.get(ev.extra_key)
+        for page in pages[:head]:  # the path to the run; missing nodes are made below
+            node = None if node is None else node.children.get(page)
+        for i, page in enumerate(pages[head:]):  # check every page of the run first
+            node = None if node is None else node.children.get(page)
+            if node is not None and node.slots is not None:
+                raise ValueError(f"BlockStored: page {head + i} of {ev.tokens!r} is held already")
+        node = self._roots.setdefault(ev.extra_key, _Node(None, ()))
+        for page in pages[:head]:
+            node = node.children.setdefault(page, _Node(node, page))
+        for page, page_slots in zip(pages[head:], slots, strict=True):
+            node = node.children.setdefault(page, _Node(node, page))
+            node.slots = page_slots
+            self._num_pages += 1
+
+    def _remove(self, ev: BlockRemoved) -> None:
+        pages, slots = self._pages_of(ev)
+        head = len(pages) - len(slots)
+        node: _Node | None = self._roots.get(ev.extra_key)
+        run: list[_Node] = []
+        for i, page in enumerate(pages):
+            node = None if node is None else node.children.get(page)
+            if i >= head:
+                if node is None or node.slots != slots[i - head]:
+                    held = None if node is None else node.slots
+                    raise ValueError(
+                        f"BlockRemoved: page {i} of {ev.tokens!r} is held at {held}, "
+                        f"not {slots[i - head]}"
+                    )
+                run.append(node)
+        for n in run:
+            n.slots = None
+        self._num_pages -= len(run)
+        self._prune(run[-1])
+
+    def _prune(self, node: _Node) -> None:
+        """Drop ``node`` and its ancestors while they hold nothing and lead nowhere."""
+        while node.parent is not None and node.slots is None and not node.children:
+            parent = node.parent
+            del parent.children[node.page]
+            node = parent
+        if node.parent is None and not node.children:  # an empty namespace
+            for key, root in list(self._roots.items()):
+                if root is node:
+                    del self._roots[key]

@@ -1,0 +1,389 @@
+"""`Router`: requests over N replicas (each its own flow, pool, manager and `Scheduler`).
+
+Data parallelism: N copies of the model, each with its own KV cache. Which copy a request goes
+to decides whether its prefix is found cached, so the router is part of the cache. Policies:
+
+* ``"round_robin"``: replica 0, 1, ..., N-1, 0, ... whatever the prompt.
+* ``"least_loaded"``: the replica with the fewest requests waiting or running (ties: lowest index).
+* ``"cache_aware"``: the idea of SGLang's cache-aware router (sgl-router). Loads are *imbalanced*
+  when ``max - min > balance_abs_threshold`` and ``max > balance_rel_threshold * min``; then the
+  least-loaded replica gets the request, whatever it caches. Otherwise each replica's
+  `PrefixMirror` says how many leading tokens of the prompt it holds; if the longest match covers
+  at least ``cache_threshold`` of the prompt the request goes there (ties: lower load, then the
+  smaller cache, then the lower index), else to the replica caching the fewest tokens (the most
+  room for a new prefix; ties: lower load, then index).
+
+sgl-router grows its approximate trees from the requests it routed (it cannot see evictions, so
+it evicts its own trees by LRU); this router feeds each mirror only from its replica's cache
+events (``manager.take_events()``), as routers do that subscribe to vLLM's or SGLang's KV events.
+The events reach the router ``event_delay_s`` simulated seconds after the step that produced
+them (the network, the publisher's batching): the mirror is then exact but late.
+
+Time. Every replica keeps its own simulated clock (`Scheduler.clock`, the cost model's). `run`
+is a discrete-event simulation: requests arrive at given times; before an arrival, every busy
+replica that is behind it steps; an idle replica's clock jumps to the arrival. Replicas run in
+one process; nothing here assumes more than the events and the load counts a real router has.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .._validate import check_token_ids
+from ..managers.cache_events import CacheEvent
+from .cost_model import percentile
+from .prefix_mirror import PrefixMirror
+from .scheduler import Scheduler
+from .workloads import Job
+
+__all__ = ["Router", "RouterReport", "ROUTING_POLICIES", "poisson_arrivals"]
+
+#: The policies a `Router` takes (see the module docstring of `kvcache.serving.router`).
+ROUTING_POLICIES = ("cache_aware", "round_robin", "least_loaded")
+
+
+@dataclass(frozen=True)
+class RouterReport:
+    """What a routed run did, over all replicas, in simulated time.
+
+    ``predicted_tokens``: prefix tokens the router's mirror promised at routing (on the replica
+    chosen); ``realized_tokens``: what those requests reused at their first admission. The gap
+    is what the mirror's lag and the queueing in between cost.
+    """
+
+    policy: str
+    requests: int
+    seconds: float
+    output_tokens: int
+    prompt_tokens: int
+    reused_tokens: int
+    computed_tokens: int
+    ttft_p50_s: float
+    ttft_p99_s: float
+    routed: tuple[int, ...]
+    by_prefix: int
+    by_load: int
+    by_room: int
+    predicted_tokens: int
+    realized_tokens: int
+    mean_events_in_flight: float
+    busy_seconds: float
+
+    @property
+    def throughput(self) -> float:
+        """Output tokens per simulated second, from the first arrival to the last step."""
+        return self.output_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def tokens_per_busy_second(self) -> float:
+        """Output tokens per replica-second spent stepping (the GPU time the run cost): unlike
+        `throughput` it does not depend on how fast requests arrive."""
+        return self.output_tokens / self.busy_seconds if self.busy_seconds else 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        """Prompt tokens read from the cache at (re)admission over all prompt tokens admitted."""
+        return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
+    """``n`` arrival times (seconds from 0) of a Poisson process of ``rate`` requests/s (seeded)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be an int >= 0, got {n!r}")
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < math.inf:
+        raise ValueError(f"rate must be a number > 0, got {rate!r}")
+    gen = torch.Generator().manual_seed(seed)
+    gaps = torch.empty(n, dtype=torch.float64).exponential_(float(rate), generator=gen)
+    return torch.cumsum(gaps, 0).tolist()
+
+
+def _number(value: object, name: str, lo: float, hi: float = math.inf) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+        raise ValueError(f"{name} must be a number in [{lo}, {hi}], got {value!r}")
+    return float(value)
+
+
+class Router:
+    """Sends each request to one of ``replicas`` (see the module docstring for the policies).
+
+    Args:
+        replicas: one `Scheduler` per replica, >= 1, each on its own flow and manager; every
+            manager must record events (``events=True``) and cache nothing yet, so that its
+            mirror, built from its events alone, starts equal to it.
+        policy: one of `ROUTING_POLICIES`.
+        cache_threshold: the share of the prompt the longest match must cover, in [0, 1].
+        balance_abs_threshold: load gap (requests) above which loads may be imbalanced, >= 0.
+        balance_rel_threshold: ratio of loads above which they may be imbalanced, >= 1.
+        event_delay_s: simulated seconds between a step and its events reaching the mirror.
+    """
+
+    def __init__(
+        self,
+        replicas: Sequence[Scheduler],
+        *,
+        policy: str = "cache_aware",
+        cache_threshold: float = 0.3,
+        balance_abs_threshold: int = 8,
+        balance_rel_threshold: float = 1.5,
+        event_delay_s: float = 0.0,
+    ) -> None:
+        if not isinstance(replicas, (list, tuple)):
+            raise TypeError(f"replicas must be a list of Scheduler, got {type(replicas).__name__}")
+        if len(replicas) < 1:
+            raise ValueError("replicas must hold at least 1 Scheduler, got 0")
+        for i, s in enumerate(replicas):
+            if not isinstance(s, Scheduler):
+                raise TypeError(f"replicas[{i}] must be a Scheduler, got {type(s).__name__}")
+        parts = {
+            "scheduler": [id(s) for s in replicas],
+            "flow": [id(s.flow) for s in replicas],
+            "manager": [id(s.flow.manager) for s in replicas],
+            "allocator": [id(s.flow.allocator) for s in replicas],
+        }
+        for what, ids in parts.items():
+            if len(set(ids)) != len(ids):
+                raise ValueError(f"replicas must each have their own {what}; two share one")
+        if policy not in ROUTING_POLICIES:
+            raise ValueError(f"policy must be one of {ROUTING_POLICIES}, got {policy!r}")
+        self.cache_threshold = _number(cache_threshold, "cache_threshold", 0.0, 1.0)
+        if isinstance(balance_abs_threshold, bool) or not isinstance(balance_abs_threshold, int):
+            raise TypeError(f"balance_abs_threshold must be an int, got {balance_abs_threshold!r}")
+        if balance_abs_threshold < 0:
+            raise ValueError(f"balance_abs_threshold must be >= 0, got {balance_abs_threshold}")
+        self.balance_rel_threshold = _number(balance_rel_threshold, "balance_rel_threshold", 1.0)
+        self.event_delay_s = _number(event_delay_s, "event_delay_s", 0.0)
+        takes: list[Callable[[], list[CacheEvent]]] = []
+        for i, s in enumerate(replicas):
+            take = getattr(s.flow.manager, "take_events", None)  # radix and block-hash have it
+            if not s.idle or s.steps or s.requests:
+                raise ValueError(f"replicas[{i}] has served requests already; give a fresh one")
+            if s.flow.manager.size_info.total_size or not callable(take):
+                raise ValueError(
+                    f"replicas[{i}]'s manager must be a radix or block-hash manager with an "
+                    f"empty cache, got {type(s.flow.manager).__name__} holding "
+                    f"{s.flow.manager.size_info.total_size} tokens"
+                )
+            takes.append(take)
+        mirrors = [PrefixMirror(s.flow.page_size) for s in replicas]
+        for i, take in enumerate(takes):
+            try:  # the caches are empty: whatever the logs held nets to nothing
+                mirrors[i].apply(take())
+            except RuntimeError:
+                raise ValueError(
+                    f"replicas[{i}]'s manager records no events; construct it with events=True"
+                ) from None
+        self.replicas: tuple[Scheduler, ...] = tuple(replicas)
+        self.mirrors: tuple[PrefixMirror, ...] = tuple(mirrors)
+        self._take_events = tuple(takes)
+        self.policy = policy
+        self.balance_abs_threshold = balance_abs_threshold
+        self.now = 0.0
+        self.placement: list[tuple[int, int]] = []  # router id -> (replica, scheduler id)
+        self._rid_of: dict[tuple[int, int], int] = {}
+        self._next_rr = 0
+        self._in_flight: list[tuple[float, int, int, list[CacheEvent]]] = []
+        self._seq = itertools.count()
+        self._predicted: dict[int, int] = {}
+        self._realized: dict[int, int] = {}
+        self._reasons = {"prefix": 0, "load": 0, "room": 0}
+        self._flight_sum = 0
+
+    # ------------------------------------------------------------------ state
+    @property
+    def num_replicas(self) -> int:
+        return len(self.replicas)
+
+    def loads(self) -> list[int]:
+        """Requests waiting or running on each replica (what sgl-router counts per worker)."""
+        return [len(s.waiting) + len(s.running) for s in self.replicas]
+
+    def events_in_flight(self) -> int:
+        """Events published by the replicas that have not reached the mirrors yet."""
+        return sum(len(evs) for _, _, _, evs in self._in_flight)
+
+    # ------------------------------------------------------------------ deciding
+    def route(self, prompt: torch.Tensor) -> tuple[int, str, int]:
+        """Where ``prompt`` would go now: ``(replica, reason, predicted prefix tokens)``; reason is
+        ``"prefix"``, ``"load"`` or ``"room"`` (round robin: ``"load"``). Changes nothing.
+
+        ``prompt``: 1-D integer token ids on the CPU, at least one (``TypeError``/``ValueError``).
+        """
+        check_token_ids(prompt, "prompt")
+        if len(prompt) == 0:
+            raise ValueError("prompt must hold at least one token")
+        n = self.num_replicas
+        toks = prompt[:-1]  # the last prompt token is always computed (it yields the logits)
+        matches = [m.match(toks) for m in self.mirrors]
+        loads = self.loads()
+        if self.policy == "round_robin":
+            r = self._next_rr % n
+            return r, "load", matches[r]
+        least = min(range(n), key=lambda i: (loads[i], i))
+        if self.policy == "least_loaded":
+            return least, "load", matches[least]
+        hi, lo = max(loads), min(loads)
+        if hi - lo > self.balance_abs_threshold and hi > self.balance_rel_threshold * lo:
+            return least, "load", matches[least]
+        best = max(matches)
+        size = [m.cached_tokens for m in self.mirrors]
+        if best > 0 and best >= self.cache_threshold * len(prompt):
+            r = min(
+                (i for i in range(n) if matches[i] == best), key=lambda i: (loads[i], size[i], i)
+            )
+            return r, "prefix", best
+        r = min(range(n), key=lambda i: (size[i], loads[i], i))
+        return r, "room", matches[r]
+
+    # ------------------------------------------------------------------ acting
+    def submit(
+        self,
+        prompt: torch.Tensor,
+        max_new_tokens: int,
+        forced: torch.Tensor | None = None,
+        *,
+        at: float | None = None,
+    ) -> int:
+        """Route a request arriving at simulated time ``at`` (default: now, never earlier) and
+        queue it there; returns its router id (`placement` maps it to ``(replica, sid)``).
+
+        The events due by ``at`` reach the mirrors first. A request the chosen replica refuses
+        (`Scheduler.submit`'s errors) changes nothing here. An idle replica's clock jumps to
+        ``at``; a busy one's is left alone (`run` steps every busy replica up to an arrival
+        before it submits, so that a request never starts before it arrived)."""
+        t = self.now if at is None else _number(at, "at", self.now)
+        self._deliver(t)
+        r, reason, predicted = self.route(prompt)
+        sched = self.replicas[r]
+        was_idle = sched.idle
+        sid = sched.submit(prompt, max_new_tokens, forced)  # validates; raises before queueing
+        self.now = t
+        if was_idle and sched.clock < t:
+            sched.clock = t  # its time jumps to the arrival
+        sched.requests[sid].arrival_time = t
+        rid = len(self.placement)
+        self.placement.append((r, sid))
+        self._rid_of[(r, sid)] = rid
+        self._predicted[rid] = predicted
+        self._reasons[reason] += 1
+        self._flight_sum += self.events_in_flight()
+        if self.policy == "round_robin":
+            self._next_rr += 1
+        return rid
+
+    def step(self) -> int:
+        """One scheduler step of the busy replica furthest behind in time; its events are
+        published (due ``event_delay_s`` after the step's end). Returns the replica stepped;
+        ``RuntimeError`` when no replica has work, or the one stepped could make no progress."""
+        busy = [i for i, s in enumerate(self.replicas) if not s.idle]
+        if not busy:
+            raise RuntimeError("no replica has a request waiting or running")
+        r = min(busy, key=lambda i: (self.replicas[i].clock, i))
+        sched = self.replicas[r]
+        rec = sched.step()
+        for sid in rec.admitted:
+            rid = self._rid_of[(r, sid)]
+            flow_req = sched.requests[sid].flow_req
+            if rid not in self._realized and flow_req is not None:
+                self._realized[rid] = flow_req.reused_len
+        events = self._take_events[r]()
+        if events:
+            due = sched.clock + self.event_delay_s
+            heapq.heappush(self._in_flight, (due, next(self._seq), r, events))
+        if rec.num_tokens == 0 and not sched.running:
+            raise RuntimeError(f"replica {r}: {len(sched.waiting)} requests wait, none can start")
+        return r
+
+    def _deliver(self, until: float) -> None:
+        while self._in_flight and self._in_flight[0][0] <= until:
+            _, _, r, events = heapq.heappop(self._in_flight)
+            self.mirrors[r].apply(events)
+
+    def sync(self) -> None:
+        """Deliver every event published or not yet taken, whatever its delay (the mirrors then
+        equal the replicas' caches)."""
+        self._deliver(math.inf)
+        for r, take in enumerate(self._take_events):
+            self.mirrors[r].apply(take())
+
+    def run(self, jobs: Sequence[Job], arrivals: Sequence[float] | None = None) -> RouterReport:
+        """Serve ``jobs`` (their outputs forced) arriving at ``arrivals`` (non-decreasing, from
+        `now`; default: all now) until every replica is idle; returns the report."""
+        times = [self.now] * len(jobs) if arrivals is None else list(arrivals)
+        if len(times) != len(jobs):
+            raise ValueError(f"arrivals holds {len(times)} times for {len(jobs)} jobs")
+        last = self.now
+        for i, t in enumerate(times):
+            _number(t, f"arrivals[{i}]", last)
+            last = t
+        i = 0
+        while True:
+            busy = [s.clock for s in self.replicas if not s.idle]
+            if i < len(jobs) and (not busy or times[i] <= min(busy)):
+                job = jobs[i]
+                out = job.output if len(job.output) else torch.zeros(1, dtype=torch.int64)
+                self.submit(job.prompt, len(out), out, at=times[i])
+                i += 1
+            elif busy:
+                self.step()
+            else:
+                return self.report()
+
+    # ------------------------------------------------------------------ results
+    def report(self) -> RouterReport:
+        """The figures so far, over every replica (see `RouterReport`)."""
+        reps = [s.report() for s in self.replicas]
+        ttft = [
+            s.first_token_time - s.arrival_time
+            for sched in self.replicas
+            for s in sched.done
+            if s.status == "finished" and s.first_token_time is not None
+        ]
+        arrivals = [self.replicas[r].requests[sid].arrival_time for r, sid in self.placement]
+        start = min(arrivals, default=0.0)
+        return RouterReport(
+            policy=self.policy,
+            requests=sum(x.requests for x in reps),
+            seconds=max((s.clock for s in self.replicas), default=0.0) - start,
+            output_tokens=sum(x.output_tokens for x in reps),
+            prompt_tokens=sum(x.prompt_tokens for x in reps),
+            reused_tokens=sum(x.reused_tokens for x in reps),
+            computed_tokens=sum(x.computed_tokens for x in reps),
+            ttft_p50_s=percentile(ttft, 50),
+            ttft_p99_s=percentile(ttft, 99),
+            routed=tuple(sum(1 for r, _ in self.placement if r == i) for i in range(len(reps))),
+            by_prefix=self._reasons["prefix"],
+            by_load=self._reasons["load"],
+            by_room=self._reasons["room"],
+            predicted_tokens=sum(self._predicted[i] for i in self._realized),
+            realized_tokens=sum(self._realized.values()),
+            mean_events_in_flight=self._flight_sum / len(self.placement) if self.placement else 0.0,
+            busy_seconds=sum(
+                s.cost_model.step_seconds(rec.num_tokens)
+                for s in self.replicas
+                for rec in s.history
+            ),
+        )
+
+    def check_integrity(self) -> None:
+        """Every replica's own checks, and: each routed request is on exactly the replica the
+        router sent it to, once, and no replica holds a request the router did not send."""
+        for r, s in enumerate(self.replicas):
+            s.check_integrity()
+            mine = {sid for rr, sid in self.placement if rr == r}
+            if set(s.requests) != mine:
+                raise RuntimeError(
+                    f"replica {r} holds requests {sorted(set(s.requests) ^ mine)} the router "
+                    "did not send there, or lost some it did"
+                )
+        if len(set(self.placement)) != len(self.placement):
+            raise RuntimeError("a request was routed twice")
+        for r, m in enumerate(self.mirrors):
+            pool = self.replicas[r].flow.allocator.num_pages * m.page_size
+            if m.cached_tokens > pool:
+                raise RuntimeError(f"mirror {r} holds {m.cached_tokens} tokens, the pool {pool}")
