@@ -4,13 +4,16 @@
 manager, with `check_integrity` over pages), `TinyLlama` and `Engine` (a model whose K/V live
 only in the pool), the `Scheduler` that serves many requests at once (continuous batching,
 chunked prefill, preemption, FCFS/LPM admission) with its `CostModel`, the `ByteTokenizer`,
-and seeded `workloads`.
+seeded `workloads`, and the host-memory tier (`TieredCacheManager`: evicted prefixes move to a
+`HostKVPool` and load back on a match; `HostLink` names the copy bandwidth).
 """
 
 from .allocator import PageAllocator
 from .batch import SchedRequest, StepRecord, model_runner
 from .cost_model import LLAMA3_8B_H100, CostModel, ServeReport
 from .engine import Engine
+from .host_pool import NVLINK_C2C, PCIE4_X16, PCIE5_X16, HostKVPool, HostLink
+from .host_tier import TIER_POLICIES, TieredCacheManager, TierStats
 from .model import TinyLlama, TinyLlamaConfig
 from .request_flow import FlowEvent, FlowStats, Request, RequestFlow
 from .scheduler import Scheduler
@@ -33,4 +36,12 @@ __all__ = [
     "CostModel",
     "LLAMA3_8B_H100",
     "ServeReport",
+    "TieredCacheManager",
+    "TierStats",
+    "TIER_POLICIES",
+    "HostKVPool",
+    "HostLink",
+    "PCIE4_X16",
+    "PCIE5_X16",
+    "NVLINK_C2C",
 ]
