@@ -162,8 +162,9 @@ class TieredCacheManager(BaseCacheManager):
     ) -> tuple[RadixCacheHandle, torch.Tensor]:
         """The longest whole-page prefix cached in either tier; host pages are loaded first.
 
-        Loads as many of the host's pages as the device pool can take (free pages plus what
-        evicting unlocked device leaves frees); the rest stay on the host.
+        Loads only when the device pool can then hold all of ``input_ids`` (free pages plus what
+        evicting unlocked device leaves frees): a request that cannot start anyway leaves the
+        host's pages where they are.
         """
         handle, idx = self.manager.match_prefix(input_ids, extra_key)
         ps, m = self.page_size, handle.cached_len // self.page_size
@@ -183,14 +184,16 @@ class TieredCacheManager(BaseCacheManager):
             return handle, idx
         self.manager.lock_handle(handle)
         try:
+            # Load only if the whole request fits after it: a loaded page replaces a page the
+            # request would compute, so a request that cannot start would only churn the tiers.
             room = self.allocator.num_free_pages + self.manager.size_info.evictable_size // ps
-            run = run[:room]
-            if not run:
+            if room < -(-len(ids) // ps) - m:
                 return handle, idx
             staged = self.host.read(torch.tensor([n.page for n in run]))
             if self.policy == "write_back":  # moving: the host copies go now, making room
-                for n in reversed(run):
-                    self.host_allocator.free(torch.tensor([self.index.drop_page(n)]))
+                self.host_allocator.free(
+                    torch.tensor([self.index.drop_page(n) for n in reversed(run)])
+                )
             short = len(run) - self.allocator.num_free_pages
             if short > 0:
                 self.allocator.free_slots(self._evict(short * ps))
@@ -251,9 +254,9 @@ class TieredCacheManager(BaseCacheManager):
         """Write-back: pages just stored on the device leave the host (one tier per page)."""
         keys = _page_keys(list(tokens), self.page_size)
         first = len(keys) - num_new // self.page_size
-        for n in reversed(self.index.path(key, keys)[first:]):
-            if n.page is not None:
-                self.host_allocator.free(torch.tensor([self.index.drop_page(n)]))
+        nodes = [n for n in reversed(self.index.path(key, keys)[first:]) if n.page is not None]
+        if nodes:
+            self.host_allocator.free(torch.tensor([self.index.drop_page(n) for n in nodes]))
 
     def _host_page(self) -> int | None:
         """A free host page, evicting the host's LRU leaf when none is free; None if impossible."""
@@ -289,9 +292,10 @@ class TieredCacheManager(BaseCacheManager):
                 hp = self._host_page()
                 if hp is None:
                     if removed:
-                        for lost in self.index.subtree_pages(node):
-                            self.host_allocator.free(torch.tensor([self.index.drop_page(lost)]))
-                            self.stats.lost_pages += 1
+                        lost = [self.index.drop_page(n) for n in self.index.subtree_pages(node)]
+                        if lost:
+                            self.host_allocator.free(torch.tensor(lost))
+                        self.stats.lost_pages += len(lost)
                     break
                 self.index.set_page(node, hp)
                 dev.append(slots[(j - first) * ps] // ps)
