@@ -40,11 +40,13 @@ from kvcache import (
     RadixCacheManager,
     Request,
     RequestFlow,
+    Scheduler,
     TinyLlama,
     TinyLlamaConfig,
 )
 from kvcache.serving.host_pool import PCIE5_X16, HostKVPool
 from kvcache.serving.host_tier import TieredCacheManager
+from kvcache.serving.workloads import multi_turn_chat
 
 pytestmark = pytest.mark.usefixtures("torch_store")
 
@@ -291,6 +293,35 @@ def test_logits_after_host_round_trip_equal_recomputation(policy: str) -> None:
     engine.finish(req)
     tier.check_integrity()
     engine.flow.check_integrity()
+
+
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
+def test_scheduler_on_the_tier_computes_less(policy: str) -> None:
+    """The scheduler runs unchanged on the tier; with a host that holds the whole working set it
+    computes fewer tokens than on the device-only cache, and both tiers stay sound."""
+    jobs = multi_turn_chat(
+        num_conversations=6, turns=3, system_len=24, message_len=(4, 10), output_len=(4, 10)
+    )
+
+    def run(tiered: bool) -> tuple[int, TieredCacheManager | None]:
+        pool = MHAKVCache(1, 1, 1, 24, torch.float32, KVCacheLayout.LayerFirst, "cpu", 4)
+        alloc = PageAllocator(24, 4)
+        manager = RadixCacheManager(page_size=4, events=tiered)
+        tier = TieredCacheManager(manager, pool, alloc, 256, policy=policy) if tiered else None
+        sched = Scheduler(RequestFlow(tier or manager, alloc), token_budget=64, max_batch=4)
+        for job in jobs:
+            sched.submit(job.prompt, len(job.output), forced=job.output)
+        while not sched.idle:
+            sched.step()
+            sched.check_integrity()
+            if tier is not None:
+                tier.check_integrity()
+        return sched.report().computed_tokens, tier
+
+    device_only, _ = run(False)
+    tiered, tier = run(True)
+    assert tier is not None and tier.stats.loaded_pages > 0
+    assert tiered < device_only
 
 
 # ------------------------------------------------------------------ misuse

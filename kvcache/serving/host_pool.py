@@ -127,7 +127,7 @@ class HostKVPool:
         if not dp.numel():
             return
         dp = dp.to(device.device)
-        on_dev = staged.to(device.device, non_blocking=self.pinned)
+        on_dev = staged.to(device.device)  # synchronous: the caller reuses its buffers at once
         for layer in range(self.num_layers):
             device.k_cache(layer)[dp] = on_dev[:, 0, layer]
             device.v_cache(layer)[dp] = on_dev[:, 1, layer]
