@@ -324,6 +324,37 @@ def test_scheduler_on_the_tier_computes_less(policy: str) -> None:
     assert tiered < device_only
 
 
+def test_host_lru_and_write_back_moves() -> None:
+    """One-token prompts on a 2-page device over a 2-page host: the device's LRU leaf goes to the
+    host, the host's LRU leaf goes when the host is full, and a load moves a page back."""
+    pool = MHAKVCache(1, 1, 2, 2, torch.float32, KVCacheLayout.LayerFirst, "cpu")
+    alloc = PageAllocator(2)
+    tier = TieredCacheManager(RadixCacheManager(events=True), pool, alloc, 2)
+    flow = RequestFlow(tier, alloc)
+
+    def serve(t: int) -> int:
+        req = flow.begin(ids(t))
+        flow.mark_computed(req)
+        flow.finish(req)
+        tier.check_integrity()
+        return req.reused_len
+
+    def tiers() -> tuple[set[int], set[int]]:
+        return (
+            {pre[0] for _, pre in tier.device_prefixes()},
+            {pre[0] for _, pre in tier.host_prefixes()},
+        )
+
+    for t in (1, 2, 3, 4):
+        assert serve(t) == 0
+    assert tiers() == ({3, 4}, {1, 2})
+    serve(5)  # the device evicts 3; the full host gives up its LRU page, 1
+    assert tiers() == ({4, 5}, {2, 3}) and tier.stats.host_evicted_pages == 1
+    assert serve(2) == 1  # back from host: 4 goes to host, 2 leaves it (write-back moves)
+    assert tiers() == ({5, 2}, {3, 4})
+    assert tier.stats.loaded_pages == 1 and tier.stats.saved_pages == 4
+
+
 # ------------------------------------------------------------------ misuse
 def _tier(**kw: object) -> tuple[TieredCacheManager, RequestFlow, MHAKVCache]:
     pool = MHAKVCache(1, 1, 2, 4, torch.float32, KVCacheLayout.LayerFirst, "cpu", 2)
