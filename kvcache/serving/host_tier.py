@@ -42,6 +42,7 @@ from .host_pool import HostKVPool
 
 __all__ = ["TIER_POLICIES", "TierStats", "TieredCacheManager"]
 
+#: The tier's write policies: copy a page to host when the device evicts it, or when it is inserted.
 TIER_POLICIES = ("write_back", "write_through")
 Prefix = tuple[Hashable, tuple[int, ...]]
 
