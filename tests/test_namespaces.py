@@ -273,3 +273,20 @@ def test_engine_prefills_and_generates_in_a_namespace() -> None:
     engine.flow.abort(req)
     with unchanged(engine), pytest.raises(TypeError, match="extra_key"):
         engine.prefill_batch([prompt], extra_key={"a": 1})
+
+
+def test_a_snapshot_freezes_one_namespace_tree() -> None:
+    from kvcache.viz import snapshot
+
+    m = RadixCacheManager(page_size=1)
+    m.insert_prefix(ids(1, 2, 3), slots(0, 1, 2), extra_key="alice")
+    m.insert_prefix(ids(1, 2, 9), slots(3, 4, 5), extra_key="bob")
+    m.insert_prefix(ids(1, 2, 3, 4), slots(6, 7, 8, 9), extra_key="bob")
+    alice, bob = snapshot(m, extra_key="alice"), snapshot(m, extra_key="bob")
+    assert [n.tokens for n in alice.nodes] == [(), (1, 2, 3)]
+    assert sorted(n.tokens for n in bob.nodes) == [(), (1, 2), (3, 4), (9,)]
+    assert len(snapshot(m).nodes) == 1  # None's tree: only its root
+    with pytest.raises(ValueError, match="carol"):
+        snapshot(m, extra_key="carol")
+    with pytest.raises(TypeError, match="extra_key"):
+        snapshot(m, extra_key=["alice"])
