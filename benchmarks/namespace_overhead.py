@@ -64,11 +64,12 @@ def extract(rev: str, into: Path) -> Path:
 def run_once(root: Path, requests: int, pages: int, page_size: int) -> dict[str, list[float]]:
     done = subprocess.run(
         [sys.executable, "-c", CHILD, str(requests), str(pages), str(page_size)],
-        check=True,
         capture_output=True,
         text=True,
         env={"PYTHONPATH": str(root), "PYTHONHASHSEED": "0", "PATH": "/usr/bin:/bin"},
     )
+    if done.returncode != 0:
+        raise RuntimeError(f"the replay under {root} failed:\n{done.stderr[-2000:]}")
     result: dict[str, list[float]] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
 

@@ -68,6 +68,6 @@ def test_namespace_overhead_runs():
     )
     if have.returncode != 0:
         pytest.skip("no git history here: the baseline revision cannot be extracted")
-    out = namespace_overhead.main(["--requests", "40", "--pages", "600", "--repeats", "1"])
+    out = namespace_overhead.main(["--requests", "40", "--pages", "3000", "--repeats", "1"])
     assert set(out) == {"radix", "block-hash"}
     assert all(r["baseline_s"] > 0 and r["current_s"] > 0 for r in out.values())
