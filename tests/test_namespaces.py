@@ -290,3 +290,54 @@ def test_a_snapshot_freezes_one_namespace_tree() -> None:
         snapshot(m, extra_key="carol")
     with pytest.raises(TypeError, match="extra_key"):
         snapshot(m, extra_key=["alice"])
+
+
+def _paths(m: RadixCacheManager, key: Hashable) -> list[list[int]]:
+    """Every root-to-node token sequence of namespace ``key``'s tree."""
+    out = []
+    for node in m.nodes(key):
+        toks: list[int] = []
+        n = node
+        while n is not None and not n.is_root():
+            toks[:0] = n.key.tolist()
+            n = n.parent
+        out.append(toks)
+    return out
+
+
+REQUESTS = st.lists(
+    st.tuples(
+        st.sampled_from(["a", "b", None]),
+        st.lists(st.integers(0, 2), min_size=1, max_size=10),
+        st.integers(1, 3),
+    ),
+    min_size=1,
+    max_size=12,
+)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(reqs=REQUESTS, policy=st.sampled_from(["fcfs", "lpm"]), page_size=st.sampled_from([1, 2]))
+def test_scheduler_never_caches_a_request_under_another_key(
+    reqs: list[tuple[Hashable, list[int], int]], policy: str, page_size: int
+) -> None:
+    """Chunked prefill, preemption and LPM with several tenants: after every step, each cached
+    path of a namespace is a prefix of a sequence some request of that namespace ran."""
+    flow = RequestFlow(
+        RadixCacheManager(page_size=page_size), PageAllocator(24 // page_size, page_size)
+    )
+    sched = Scheduler(flow, token_budget=6, max_batch=3, chunk_size=4, policy=policy)
+    seqs: dict[Hashable, list[list[int]]] = {}
+    for i, (key, prompt, new) in enumerate(reqs):
+        forced = [(i + j) % 3 for j in range(new)]
+        sched.submit(ids(*prompt), new, forced=ids(*forced), extra_key=key)
+        seqs.setdefault(key, []).append(prompt + forced)
+    for _ in range(500):
+        if sched.idle:
+            break
+        sched.step()
+        sched.check_integrity()
+        for key in flow.manager.roots:
+            for path in _paths(flow.manager, key)[1:]:  # the root's empty path aside
+                assert any(s[: len(path)] == path for s in seqs.get(key, [])), (key, path)
+    assert sched.idle and len(sched.done) == len(reqs)
