@@ -324,7 +324,8 @@ def test_scheduler_never_caches_a_request_under_another_key(
     """Chunked prefill, preemption and LPM with several tenants: after every step, each cached
     path of a namespace is a prefix of a sequence some request of that namespace ran."""
     flow = RequestFlow(
-        RadixCacheManager(page_size=page_size), PageAllocator(24 // page_size, page_size)
+        RadixCacheManager(page_size=page_size),
+        PageAllocator(16 // page_size, page_size),  # small: preemption happens
     )
     sched = Scheduler(flow, token_budget=6, max_batch=3, chunk_size=4, policy=policy)
     seqs: dict[Hashable, list[list[int]]] = {}
