@@ -44,3 +44,30 @@ def test_radix_ops_runs(tmp_path, monkeypatch):
     finally:
         torch.set_num_threads(threads)
     assert (tmp_path / "r.json").exists() and result["speedup"] > 0
+
+
+def test_namespace_overhead_runs():
+    """The default-namespace benchmark runs and finds the same cache decisions as its baseline."""
+    import subprocess
+
+    import namespace_overhead
+    import pytest
+
+    repo = Path(__file__).resolve().parents[1]
+    have = subprocess.run(
+        [
+            "git",
+            "-C",
+            str(repo),
+            "rev-parse",
+            "--verify",
+            "-q",
+            namespace_overhead.DEFAULT_BASELINE,
+        ],
+        capture_output=True,
+    )
+    if have.returncode != 0:
+        pytest.skip("no git history here: the baseline revision cannot be extracted")
+    out = namespace_overhead.main(["--requests", "40", "--pages", "3000", "--repeats", "1"])
+    assert set(out) == {"radix", "block-hash"}
+    assert all(r["baseline_s"] > 0 and r["current_s"] > 0 for r in out.values())

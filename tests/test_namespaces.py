@@ -21,10 +21,14 @@ from hypothesis import strategies as st
 from kvcache import (
     BaseCacheManager,
     BlockHashCacheManager,
+    Engine,
     NaiveCacheManager,
     PageAllocator,
     RadixCacheManager,
     RequestFlow,
+    Scheduler,
+    TinyLlama,
+    TinyLlamaConfig,
 )
 
 KEYS: list[Hashable] = [None, "tenant-a", "tenant-b", 7, b"tenant-a"]
@@ -205,3 +209,136 @@ def test_default_key_walks_the_same_tree_as_before() -> None:
     assert [n.value.tolist() for n in m.nodes("t")] == [[], [3, 4, 5]]
     assert list(m.nodes("never inserted")) == []
     assert torch.equal(m.cached_indices().sort().values, torch.arange(6, dtype=torch.int32))
+
+
+# ------------------------------------------------------------------ the scheduler's and engine's path
+def _sched(policy: str = "fcfs") -> Scheduler:
+    flow = RequestFlow(RadixCacheManager(page_size=2), PageAllocator(64, 2))
+    return Scheduler(flow, token_budget=64, max_batch=1, policy=policy)
+
+
+def _one(sched: Scheduler, prompt: torch.Tensor, key: Hashable) -> int:
+    """Submit and run ``prompt`` under ``key``; the tokens it reused from the cache."""
+    before = sched.reused_tokens
+    sched.submit(prompt, 1, forced=ids(0), extra_key=key)
+    sched.run()
+    sched.check_integrity()
+    return sched.reused_tokens - before
+
+
+def test_scheduler_admits_each_request_in_its_namespace() -> None:
+    sched = _sched()
+    prompt = ids(*range(9))
+    assert _one(sched, prompt, "alice") == 0
+    assert _one(sched, prompt, "bob") == 0  # bob's first request does not see alice's prefix
+    assert _one(sched, prompt, "alice") == 8  # whole pages of the prompt less its last token
+    assert _one(sched, prompt, None) == 0
+    assert [s.extra_key for s in sched.done] == ["alice", "bob", "alice", None]
+
+
+def test_lpm_orders_by_the_prefix_cached_in_the_requests_own_namespace() -> None:
+    orders = {}
+    for key in ("alice", "bob"):
+        sched = _sched("lpm")
+        _one(sched, ids(7, 7, 7, 7, 1), "alice")
+        sched.submit(ids(4, 4, 4, 4, 4), 1, forced=ids(0), extra_key=key)
+        sched.submit(ids(7, 7, 7, 7, 2), 1, forced=ids(0), extra_key=key)
+        sched.run()
+        orders[key] = [a for r in sched.history for a in r.admitted][1:]
+    # Under alice's key the cached 7 7 7 7 goes first; bob has nothing cached: arrival order.
+    assert orders == {"alice": [2, 1], "bob": [1, 2]}
+
+
+def test_scheduler_refuses_an_unhashable_key_and_changes_nothing() -> None:
+    sched = _sched()
+    _one(sched, ids(1, 2, 3), "alice")
+    with unchanged(sched.flow), pytest.raises(TypeError, match="extra_key"):
+        sched.submit(ids(1, 2, 3), 1, forced=ids(0), extra_key=["alice"])
+    assert not sched.waiting and len(sched.requests) == 1
+
+
+def test_engine_prefills_and_generates_in_a_namespace() -> None:
+    model = TinyLlama(TinyLlamaConfig(num_layers=1, seed=0))
+    engine = Engine(
+        model, model.new_kv_cache(32, 2), RadixCacheManager(page_size=2), PageAllocator(32, 2)
+    )
+    prompt = ids(*range(1, 10))
+    out = engine.generate(prompt, 3, extra_key="alice")
+    req, logits = engine.prefill(prompt, extra_key="bob")
+    assert req.reused_len == 0 and req.extra_key == "bob"
+    engine.flow.abort(req)
+    req, again = engine.prefill(prompt, extra_key="alice")
+    assert req.reused_len == 8 and int(again.argmax()) == int(out[0])
+    assert torch.allclose(again, logits, atol=1e-4)  # reuse changes no logit
+    engine.flow.abort(req)
+    with unchanged(engine), pytest.raises(TypeError, match="extra_key"):
+        engine.prefill_batch([prompt], extra_key={"a": 1})
+
+
+def test_a_snapshot_freezes_one_namespace_tree() -> None:
+    from kvcache.viz import snapshot
+
+    m = RadixCacheManager(page_size=1)
+    m.insert_prefix(ids(1, 2, 3), slots(0, 1, 2), extra_key="alice")
+    m.insert_prefix(ids(1, 2, 9), slots(3, 4, 5), extra_key="bob")
+    m.insert_prefix(ids(1, 2, 3, 4), slots(6, 7, 8, 9), extra_key="bob")
+    alice, bob = snapshot(m, extra_key="alice"), snapshot(m, extra_key="bob")
+    assert [n.tokens for n in alice.nodes] == [(), (1, 2, 3)]
+    assert sorted(n.tokens for n in bob.nodes) == [(), (1, 2), (3, 4), (9,)]
+    assert len(snapshot(m).nodes) == 1  # None's tree: only its root
+    with pytest.raises(ValueError, match="carol"):
+        snapshot(m, extra_key="carol")
+    with pytest.raises(TypeError, match="extra_key"):
+        snapshot(m, extra_key=["alice"])
+
+
+def _paths(m: RadixCacheManager, key: Hashable) -> list[list[int]]:
+    """Every root-to-node token sequence of namespace ``key``'s tree."""
+    out = []
+    for node in m.nodes(key):
+        toks: list[int] = []
+        n = node
+        while n is not None and not n.is_root():
+            toks[:0] = n.key.tolist()
+            n = n.parent
+        out.append(toks)
+    return out
+
+
+REQUESTS = st.lists(
+    st.tuples(
+        st.sampled_from(["a", "b", None]),
+        st.lists(st.integers(0, 2), min_size=1, max_size=10),
+        st.integers(1, 3),
+    ),
+    min_size=1,
+    max_size=12,
+)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(reqs=REQUESTS, policy=st.sampled_from(["fcfs", "lpm"]), page_size=st.sampled_from([1, 2]))
+def test_scheduler_never_caches_a_request_under_another_key(
+    reqs: list[tuple[Hashable, list[int], int]], policy: str, page_size: int
+) -> None:
+    """Chunked prefill, preemption and LPM with several tenants: after every step, each cached
+    path of a namespace is a prefix of a sequence some request of that namespace ran."""
+    flow = RequestFlow(
+        RadixCacheManager(page_size=page_size),
+        PageAllocator(16 // page_size, page_size),  # small: preemption happens
+    )
+    sched = Scheduler(flow, token_budget=6, max_batch=3, chunk_size=4, policy=policy)
+    seqs: dict[Hashable, list[list[int]]] = {}
+    for i, (key, prompt, new) in enumerate(reqs):
+        forced = [(i + j) % 3 for j in range(new)]
+        sched.submit(ids(*prompt), new, forced=ids(*forced), extra_key=key)
+        seqs.setdefault(key, []).append(prompt + forced)
+    for _ in range(500):
+        if sched.idle:
+            break
+        sched.step()
+        sched.check_integrity()
+        for key in flow.manager.roots:
+            for path in _paths(flow.manager, key)[1:]:  # the root's empty path aside
+                assert any(s[: len(path)] == path for s in seqs.get(key, [])), (key, path)
+    assert sched.idle and len(sched.done) == len(reqs)

@@ -6,7 +6,7 @@ A `Runner` runs one batch built by `Scheduler.step`; `model_runner` is the one t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +27,7 @@ class SchedRequest:
 
     ``output`` holds the tokens sampled so far; the flow's request (``flow_req``, while
     running) holds ``prompt + output[:-1]`` once decoding, the last sampled token being the
-    next one to run.
+    next one to run. ``extra_key``: the namespace it matches and is cached in.
     """
 
     sid: int
@@ -46,6 +46,7 @@ class SchedRequest:
     first_token_time: float | None = None
     finish_time: float | None = None
     max_wait: int = 0
+    extra_key: Hashable = None
 
     @property
     def req(self) -> Request:

@@ -14,7 +14,7 @@ ran and what it read back from the cache instead.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 
@@ -108,8 +108,12 @@ class Engine:
             self.flow.mark_computed(r)
         return logits
 
-    def prefill_batch(self, prompts: Sequence[torch.Tensor]) -> tuple[list[Request], torch.Tensor]:
+    def prefill_batch(
+        self, prompts: Sequence[torch.Tensor], *, extra_key: Hashable = None
+    ) -> tuple[list[Request], torch.Tensor]:
         """Start one request per prompt (1-D CPU int ids), running only the tokens not reused from the cache.
+
+        ``extra_key``: the namespace (tenant, adapter) the batch matches in and is cached in.
 
         Returns the requests and the logits ``(B, vocab)`` of each prompt's last token. Prompts of
         one batch do not reuse each other (none is cached yet). The whole batch is checked (ids,
@@ -122,7 +126,7 @@ class Engine:
             raise ValueError("prompts must hold at least one prompt, got an empty batch")
         for i, p in enumerate(prompts):
             self.model.check_ids(p, f"prompts[{i}]")
-        reqs = self.flow.begin_batch(prompts, compute_last=True)
+        reqs = self.flow.begin_batch(prompts, compute_last=True, extra_key=extra_key)
         try:
             return reqs, self._run(reqs, torch.cat([r.input_ids[r.num_computed :] for r in reqs]))
         except BaseException:
@@ -130,9 +134,11 @@ class Engine:
                 self.flow.abort(r)
             raise
 
-    def prefill(self, prompt: torch.Tensor) -> tuple[Request, torch.Tensor]:
+    def prefill(
+        self, prompt: torch.Tensor, *, extra_key: Hashable = None
+    ) -> tuple[Request, torch.Tensor]:
         """:meth:`prefill_batch` of one prompt: ``(request, logits (vocab,))``."""
-        reqs, logits = self.prefill_batch([prompt])
+        reqs, logits = self.prefill_batch([prompt], extra_key=extra_key)
         return reqs[0], logits[0]
 
     def decode_batch(self, reqs: Sequence[Request], tokens: Sequence[Token]) -> torch.Tensor:
@@ -167,10 +173,13 @@ class Engine:
         """Cache the request (prompt and decoded tokens) and release it; returns the length already cached."""
         return self.flow.finish(req)
 
-    def generate(self, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-        """Greedy decoding: ``max_new_tokens`` new token ids ``(max_new_tokens,)`` int64; the request is cached."""
+    def generate(
+        self, prompt: torch.Tensor, max_new_tokens: int, *, extra_key: Hashable = None
+    ) -> torch.Tensor:
+        """Greedy decoding: ``max_new_tokens`` new token ids ``(max_new_tokens,)`` int64; the
+        request is cached (under ``extra_key``)."""
         max_new_tokens = check_size(max_new_tokens, "max_new_tokens")
-        req, logits = self.prefill(prompt)
+        req, logits = self.prefill(prompt, extra_key=extra_key)
         out: list[int] = []
         try:
             for i in range(max_new_tokens):

@@ -31,12 +31,15 @@ does not fit nobody overtakes it, so no request waits for ever.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Hashable
 
 import torch
 
 from .._validate import check_positive_int, check_token_ids
+from ..managers.cache_events import check_extra_key
 from .batch import Runner, SchedRequest, StepRecord
 from .cost_model import LLAMA3_8B_H100, CostModel, ServeReport, percentile
+from .request import keyed
 from .request_flow import RequestFlow
 
 __all__ = ["Scheduler", "ADMISSION_POLICIES", "VICTIM_POLICIES"]
@@ -108,9 +111,18 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests
     def submit(
-        self, prompt: torch.Tensor, max_new_tokens: int, forced: torch.Tensor | None = None
+        self,
+        prompt: torch.Tensor,
+        max_new_tokens: int,
+        forced: torch.Tensor | None = None,
+        *,
+        extra_key: Hashable = None,
     ) -> int:
         """Queue a request; returns its id. ``forced``: tokens to emit instead of sampling.
+
+        ``extra_key``: its namespace (tenant, adapter; any hashable, ``TypeError`` otherwise):
+        it matches, and is cached, only among requests submitted with the same key, at every
+        (re)admission and in LPM's ordering.
 
         Refused (``ValueError``) when its longest stored sequence, ``len(prompt) +
         max_new_tokens - 1`` tokens, needs more pages than the pool has: it could never run.
@@ -119,6 +131,7 @@ class Scheduler:
         if len(prompt) == 0:
             raise ValueError("prompt must hold at least one token")
         check_positive_int(max_new_tokens, "max_new_tokens")
+        check_extra_key(extra_key)
         if forced is not None:
             check_token_ids(forced, "forced")
             if len(forced) < max_new_tokens:
@@ -142,6 +155,7 @@ class Scheduler:
             self.steps,
             self.clock,
             enqueued_step=self.steps,
+            extra_key=extra_key,
         )
         self.requests[sreq.sid] = sreq
         self.waiting.append(sreq)
@@ -175,8 +189,9 @@ class Scheduler:
         rest = [s for s in self.waiting if self.steps - s.enqueued_step < self.starvation_bound]
         if self.policy == "lpm" and len(self.waiting) <= self.lpm_queue_limit:
             # SGLang matches every waiting request too; matching only refreshes LRU and splits.
+            match = self.flow.manager.match_prefix
             matched = {
-                s.sid: self.flow.manager.match_prefix(s.tokens()[:-1])[0].cached_len for s in rest
+                s.sid: keyed(match, s.extra_key, s.tokens()[:-1])[0].cached_len for s in rest
             }
             rest.sort(key=lambda s: -matched[s.sid])  # stable: arrival order among ties
         return starving + rest
@@ -250,7 +265,7 @@ class Scheduler:
                 break
             ids = s.tokens()
             try:
-                req = self.flow.begin(ids, compute_last=True)
+                req = self.flow.begin(ids, compute_last=True, extra_key=s.extra_key)
             except RuntimeError:
                 break  # out of pages: nobody overtakes (FCFS, and the starvation bound)
             self.waiting.remove(s)

@@ -11,7 +11,7 @@ request cached after every decode token) is as easy as a wide tree.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any, Protocol, TypeAlias, runtime_checkable
@@ -134,8 +134,12 @@ def snapshot(
     *,
     previous: TreeSnapshot | None = None,
     evict_size: int | None = None,
+    extra_key: Hashable = None,
 ) -> TreeSnapshot:
     """Freeze ``manager``'s tree (any ``page_size``). Reads only: the manager is not changed.
+
+    ``extra_key``: the namespace whose tree to freeze (default ``None``'s); ``ValueError`` for
+    one never inserted into. The size counts (evictable, protected) are the whole manager's.
 
     With ``previous``, the result also carries what changed since (see `diff_snapshots`).
     Raises ``TypeError`` for anything but a `RadixCacheManager` (other managers keep no tree
@@ -153,7 +157,7 @@ def snapshot(
     if evict_size is not None:
         check_size(evict_size, "evict_size")
     nodes = []
-    for node in manager.nodes():
+    for node in manager.nodes(extra_key):
         root = node.is_root()
         nodes.append(
             NodeSnapshot(
@@ -168,6 +172,8 @@ def snapshot(
                 children=tuple(c.uuid for c in node.children.values()),
             )
         )
+    if not nodes:
+        raise ValueError(f"extra_key {extra_key!r} names no namespace of this manager")
     info = manager.size_info
     snap = TreeSnapshot(
         nodes=tuple(nodes),
