@@ -198,7 +198,8 @@ def step_player(
 def _player_html(
     player_id: str, snaps: list[TreeSnapshot], svgs: list[str], title: str, interval_ms: int
 ) -> str:
-    """The player's HTML block; every caller-supplied string is escaped for where it lands."""
+    """The player's HTML block, a ``<figure class="kv-figure kv-player">`` with a caption that
+    says how to use it; every caller-supplied string is escaped for where it lands."""
     esc = html.escape  # quotes included: safe in text and in double-quoted attribute values
     n = len(snaps)
     frames = "".join(
@@ -211,7 +212,13 @@ def _player_html(
     script = re.sub(
         r"__(PLAYER_ID|INTERVAL_MS)__", lambda m: values[m.group(1)], _static("player.js")
     )
+    reading = (
+        f"A step player over {n} recorded calls: step with the buttons, the slider or the arrow "
+        "keys (once the player has focus). Each step's caption names the call; watch which "
+        "nodes change colour from one step to the next (the key is drawn in every frame)."
+    )
     return (
+        f'<figure class="kv-figure kv-player"><div class="kv-figure-body">\n'
         f'<div class="kvp" id="{esc(player_id)}" data-step="0" data-steps="{n}" tabindex="0">\n'
         f"<style>\n{_static('player.css')}</style>\n{heading}"
         '<div class="kvp-bar">'
@@ -226,4 +233,5 @@ def _player_html(
         f"{frames}"
         f"<script>\n{script}</script>\n"
         "</div>\n"
+        f'</div><figcaption class="kv-caption">{esc(reading)}</figcaption></figure>\n'
     )
