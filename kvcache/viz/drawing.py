@@ -177,6 +177,7 @@ def look_for(used: Iterable[str], evict_size: int | None = None) -> list[str]:
     """One sentence a state drawn (in `LEGEND_TEXT` order): what its colour tells the reader."""
     hints = {
         "protected": "Blue nodes are in use by a running request: evict cannot take them.",
+        "evictable": "Grey nodes are held by no request (ref 0): evict may free them, leaves first.",
         "evict": f"Red dashed nodes are what evict({evict_size if evict_size is not None else 'size'}) takes next.",
         "inserted": "Green nodes were just inserted.",
         "split": "An orange border marks a node that was just split.",
