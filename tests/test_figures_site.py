@@ -351,7 +351,7 @@ def test_captioned_plots_are_figures_and_refuse_bad_input():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from kvcache.viz.drawing import captioned
+    from kvcache.viz.figure import captioned
 
     fig, ax = plt.subplots(figsize=(2, 1))
     ax.plot([0, 1], [1, 0])

@@ -32,6 +32,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from .._validate import check_size
 from .drawing import draw_tree
+from .figure import figure_html
 from .recorder import TreeRecorder
 from .snapshot import TreeSnapshot, snapshot_list
 from .text import DecodeLike, as_decoder, tree_text
@@ -82,7 +83,8 @@ class StepPlayer:
     """A self-contained HTML step player over pre-rendered trees (see `step_player`).
 
     ``captions[i]`` and ``svgs[i]`` describe step ``i``; ``html`` is the whole block (CSS,
-    frames, controls, inline script). Jupyter shows it through ``_repr_html_``.
+    frames, controls, inline script). Jupyter and the website show it inside a captioned
+    ``<figure>`` (``_repr_mimebundle_``); ``_repr_html_`` is the bare block.
     """
 
     player_id: str
@@ -94,8 +96,23 @@ class StepPlayer:
     def num_steps(self) -> int:
         return len(self.captions)
 
+    @property
+    def caption(self) -> str:
+        """The figure caption a page shows under the player: how to use it, what to watch."""
+        return (
+            f"A step player over {self.num_steps} recorded calls: step with the buttons, the "
+            "slider or the arrow keys (once the player has focus). Each step's caption names "
+            "the call; watch which nodes change colour from one step to the next (the key is "
+            "drawn in every frame)."
+        )
+
     def _repr_html_(self) -> str:
         return self.html
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
+        """What Jupyter and the website show: ``html`` in a numbered, captioned
+        ``<figure class="kv-figure kv-player">`` (`kvcache.viz.figure.figure_html`)."""
+        return {"text/html": figure_html(self.html, self.caption, "player")}
 
     def __repr__(self) -> str:
         return f"StepPlayer({self.num_steps} steps, id={self.player_id!r})"
@@ -198,8 +215,7 @@ def step_player(
 def _player_html(
     player_id: str, snaps: list[TreeSnapshot], svgs: list[str], title: str, interval_ms: int
 ) -> str:
-    """The player's HTML block, a ``<figure class="kv-figure kv-player">`` with a caption that
-    says how to use it; every caller-supplied string is escaped for where it lands."""
+    """The player's HTML block; every caller-supplied string is escaped for where it lands."""
     esc = html.escape  # quotes included: safe in text and in double-quoted attribute values
     n = len(snaps)
     frames = "".join(
@@ -212,13 +228,7 @@ def _player_html(
     script = re.sub(
         r"__(PLAYER_ID|INTERVAL_MS)__", lambda m: values[m.group(1)], _static("player.js")
     )
-    reading = (
-        f"A step player over {n} recorded calls: step with the buttons, the slider or the arrow "
-        "keys (once the player has focus). Each step's caption names the call; watch which "
-        "nodes change colour from one step to the next (the key is drawn in every frame)."
-    )
     return (
-        f'<figure class="kv-figure kv-player"><div class="kv-figure-body">\n'
         f'<div class="kvp" id="{esc(player_id)}" data-step="0" data-steps="{n}" tabindex="0">\n'
         f"<style>\n{_static('player.css')}</style>\n{heading}"
         '<div class="kvp-bar">'
@@ -233,5 +243,4 @@ def _player_html(
         f"{frames}"
         f"<script>\n{script}</script>\n"
         "</div>\n"
-        f'</div><figcaption class="kv-caption">{esc(reading)}</figcaption></figure>\n'
     )

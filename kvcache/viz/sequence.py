@@ -19,10 +19,10 @@ from .drawing import (
     check_style,
     check_width,
     dot_text,
-    look_for,
     new_graph,
     wrap_lines,
 )
+from .figure import look_for
 from .snapshot import TreeSnapshot, snapshot_list
 from .style import INK, grid_rows, key_label, text_width, tree_extent
 from .text import DecodeLike
