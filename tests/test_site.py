@@ -955,6 +955,43 @@ def test_printout_keeps_figures_whole_and_answers_open(browser, page):
         tab.close()
 
 
+# At a phone's width: how far the page is wider than the screen, and the first elements that
+# stick out without a scrolling box around them that fits (a figure or a code block may scroll
+# inside itself; the page may not).
+PHONE_OVERFLOW = r"""
+(() => {
+  const out = [];
+  for (const e of document.querySelectorAll('main *')) {
+    const r = e.getBoundingClientRect();
+    if (!(r.width > 0 && r.right > innerWidth + 1)) continue;
+    let p = e.parentElement, contained = false;
+    for (; p; p = p.parentElement) {
+      if (getComputedStyle(p).overflowX !== 'visible' && p.getBoundingClientRect().right <= innerWidth + 1) {
+        contained = true; break;
+      }
+    }
+    if (!contained) out.push(`${e.tagName.toLowerCase()} to ${Math.round(r.right)}px: ` +
+                             (e.textContent || '').replace(/\s+/g, ' ').trim().slice(0, 50));
+    if (out.length >= 3) break;
+  }
+  return {width: document.documentElement.scrollWidth, out};
+})()
+"""
+
+
+@needs_site
+@pytest.mark.parametrize("page", built_pages() if HTML.exists() else [], ids=page_id)
+def test_no_page_scrolls_sideways_on_a_phone(browser, page):
+    """At 420 px no page is wider than the screen: tree figures and code scroll inside their own
+    box, the step player shrinks its frames, and a long name in the text breaks (book.css)."""
+    tab = browser.open_tab(page.as_uri(), PHONE_WIDTH)
+    try:
+        state = tab.eval(PHONE_OVERFLOW)
+        assert state["width"] <= PHONE_WIDTH, f"{page_id(page)} at {PHONE_WIDTH}px: {state}"
+    finally:
+        tab.close()
+
+
 # The sidebar's link to a chapter, and whether a reader can see it (on screen, not covered).
 CHAPTER_LINK_SEEN = r"""
 (() => {
