@@ -962,6 +962,7 @@ PHONE_OVERFLOW = r"""
 (() => {
   const out = [];
   for (const e of document.querySelectorAll('main *')) {
+    if (e.closest('.bd-sidebar-primary, .bd-sidebar-secondary')) continue;  // drawers, off screen
     const r = e.getBoundingClientRect();
     if (!(r.width > 0 && r.right > innerWidth + 1)) continue;
     let p = e.parentElement, contained = false;
