@@ -436,7 +436,8 @@ FIGURE_PROBE = r"""
 #            folded away;
 #  answers:  each reader's answer cell (a "# Your answer" comment) and the output of the check
 #            after it: whether either is visible before any click;
-#  sidebar:  the sidebar's links to chapter pages and their text.
+#  sidebar:  the sidebar's links to chapter pages and their text;
+#  figures:  every picture with its <figure>, caption, number and (trees) full-size link.
 LAYOUT_PROBE = r"""
 (() => {
   const main = document.querySelector('main') || document.body;
@@ -484,7 +485,34 @@ LAYOUT_PROBE = r"""
   const sidebar = [...document.querySelectorAll('.bd-sidebar-primary a.reference.internal')]
     .filter(a => /\/book\/\d\d_[^/]*\.html$/.test(new URL(a.href).pathname))
     .map(a => a.textContent.replace(/\s+/g, ' ').trim());
-  return {overflow, streams, markers, answers, sidebar};
+  // figures: every picture of the page (a graphviz tree, a step player, an output image, a
+  // Markdown figure) with the <figure> around it, its caption, its number (the CSS counter
+  // that book.css shows before the caption) and, for a tree, its link to the full-size SVG.
+  const pictures = new Set();
+  for (const s of main.querySelectorAll('svg')) {
+    if (s.closest('svg') !== s || s.closest('mjx-container, .MathJax, .jupyter-widgets, .widget-area')) continue;
+    if (s.querySelector(':scope > g.graph')) pictures.add(s.closest('.kvp') || s);
+  }
+  for (const i of main.querySelectorAll('.cell_output img, figure img')) pictures.add(i);
+  const figures = [];
+  for (const el of pictures) {
+    const fig = el.closest('figure');
+    const cap = fig && fig.querySelector(':scope > figcaption');
+    const text = cap ? cap.textContent.replace(/\s+/g, ' ').trim() : '';
+    const numbered = cap ? (cap.classList.contains('kv-caption') ? cap : cap.querySelector('p') || cap)
+                         : null;
+    const full = fig && fig.querySelector('a.kv-full');
+    figures.push({
+      kind: el.matches('.kvp') ? 'player' : el.tagName.toLowerCase(),
+      caption: text.slice(0, 90), words: text ? text.split(' ').length : 0,
+      number: numbered ? getComputedStyle(numbered, '::before').content : '',
+      counter: fig ? getComputedStyle(fig).counterIncrement : '',
+      tree: !!fig && fig.classList.contains('kv-tree'),
+      graphviz: el.tagName.toLowerCase() === 'svg',
+      full: full ? full.href : null,
+    });
+  }
+  return {overflow, streams, markers, answers, sidebar, figures};
 })()
 """
 
@@ -622,6 +650,55 @@ def test_chapter_figures_render(browser, kind):
                 assert fig["ok"], f"{page_id(page)}: {kind} figure did not render: {fig}"
     if not found:
         pytest.skip(f"no chapter in the toc shows a {kind} figure yet")
+
+
+@needs_site
+def test_every_figure_is_numbered_and_captioned(browser):
+    """Every picture (a tree, a sequence, a step player, a plot, the landing page's tree) sits
+    in a <figure> whose <figcaption> says what it shows, numbered per page by the CSS counter
+    book.css puts before the caption ("Figure 3.")."""
+    bad: dict[str, list] = {}
+    found = 0
+    for page in built_pages():
+        for f in visit(browser, page).layout.get("figures") or []:
+            found += 1
+            problems = []
+            if f["words"] < 3:
+                problems.append(f"no caption (or a caption of {f['words']} words)")
+            if "counter(kv-figure)" not in f["number"] or "Figure" not in f["number"]:
+                problems.append(f"caption not numbered (::before is {f['number']!r})")
+            if "kv-figure" not in f["counter"]:
+                problems.append(f"figure not counted (counter-increment {f['counter']!r})")
+            if problems:
+                bad.setdefault(page_id(page), []).append({**f, "problems": problems})
+    assert found >= 20, f"expected the chapters' figures, found {found}"
+    n = sum(map(len, bad.values()))
+    assert not bad, f"{n} of {found} figures without a number or a caption: {bad}"
+
+
+@needs_site
+def test_every_tree_links_its_full_size_svg(browser):
+    """Each tree figure's caption links to the tree's own SVG file (book/_ext/kv_figures.py),
+    which exists next to the pages (offline, no data: URL) and is the same graphviz drawing."""
+    bad: dict[str, list] = {}
+    trees = 0
+    for page in built_pages():
+        for f in visit(browser, page).layout.get("figures") or []:
+            if not (f["graphviz"] and f["kind"] == "svg"):
+                continue
+            trees += 1
+            href = f["full"]
+            if not f["tree"] or not href:
+                bad.setdefault(page_id(page), []).append(f"no full-size link: {f['caption']!r}")
+                continue
+            url = urlparse(href)
+            path = Path(unquote(url.path))
+            if url.scheme != "file" or not path.is_file():
+                bad.setdefault(page_id(page), []).append(f"link to nothing: {href}")
+            elif "Generated by graphviz" not in path.read_text(errors="replace")[:3000]:
+                bad.setdefault(page_id(page), []).append(f"not a graphviz SVG: {href}")
+    assert trees >= 20, f"expected the chapters' tree figures, found {trees}"
+    assert not bad, f"tree figures that cannot be opened full size: {bad}"
 
 
 #: The API reference part (book/api/): the page of each layer and the module it documents.
@@ -809,6 +886,109 @@ def test_printout_shows_answers_and_uncut_code(browser):
         assert state["folded_notes"] == 0, f"dropdown answers left folded in the printout: {state}"
         assert state["cut"] == 0, f"code cut at the printed page's edge: {state}"
         assert state["closed_after"] > 0, f"the folds did not close again after printing: {state}"
+    finally:
+        tab.close()
+
+
+# In print media, after "beforeprint": what a printed page would lose. Folds left closed,
+# answer cells not shown, sidebars or buttons still laid out, figures cut at the page's edge
+# (a picture wider than its card, a card wider than the text, a figure body that scrolls).
+PRINT_PROBE = r"""
+(async () => {
+  window.dispatchEvent(new Event('beforeprint'));
+  await new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)));
+  const main = document.querySelector('main');
+  const seen = el => !!el && el.checkVisibility() && el.getBoundingClientRect().height > 0;
+  const closed = main.querySelectorAll('details:not([open])').length;
+  const hidden_answers = [...main.querySelectorAll('div.cell')].filter(c =>
+      /#\s*Your (answer|prediction)/i.test((c.querySelector('.cell_input') || {}).textContent || ''))
+    .filter(c => !seen(c.querySelector('.cell_input pre'))).length;
+  const folded_notes = [...main.querySelectorAll('.admonition.toggle-hidden')].filter(
+      a => [...a.children].some(c => !c.matches('.admonition-title, button')
+                                    && c.getBoundingClientRect().height === 0)).length;
+  const chrome = ['.bd-sidebar-primary', '.bd-sidebar-secondary', '.bd-header-article',
+                  '.prev-next-area'].filter(sel => [...document.querySelectorAll(sel)].some(seen));
+  const text = (main.querySelector('article') || main).getBoundingClientRect();
+  const cut = [];
+  for (const fig of main.querySelectorAll('figure')) {
+    if (!seen(fig)) continue;
+    const f = fig.getBoundingClientRect();
+    const label = (fig.querySelector('figcaption') || fig).textContent.trim().slice(0, 50);
+    if (f.right > text.right + 1) cut.push(`figure wider than the text by ${f.right - text.right}px: ${label}`);
+    for (const pic of fig.querySelectorAll(':scope svg:not(svg svg), :scope img')) {
+      if (!seen(pic)) continue;
+      const r = pic.getBoundingClientRect();
+      if (r.right > f.right + 1 || r.left < f.left - 1) cut.push(`picture wider than its figure: ${label}`);
+    }
+    for (const body of fig.querySelectorAll('.kv-figure-body'))
+      if (body.scrollWidth - body.clientWidth > 1) cut.push(`figure scrolls: ${label}`);
+  }
+  window.dispatchEvent(new Event('afterprint'));
+  return {closed, hidden_answers, folded_notes, chrome, cut};
+})()
+"""
+
+
+def pages_with_figures_or_answers() -> list[Path]:
+    if not HTML.exists():
+        return []
+    marks = ("kv-figure", "Your answer", "Your prediction", "toggle-hidden", "<img")
+    return [p for p in chapter_pages() if any(m in p.read_text() for m in marks)]
+
+
+@needs_site
+@pytest.mark.parametrize("page", pages_with_figures_or_answers(), ids=page_id)
+def test_printout_keeps_figures_whole_and_answers_open(browser, page):
+    """Printed (or saved as PDF, print media at a printed page's width): no sidebar or header,
+    every fold and dropdown answer open, every answer cell shown, and no figure cut or scrolled
+    (book.css's print rules scale wide figures to the page; book.js opens the folds)."""
+    tab = browser.open_tab(page.as_uri(), 720)
+    try:
+        tab.b.call("Emulation.setEmulatedMedia", {"media": "print"}, session=tab.session)
+        state = tab.eval(PRINT_PROBE)
+        assert state["closed"] == 0, f"folds left closed in the printout: {state}"
+        assert state["hidden_answers"] == 0, f"answer cells hidden in the printout: {state}"
+        assert state["folded_notes"] == 0, f"dropdown answers left folded in the printout: {state}"
+        assert not state["chrome"], f"sidebars or buttons in the printout: {state['chrome']}"
+        assert not state["cut"], f"figures cut in the printout: {state['cut']}"
+    finally:
+        tab.close()
+
+
+# At a phone's width: how far the page is wider than the screen, and the first elements that
+# stick out without a scrolling box around them that fits (a figure or a code block may scroll
+# inside itself; the page may not).
+PHONE_OVERFLOW = r"""
+(() => {
+  const out = [];
+  for (const e of document.querySelectorAll('main *')) {
+    if (e.closest('.bd-sidebar-primary, .bd-sidebar-secondary')) continue;  // drawers, off screen
+    const r = e.getBoundingClientRect();
+    if (!(r.width > 0 && r.right > innerWidth + 1)) continue;
+    let p = e.parentElement, contained = false;
+    for (; p; p = p.parentElement) {
+      if (getComputedStyle(p).overflowX !== 'visible' && p.getBoundingClientRect().right <= innerWidth + 1) {
+        contained = true; break;
+      }
+    }
+    if (!contained) out.push(`${e.tagName.toLowerCase()} to ${Math.round(r.right)}px: ` +
+                             (e.textContent || '').replace(/\s+/g, ' ').trim().slice(0, 50));
+    if (out.length >= 3) break;
+  }
+  return {width: document.documentElement.scrollWidth, out};
+})()
+"""
+
+
+@needs_site
+@pytest.mark.parametrize("page", built_pages() if HTML.exists() else [], ids=page_id)
+def test_no_page_scrolls_sideways_on_a_phone(browser, page):
+    """At 420 px no page is wider than the screen: tree figures and code scroll inside their own
+    box, the step player shrinks its frames, and a long name in the text breaks (book.css)."""
+    tab = browser.open_tab(page.as_uri(), PHONE_WIDTH)
+    try:
+        state = tab.eval(PHONE_OVERFLOW)
+        assert state["width"] <= PHONE_WIDTH, f"{page_id(page)} at {PHONE_WIDTH}px: {state}"
     finally:
         tab.close()
 

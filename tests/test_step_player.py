@@ -347,3 +347,75 @@ def test_step_player_keeps_its_height(browser):  # noqa: F811  (the fixture impo
             )
         finally:
             tab.close()
+
+
+# At a phone's width: the page does not scroll sideways, and the player (its bar, caption and
+# every frame, the hidden ones included) fits inside the text column.
+PHONE_FIT = r"""
+(() => {
+  const out = {page: document.documentElement.scrollWidth, width: innerWidth, players: []};
+  for (const p of document.querySelectorAll('.kvp')) {
+    p.scrollIntoView({block: 'start'});
+    const box = p.getBoundingClientRect();
+    const wide = [];
+    for (const el of p.querySelectorAll('.kvp-bar, .kvp-caption, .kvp-frame, .kvp-frame svg, button, input')) {
+      const r = el.getBoundingClientRect();
+      if (r.width && (r.right > box.right + 1 || r.left < box.left - 1))
+        wide.push(`${el.className.baseVal ?? el.className} ${r.left.toFixed(0)}..${r.right.toFixed(0)}`);
+    }
+    out.players.push({left: box.left, right: box.right, scroll: p.scrollWidth - p.clientWidth,
+                      wide: wide.slice(0, 5)});
+  }
+  return out;
+})()
+"""
+
+
+def check_fits_a_phone(tab, where: str) -> None:
+    state = tab.eval(PHONE_FIT)
+    assert state["players"], f"{where}: no step player found"
+    assert state["page"] <= PHONE_WIDTH, (
+        f"{where}: the page scrolls sideways at {PHONE_WIDTH}px: {state}"
+    )
+    for p in state["players"]:
+        assert p["right"] <= PHONE_WIDTH + 0.5 and p["left"] >= -0.5, (
+            f"{where}: player off screen: {p}"
+        )
+        assert p["scroll"] <= 1 and not p["wide"], f"{where}: wider than the player: {p}"
+
+
+@needs_site
+def test_step_player_fits_a_phone(browser):  # noqa: F811  (the fixture imported from test_site)
+    """At 420 px the chapter's player shrinks its frames to the column (no sideways scroll)."""
+    tab = browser.open_tab(PAGE.as_uri(), PHONE_WIDTH)
+    try:
+        check_fits_a_phone(tab, "chapter 15")
+    finally:
+        tab.close()
+
+
+@needs_chromium
+@pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz `dot` is not installed")
+def test_step_player_fits_a_phone_on_its_own(browser, tmp_path):  # noqa: F811
+    """The player's own stylesheet (Jupyter, no book.css) shrinks it to a phone's width too,
+    with a tree much wider than the phone."""
+    tok = ByteTokenizer()
+    rec = TreeRecorder(RadixCacheManager(), decode=tok)
+    for i in range(6):
+        text = f"a rather long shared prefix number {i} that widens the tree"
+        rec.insert_prefix(
+            tok.encode(text), torch.arange(100 * i, 100 * i + len(text), dtype=torch.int32)
+        )
+    player = step_player(rec, start=1)
+    page_file = tmp_path / "player.html"
+    page_file.write_text(
+        '<!DOCTYPE html><html><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1"></head>'
+        f"<body style='margin:8px'>{player.html}</body></html>",
+        encoding="utf-8",
+    )
+    tab = browser.open_tab(page_file.as_uri(), PHONE_WIDTH)
+    try:
+        check_fits_a_phone(tab, "a player on its own")
+    finally:
+        tab.close()

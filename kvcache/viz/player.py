@@ -32,6 +32,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from .._validate import check_size
 from .drawing import draw_tree
+from .figure import figure_html
 from .recorder import TreeRecorder
 from .snapshot import TreeSnapshot, snapshot_list
 from .text import DecodeLike, as_decoder, tree_text
@@ -82,7 +83,8 @@ class StepPlayer:
     """A self-contained HTML step player over pre-rendered trees (see `step_player`).
 
     ``captions[i]`` and ``svgs[i]`` describe step ``i``; ``html`` is the whole block (CSS,
-    frames, controls, inline script). Jupyter shows it through ``_repr_html_``.
+    frames, controls, inline script). Jupyter and the website show it inside a captioned
+    ``<figure>`` (``_repr_mimebundle_``); ``_repr_html_`` is the bare block.
     """
 
     player_id: str
@@ -94,8 +96,23 @@ class StepPlayer:
     def num_steps(self) -> int:
         return len(self.captions)
 
+    @property
+    def caption(self) -> str:
+        """The figure caption a page shows under the player: how to use it, what to watch."""
+        return (
+            f"A step player over {self.num_steps} recorded calls: step with the buttons, the "
+            "slider or the arrow keys (once the player has focus). Each step's caption names "
+            "the call; watch which nodes change colour from one step to the next (the key is "
+            "drawn in every frame)."
+        )
+
     def _repr_html_(self) -> str:
         return self.html
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
+        """What Jupyter and the website show: ``html`` in a numbered, captioned
+        ``<figure class="kv-figure kv-player">`` (`kvcache.viz.figure.figure_html`)."""
+        return {"text/html": figure_html(self.html, self.caption, "player")}
 
     def __repr__(self) -> str:
         return f"StepPlayer({self.num_steps} steps, id={self.player_id!r})"

@@ -22,6 +22,7 @@ from .drawing import (
     new_graph,
     wrap_lines,
 )
+from .figure import look_for
 from .snapshot import TreeSnapshot, snapshot_list
 from .style import INK, grid_rows, key_label, text_width, tree_extent
 from .text import DecodeLike
@@ -69,6 +70,7 @@ def draw_sequence(
     show_evicted: bool = True,
     caption_width: int = 34,
     max_width: float = 600,
+    title: str | None = None,
 ) -> TreeFigure:
     """Draw snapshots as numbered, captioned panels in one `TreeFigure` (a `graphviz.Digraph`).
 
@@ -81,13 +83,16 @@ def draw_sequence(
     trees (``rankdir="LR"``, or auto for panels of more than 15 nodes) stack top to bottom the
     same way. With ``legend``, a colour key of the states the panels show is drawn above them.
     With ``preview_evictions``, a panel followed by an ``evict(size)`` panel marks the leaves
-    that evict is about to take.
+    that evict is about to take. ``title`` is the figure's caption on a page (`TreeFigure`);
+    without one, the caption says how to read the panels and what their colours mark.
     """
     snaps = snapshot_list(snapshots)
     check_style(decode, rankdir, max_chars, font_size)
     check_positive_int(per_row, "per_row")
     check_positive_int(caption_width, "caption_width")
     check_width(max_width, "max_width")
+    if title is not None and not isinstance(title, str):
+        raise TypeError(f"title must be a str or None, got {type(title).__name__}")
     biggest = max((s.num_nodes for s in snaps), default=0)
     direction = auto_rankdir(biggest, rankdir)
     g = new_graph("radix_sequence", direction, font_size)
@@ -171,4 +176,19 @@ def draw_sequence(
     label = key_label(used_all if legend else (), font_size)
     if label:
         g.attr(label=label, labelloc="t", labeljust="l")
+    g.caption = title if title else _sequence_caption(len(snaps), direction, used_all)
     return g
+
+
+def _sequence_caption(n: int, direction: str, used: set[str]) -> str:
+    """How to read a sequence of ``n`` panels, and what their colours mark."""
+    if n == 1:
+        return " ".join(["One panel: the tree after the call its caption names.", *look_for(used)])
+    order = "left to right, row by row" if direction == "TB" else "top to bottom, column by column"
+    return " ".join(
+        [
+            f"{n} panels, numbered in order ({order}): each is the tree after the call its "
+            "caption names; compare a panel with the one before it.",
+            *look_for(used),
+        ]
+    )
