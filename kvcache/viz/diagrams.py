@@ -18,23 +18,18 @@ paths; the smallest text stays about 8 px high when a figure is shown 420 px wid
 
 from __future__ import annotations
 
-import io
 from collections.abc import Sequence
-from typing import Any
 
-import matplotlib
 import torch
-from matplotlib.axes import Axes
-from matplotlib.figure import Figure
-from matplotlib.patches import Circle, FancyBboxPatch
-from matplotlib.text import Text
+from matplotlib.patches import Circle
 
 from .._validate import check_int_in
 from ..serving.request import FlowEvent
 from ..storage.base import KVCacheLayout
 from ..storage.distributed import divide_even
 from ..storage.mha_pool import MHAKVCache
-from .style import EDGE, FONT, INK, META_INK, PALETTE
+from .canvas import FS, DiagramFigure, arrow, box, canvas, put_text
+from .style import EDGE, INK, META_INK, PALETTE
 
 __all__ = [
     "DiagramFigure",
@@ -50,56 +45,6 @@ SERIES = [
     (PALETTE[k]["fillcolor"], PALETTE[k]["color"])
     for k in ("protected", "inserted", "evict", "evictable")
 ]
-_FS = 11.0  # points: labels; titles are larger, notes smaller (never below 9)
-
-
-class DiagramFigure(Figure):
-    """A matplotlib figure that Jupyter shows as SVG (text as paths, no date: same bytes each run)."""
-
-    def _repr_svg_(self) -> str:
-        buf = io.StringIO()
-        with matplotlib.rc_context({"svg.fonttype": "path", "svg.hashsalt": "kvcache"}):
-            self.savefig(buf, format="svg", metadata={"Date": None}, facecolor="white")
-        return buf.getvalue()
-
-    def labels(self) -> list[str]:
-        """Every text drawn in the figure, in drawing order (what the tests read)."""
-        return [t.get_text() for t in self.findobj(Text) if t.get_text()]
-
-
-def _canvas(width: float, height: float) -> tuple[DiagramFigure, Axes]:
-    """A figure ``width`` x ``height`` inches whose one axes is in inches, y growing downwards."""
-    fig = DiagramFigure(figsize=(width, height), dpi=100)
-    ax = fig.add_axes((0, 0, 1, 1))
-    ax.set_xlim(0, width)
-    ax.set_ylim(height, 0)
-    ax.set_axis_off()
-    return fig, ax
-
-
-def _text(
-    ax: Axes, x: float, y: float, s: str, size: float = _FS, color: str = INK, **kw: Any
-) -> Text:
-    kw.setdefault("ha", "center")
-    kw.setdefault("va", "center")
-    return ax.text(x, y, s, fontsize=size, color=color, family=FONT, **kw)
-
-
-def _box(
-    ax: Axes,
-    x: float,
-    y: float,
-    w: float,
-    h: float,
-    fill: str,
-    edge: str,
-    lw: float = 1.0,
-    rounded: float = 0.0,
-) -> None:
-    """A rectangle (rounded corners of ``rounded`` inches) at ``(x, y)``, ``w`` x ``h`` inches."""
-    style = f"round,pad=0,rounding_size={rounded}" if rounded else "square,pad=0"
-    patch = FancyBboxPatch((x, y), w, h, boxstyle=style, facecolor=fill, edgecolor=edge, lw=lw)
-    ax.add_patch(patch)
 
 
 def _runs(positions: Sequence[int]) -> list[tuple[int, int]]:
@@ -152,7 +97,13 @@ def draw_pool_layout(
     cw = min(0.46, 5.4 / n)  # cell width, inches
     x0, width = 0.25, 0.5 + n * cw
     panel_h = 2.05
-    fig, ax = _canvas(width, 2 * panel_h + 0.15)
+    fig, ax = canvas(
+        width,
+        2 * panel_h + 0.15,
+        f"The pool's buffer in memory order, LayerFirst above PageFirst ({L} layers, {P} pages). "
+        f"Look at the bars: layer {layer}'s K and page {page} are each one run in one layout "
+        "and several in the other.",
+    )
     shapes = {
         KVCacheLayout.LayerFirst: "(2, L, P, page_size, H, D)",
         KVCacheLayout.PageFirst: "(2, P, L, page_size, H, D)",
@@ -160,27 +111,29 @@ def draw_pool_layout(
     for row, (layout, shape) in enumerate(shapes.items()):
         y = 0.1 + row * panel_h
         order = pool_block_order(layout, L, P)
-        _text(
+        put_text(
             ax,
             x0,
             y + 0.12,
             f"{layout.name}: buffer {shape}",
-            size=_FS + 1.5,
+            size=FS + 1.5,
             ha="left",
             weight="bold",
         )
         for kv, name in enumerate("KV"):
-            _text(ax, x0 + (kv + 0.5) * n / 2 * cw, y + 0.42, name, size=_FS + 0.5, color=META_INK)
+            put_text(
+                ax, x0 + (kv + 0.5) * n / 2 * cw, y + 0.42, name, size=FS + 0.5, color=META_INK
+            )
         top = y + 0.55
         for i, (_, lay, pg) in enumerate(order):
             fill, border = SERIES[lay % len(SERIES)]
-            _box(ax, x0 + i * cw, top, cw, 0.5, fill, border)
-            _text(
+            box(ax, x0 + i * cw, top, cw, 0.5, fill, border)
+            put_text(
                 ax,
                 x0 + (i + 0.5) * cw,
                 top + 0.25,
                 f"L{lay}\np{pg}",
-                size=_FS - 0.5,
+                size=FS - 0.5,
                 linespacing=1.1,
             )
         ax.plot([x0 + n / 2 * cw] * 2, [top - 0.08, top + 0.58], color=INK, lw=2.2)  # K | V
@@ -200,11 +153,11 @@ def draw_pool_layout(
             yb = top + 0.78 + j * 0.42
             runs = _runs(cells)
             word = "contiguous run" if len(runs) == 1 else "contiguous runs"
-            _text(
-                ax, x0, yb, f"{what}: {len(runs)} {word}", size=_FS - 0.5, ha="left", color=colour
+            put_text(
+                ax, x0, yb, f"{what}: {len(runs)} {word}", size=FS - 0.5, ha="left", color=colour
             )
             for a, b in runs:
-                _box(
+                box(
                     ax,
                     x0 + a * cw + 0.03,
                     yb + 0.13,
@@ -243,20 +196,25 @@ def draw_tp_heads(num_q_heads: int = 8, num_kv_heads: int = 4, tp_size: int = 2)
     per_row = max(1, min(tp, int(5.4 // (panel_w + 0.15))))
     rows = -(-tp // per_row)
     width = per_row * (panel_w + 0.15) + 0.25
-    fig, ax = _canvas(width, rows * (panel_h + 0.15) + 0.55)
+    fig, ax = canvas(
+        width,
+        rows * (panel_h + 0.15) + 0.55,
+        f"{hq} query heads on {hkv} KV heads (GQA groups of {group}) over {tp} TP ranks. "
+        "Look at the rank frames: every query head reads a KV head on its own rank.",
+    )
     for r in range(tp):
         px = 0.2 + (r % per_row) * (panel_w + 0.15)
         py = 0.1 + (r // per_row) * (panel_h + 0.15)
-        _box(ax, px, py, panel_w, panel_h, "#ffffff", EDGE, 1.2, rounded=0.08)
+        box(ax, px, py, panel_w, panel_h, "#ffffff", EDGE, 1.2, rounded=0.08)
         kv0 = r * kv_per_rank
         q0 = kv0 * group
-        _text(ax, px + 0.12, py + 0.2, f"rank {r}", size=_FS + 1, ha="left", weight="bold")
-        _text(
+        put_text(ax, px + 0.12, py + 0.2, f"rank {r}", size=FS + 1, ha="left", weight="bold")
+        put_text(
             ax,
             px + 0.12,
             py + 0.45,
             f"query heads {q0}–{q0 + q_per_rank - 1}, KV heads {kv0}–{kv0 + kv_per_rank - 1}",
-            size=_FS - 2,
+            size=FS - 2,
             ha="left",
             color=META_INK,
         )
@@ -265,16 +223,16 @@ def draw_tp_heads(num_q_heads: int = 8, num_kv_heads: int = 4, tp_size: int = 2)
             gx = px + (panel_w - q_per_rank * qw) / 2 + k * group * qw
             for g in range(group):
                 x = gx + g * qw
-                _box(ax, x + 0.03, py + 0.68, qw - 0.06, 0.34, "#ffffff", border)
-                _text(ax, x + qw / 2, py + 0.85, f"q{q0 + k * group + g}", size=_FS - 1)
+                box(ax, x + 0.03, py + 0.68, qw - 0.06, 0.34, "#ffffff", border)
+                put_text(ax, x + qw / 2, py + 0.85, f"q{q0 + k * group + g}", size=FS - 1)
                 ax.plot([x + qw / 2] * 2, [py + 1.02, py + 1.2], color=border, lw=1)
-            _box(ax, gx + 0.03, py + 1.2, group * qw - 0.06, 0.38, fill, border, 1.4)
-            _text(ax, gx + group * qw / 2, py + 1.39, f"KV {kv0 + k}", size=_FS - 0.5)
+            box(ax, gx + 0.03, py + 1.2, group * qw - 0.06, 0.38, fill, border, 1.4)
+            put_text(ax, gx + group * qw / 2, py + 1.39, f"KV {kv0 + k}", size=FS - 0.5)
     note = (
         f"group {group}: query head h reads KV head h // {group}.\n"
         f"Each rank's pool keeps {kv_per_rank} of the {hkv} KV heads, in every slot."
     )
-    _text(ax, 0.2, rows * (panel_h + 0.15) + 0.3, note, size=_FS - 2, ha="left", color=META_INK)
+    put_text(ax, 0.2, rows * (panel_h + 0.15) + 0.3, note, size=FS - 2, ha="left", color=META_INK)
     return fig
 
 
@@ -342,10 +300,15 @@ def draw_request_steps(events: Sequence[FlowEvent] | None = None) -> DiagramFigu
     head = 0.75
     height = head + sum(row_h[r[0]] for r in rows) + 0.55
     width = left + 0.45 + (len(_LANES) - 1) * lane_w + 0.65
-    fig, ax = _canvas(width, height)
+    fig, ax = canvas(
+        width,
+        height,
+        "One request's seven steps between the caller, RequestFlow, the manager, the allocator "
+        "and the pool, time running down. Look at the numbers: the flow runs step 6 before 4.",
+    )
     for key, label in _LANES.items():
-        _box(ax, xs[key] - 0.55, 0.08, 1.1, 0.52, PALETTE["root"]["fillcolor"], EDGE, rounded=0.06)
-        _text(ax, xs[key], 0.34, label, size=_FS - 1.5, linespacing=1.15)
+        box(ax, xs[key] - 0.55, 0.08, 1.1, 0.52, PALETTE["root"]["fillcolor"], EDGE, rounded=0.06)
+        put_text(ax, xs[key], 0.34, label, size=FS - 1.5, linespacing=1.15)
         ax.plot([xs[key]] * 2, [0.6, height - 0.45], color=EDGE, lw=1, ls=(0, (4, 3)), zorder=0)
     y = head
     for kind, *rest in rows:
@@ -353,46 +316,32 @@ def draw_request_steps(events: Sequence[FlowEvent] | None = None) -> DiagramFigu
         mid = y + h / 2
         if kind == "phase":
             (label,) = rest
-            _arrow(ax, xs["caller"], xs["flow"], mid, INK, solid=True)
-            _text(ax, (xs["caller"] + xs["flow"]) / 2, mid - 0.1, label, size=_FS - 0.5, bbox=_BOX)
+            arrow(ax, xs["caller"], xs["flow"], mid, INK, solid=True)
+            put_text(
+                ax, (xs["caller"] + xs["flow"]) / 2, mid - 0.1, label, size=FS - 0.5, bbox=_BOX
+            )
         elif kind == "call":
             number, src, dst, call = rest
             colour = (
                 PALETTE["protected"]["color"] if src == "flow" else PALETTE["inserted"]["color"]
             )
-            _arrow(ax, xs[src], xs[dst], mid + 0.06, colour, solid=True)
-            _text(ax, (xs[src] + xs[dst]) / 2, mid - 0.07, call, size=_FS - 1, bbox=_BOX)
+            arrow(ax, xs[src], xs[dst], mid + 0.06, colour, solid=True)
+            put_text(ax, (xs[src] + xs[dst]) / 2, mid - 0.07, call, size=FS - 1, bbox=_BOX)
             ax.add_patch(Circle((0.28, mid), 0.15, facecolor=colour, edgecolor="none"))
-            _text(ax, 0.28, mid, number, size=_FS - 0.5, color="#ffffff", weight="bold")
+            put_text(ax, 0.28, mid, number, size=FS - 0.5, color="#ffffff", weight="bold")
         else:  # a detail under a call, or a return arrow
             src, dst, text = rest
             if kind == "return":
-                _arrow(ax, xs[src], xs[dst], mid + 0.05, META_INK, solid=False)
+                arrow(ax, xs[src], xs[dst], mid + 0.05, META_INK, solid=False)
             at = (xs[src] + xs[dst]) / 2, mid - (0.02 if kind == "detail" else 0.07)
-            _text(ax, *at, text, size=_FS - 1.5, color=META_INK, bbox=_BOX)
+            put_text(ax, *at, text, size=FS - 1.5, color=META_INK, bbox=_BOX)
         y += h
     blue, green = PALETTE["protected"]["color"], PALETTE["inserted"]["color"]
     legend = ((blue, True, "the flow calls"), (green, True, "the caller calls"))
     for n, (colour, solid, words) in enumerate((*legend, (META_INK, False, "returns"))):
-        _arrow(ax, left + n * 1.85, left + n * 1.85 + 0.35, height - 0.22, colour, solid)
-        _text(ax, left + n * 1.85 + 0.45, height - 0.22, words, size=_FS - 1.5, ha="left")
+        arrow(ax, left + n * 1.85, left + n * 1.85 + 0.35, height - 0.22, colour, solid)
+        put_text(ax, left + n * 1.85 + 0.45, height - 0.22, words, size=FS - 1.5, ha="left")
     return fig
 
 
 _BOX = {"facecolor": "#ffffff", "edgecolor": "none", "pad": 1.0}
-
-
-def _arrow(ax: Axes, x_from: float, x_to: float, y: float, colour: str, solid: bool) -> None:
-    ax.annotate(
-        "",
-        xy=(x_to, y),
-        xytext=(x_from, y),
-        arrowprops={
-            "arrowstyle": "-|>",
-            "color": colour,
-            "lw": 1.3,
-            "ls": "-" if solid else (0, (3, 2)),
-            "shrinkA": 0,
-            "shrinkB": 1,
-        },
-    )
