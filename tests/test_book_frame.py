@@ -129,3 +129,23 @@ def test_intro_maps_every_chapter():
     linked = set(re.findall(r"\{chapter\}`Chapter <([^>]+)>`", text))
     missing = toc_chapters() - linked
     assert not missing, f"chapters missing from the landing page's map: {sorted(missing)}"
+
+
+def _cells(name: str) -> list[dict]:
+    import json
+
+    return json.loads((BOOK / f"{name}.ipynb").read_text())["cells"]
+
+
+def test_every_chapter_opens_with_objectives_and_closes_with_a_summary():
+    """Each numbered chapter: an 'After this chapter you can' admonition of 3-5 points among its
+    first markdown cells, and `## Summary` as its last section (only hidden answers after it)."""
+    for name in sorted(toc_chapters()):
+        md = ["".join(c["source"]) for c in _cells(name) if c["cell_type"] == "markdown"]
+        opening = "\n".join(md[:3])
+        block = re.search(r"```\{admonition\} After this chapter you can\n(.*?)```", opening, re.S)
+        assert block, f"{name}: no 'After this chapter you can' admonition at the start"
+        points = re.findall(r"^- ", block.group(1), re.M)
+        assert 3 <= len(points) <= 5, f"{name}: {len(points)} objectives (want 3-5)"
+        heads = [(i, h) for i, text in enumerate(md) for h in re.findall(r"^## .*", text, re.M)]
+        assert heads and heads[-1][1].strip() == "## Summary", f"{name}: last section is not ## Summary"
