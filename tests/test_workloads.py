@@ -5,6 +5,8 @@ token is run even when the whole prompt is cached (mini-sglang matches ``input_i
 old accounting counted a fully cached prompt as zero work; these tests would catch it.
 """
 
+from itertools import pairwise
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -21,7 +23,7 @@ def t(*ids: int) -> torch.Tensor:
 def deltas(samples, field):
     """Per-request increments of a cumulative `Sample` field."""
     values = [0] + [getattr(s, field) for s in samples]
-    return [b - a for a, b in zip(values, values[1:], strict=False)]
+    return [b - a for a, b in pairwise(values)]
 
 
 def test_a_fully_cached_prompt_still_computes_its_last_token():
