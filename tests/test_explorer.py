@@ -64,6 +64,17 @@ def test_insert_reuses_shared_prefix_and_keeps_partition():
     )
 
 
+def test_insert_of_a_cached_text_still_computes_its_last_token():
+    """As on a server: the last token's logits are needed, so it is never taken from the cache."""
+    ex = Explorer(num_pages=128)
+    ex.insert(SYS_A)
+    assert ex.insert(SYS_A) == len(SYS_A) - 1
+    assert "computed 1" in ex.log[-1]
+    assert cached_tokens(ex) == len(SYS_A)  # the recomputed token's page was a duplicate: freed
+    assert ex.allocator.num_free_pages == 128 - len(SYS_A)
+    ex.flow.check_integrity()
+
+
 def test_match_reports_cached_len_and_splits():
     ex = Explorer(num_pages=64)
     ex.insert(SYS_A)

@@ -1,4 +1,5 @@
-"""`ByteTokenizer`: the smallest real tokenizer, one token per UTF-8 byte.
+"""`ByteTokenizer`: the smallest real tokenizer, one token per UTF-8 byte; `WordTokenizer`: one
+token per word of a tiny fixed vocabulary, for trees whose nodes read as words.
 
 Enough for the book's examples: token ids are the bytes of the text (0..255), so a prefix of
 the text is a prefix of the ids and a reader can see what a radix-tree node holds. A node's key
@@ -14,7 +15,7 @@ import torch
 
 from .._validate import as_int, check_token_ids
 
-__all__ = ["ByteTokenizer"]
+__all__ = ["ByteTokenizer", "WordTokenizer"]
 
 _ESCAPES = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
 
@@ -65,3 +66,58 @@ class ByteTokenizer:
 
     def __repr__(self) -> str:
         return "ByteTokenizer()"
+
+
+class WordTokenizer:
+    """One token per word of a fixed vocabulary: ``words[i]`` has id ``i``.
+
+    The book's small trees use it so that every node shows whole words (``"Hello world"``).
+    Promises: ``encode`` returns a 1-D CPU ``int64`` tensor, one id per whitespace-separated word,
+    and ``decode(encode(s)) == " ".join(s.split())``. ``ValueError`` names an unknown word or id.
+    """
+
+    def __init__(self, words: Iterable[str]) -> None:
+        if isinstance(words, str):
+            raise TypeError("words must be an iterable of words, not one str")
+        words = list(words)
+        for i, w in enumerate(words):
+            if not isinstance(w, str) or not w or w.split() != [w]:
+                raise ValueError(f"words[{i}] must be a non-empty word without spaces, got {w!r}")
+        if len(set(words)) != len(words):
+            raise ValueError(f"words must be distinct, got {words}")
+        self.words = words
+        self.vocab = {w: i for i, w in enumerate(words)}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.words)
+
+    def encode(self, text: str) -> torch.Tensor:
+        """The ids of the words of ``text`` as a 1-D ``int64`` tensor."""
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        unknown = [w for w in text.split() if w not in self.vocab]
+        if unknown:
+            raise ValueError(f"words not in the vocabulary: {unknown[:4]} (it has {self.words})")
+        return torch.tensor([self.vocab[w] for w in text.split()], dtype=torch.int64)
+
+    def decode(self, ids: torch.Tensor | Iterable[int]) -> str:
+        """The words of ``ids``, joined by single spaces."""
+        if isinstance(ids, torch.Tensor):
+            values = check_token_ids(ids, "ids").tolist()
+        elif isinstance(ids, (str, bytes, bytearray)):
+            raise TypeError(
+                f"ids must be token ids (a tensor or integers), got {type(ids).__name__}"
+            )
+        else:
+            values = [as_int(v, f"ids[{i}]") for i, v in enumerate(ids)]
+        bad = [v for v in values if not 0 <= v < len(self.words)]
+        if bad:
+            raise ValueError(f"word ids must be in [0, {len(self.words) - 1}], got {bad[:4]}")
+        return " ".join(self.words[v] for v in values)
+
+    def __call__(self, text: str) -> torch.Tensor:
+        return self.encode(text)
+
+    def __repr__(self) -> str:
+        return f"WordTokenizer({self.words!r})"

@@ -2,7 +2,10 @@
 
 Each generator returns a list of `Job` (prompt token ids and the tokens the model "generates").
 `replay` drives a `RequestFlow` through them one request at a time, the way a server with a
-batch of one would, and records what the cache did after every request.
+batch of one would, and records what the cache did after every request. Like a server, it never
+takes a prompt's last token from the cache (``compute_last=True``): the model must run at least
+that token to get the logits of the next one, so a prompt that is cached in full still costs one
+computed token (mini-sglang matches ``input_ids[: input_len - 1]`` for the same reason).
 """
 
 from __future__ import annotations
@@ -40,7 +43,14 @@ class Job(NamedTuple):
 
 
 class Sample(NamedTuple):
-    """The cache after request ``step``: cumulative token counts and what the manager holds."""
+    """The cache after request ``step``: cumulative token counts and what the manager holds.
+
+    ``prompt_tokens``, ``reused_tokens`` and ``computed_tokens`` add up over requests
+    ``0..step`` (the flow's `FlowStats`): ``computed = prompt + decoded - reused``, where
+    ``reused`` never includes a prompt's last token (see `replay`), so every request adds at
+    least one computed token, plus its output when decoded. ``cached_tokens`` (what the manager
+    holds), ``evicted_tokens`` (cumulative) and ``free_pages`` are read after the request.
+    """
 
     step: int
     prompt_tokens: int
@@ -278,6 +288,10 @@ def replay(
 ) -> list[Sample]:
     """Run ``jobs`` through ``flow`` one after another: begin, store, (decode), finish.
 
+    ``begin`` is called with ``compute_last=True``, as a server does: the prompt's last token is
+    always computed (its logits give the first output token), so at most ``len(prompt) - 1``
+    tokens of a request are reused (rounded down to whole pages), even when the whole prompt is
+    cached.
     With ``decode=True`` the output is appended with `RequestFlow.extend` (one token per call
     with ``token_by_token=True``, as a server decodes; all at once otherwise, which leaves the
     cache in the same state), so the cached sequence is prompt + output, what the next turn of a
@@ -288,7 +302,7 @@ def replay(
     """
     samples = []
     for step, job in enumerate(jobs):
-        req = flow.begin(job.prompt)
+        req = flow.begin(job.prompt, compute_last=True)
         try:
             flow.mark_computed(req)
             if decode and job.output.shape[0]:

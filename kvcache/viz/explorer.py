@@ -183,6 +183,9 @@ class Explorer:
         """Serve ``text`` as one request: begin (match, lock, allocate, evicting if short), pretend its
         K/V were computed, finish (insert, free duplicates, unlock).
 
+        As on a server, the last token is always computed (``compute_last=True``: its logits give
+        the first output token), so a text cached in full still computes one token.
+
         Returns the number of tokens the request reused from the cache, or ``None`` when it was
         refused (empty text, or the pool cannot hold it even after evicting).
         """
@@ -190,7 +193,7 @@ class Explorer:
         ids = self._ids(text)
         evicted_before = self.flow.stats.evicted_tokens
         try:
-            req = self.flow.begin(ids)
+            req = self.flow.begin(ids, compute_last=True)
         except (ValueError, RuntimeError) as e:
             self._after(f"insert {_quote(text)} refused: {e}", ok=False)
             return None

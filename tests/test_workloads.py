@@ -1,0 +1,107 @@
+"""`replay`'s accounting: a prompt's last token is always computed, as on a server.
+
+The model needs the logits of a prompt's last token to produce the first output token, so that
+token is run even when the whole prompt is cached (mini-sglang matches ``input_ids[:-1]``). The
+old accounting counted a fully cached prompt as zero work; these tests would catch it.
+"""
+
+from itertools import pairwise
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcache import NaiveCacheManager, PageAllocator, RadixCacheManager, RequestFlow
+from kvcache.managers.block_hash import BlockHashCacheManager
+from kvcache.serving.workloads import Job, replay
+
+
+def t(*ids: int) -> torch.Tensor:
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def deltas(samples, field):
+    """Per-request increments of a cumulative `Sample` field."""
+    values = [0] + [getattr(s, field) for s in samples]
+    return [b - a for a, b in pairwise(values)]
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_token():
+    flow = RequestFlow(RadixCacheManager(), PageAllocator(64))
+    prompt = t(1, 2, 3, 4)
+    samples = replay(flow, [Job(prompt, t()), Job(prompt, t())], decode=False)
+    assert deltas(samples, "reused_tokens") == [0, 3]
+    assert deltas(samples, "computed_tokens") == [4, 1]
+    assert samples[-1].prompt_tokens == 8
+
+
+def test_a_cached_prompt_with_output_computes_last_token_and_output():
+    flow = RequestFlow(RadixCacheManager(), PageAllocator(64))
+    first = Job(t(1, 2, 3), t(4, 5))
+    # the next turn resends prompt + output exactly: all of it is cached
+    again = Job(t(1, 2, 3, 4, 5), t(6))
+    samples = replay(flow, [first, again])
+    assert deltas(samples, "reused_tokens") == [0, 4]
+    assert deltas(samples, "computed_tokens") == [3 + 2, 1 + 1]
+
+
+def test_whole_pages_of_the_prompt_but_its_last_token():
+    # page size 4: a cached 8-token prompt sent again reuses one page (its 7 tokens but the
+    # last hold one whole page), not two
+    flow = RequestFlow(RadixCacheManager(page_size=4), PageAllocator(16, 4))
+    prompt = t(*range(8))
+    samples = replay(flow, [Job(prompt, t()), Job(prompt, t())], decode=False)
+    assert deltas(samples, "reused_tokens") == [0, 4]
+    assert deltas(samples, "computed_tokens") == [8, 4]
+
+
+def reference_reuse(jobs, page_size: int, decode: bool) -> list[int]:
+    """Tokens each job reuses, from a list of the sequences cached before it (no eviction)."""
+    cached: list[list[int]] = []
+    out = []
+    for j in jobs:
+        p = j.prompt.tolist()
+        best = 0
+        for c in cached:
+            n = 0
+            while n < min(len(c), len(p) - 1) and c[n] == p[n]:
+                n += 1
+            best = max(best, n)
+        out.append(best // page_size * page_size)
+        seq = p + (j.output.tolist() if decode else [])
+        cached.append(seq[: len(seq) // page_size * page_size])
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    jobs=st.lists(
+        st.tuples(
+            st.lists(st.integers(0, 2), min_size=1, max_size=9),
+            st.lists(st.integers(0, 2), max_size=4),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    page_size=st.sampled_from([1, 2, 4]),
+    decode=st.booleans(),
+    kind=st.sampled_from(["radix", "block-hash", "naive"]),
+)
+def test_replay_reuse_matches_a_reference_and_never_the_last_token(jobs, page_size, decode, kind):
+    jobs = [Job(t(*p), t(*o)) for p, o in jobs]
+    make = {
+        "radix": lambda: RadixCacheManager(page_size=page_size),
+        "block-hash": lambda: BlockHashCacheManager(page_size=page_size),
+        "naive": lambda: NaiveCacheManager(page_size=page_size),
+    }[kind]
+    flow = RequestFlow(make(), PageAllocator(128, page_size))  # no eviction
+    samples = replay(flow, jobs, decode=decode)
+    reused = deltas(samples, "reused_tokens")
+    computed = deltas(samples, "computed_tokens")
+    expected = [0] * len(jobs) if kind == "naive" else reference_reuse(jobs, page_size, decode)
+    assert reused == expected
+    for j, r, c in zip(jobs, reused, computed, strict=True):
+        assert r <= len(j.prompt) - 1  # the last prompt token is never reused
+        assert c == len(j.prompt) - r + (len(j.output) if decode else 0)
+        assert c >= 1
+    assert samples[-1].computed_tokens == flow.stats.computed_tokens
