@@ -17,8 +17,15 @@ Our own code, written from vLLM's published design (``vllm/v1/core``: ``kv_cache
 It speaks this package's `BaseCacheManager` API so that the same `RequestFlow` drives both. A
 request is recognised at insert by its tokens (its first block, then an exact comparison of the
 whole remembered prefix), which is what carrying ``block_hashes`` on a request object amounts to.
-Converting the API's tensors (token ids to a list, pages to a slot tensor) is timed separately in
-``boundary_seconds``: vLLM's own manager receives lists and returns block ids.
+Converting the API's tensors (token ids to a list, pages to a slot tensor) and finding the
+request's record are timed separately in ``boundary_seconds``: vLLM's own manager receives
+lists and a request object and returns block ids.
+
+Per block it does no more than vLLM, and in places less: a lookup is one dict probe (vLLM also
+builds a ``BlockHashWithGroupId`` key and goes through ``BlockHashToBlockMap.get_one_block``);
+an insert starts past the blocks its match found (vLLM's ``num_cached_blocks``) instead of
+walking them again; ``insert_and_match`` returns the chain it just built, without a second
+lookup (vLLM's ``cache_full_blocks`` looks nothing up).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvcache import BaseCacheHandle, BaseCacheManager, SizeInfo
+from kvcache import BaseCacheHandle, BaseCacheManager, InsertResult, SizeInfo
 
 __all__ = ["VllmStandIn", "StandInHandle"]
 
@@ -101,9 +108,8 @@ class VllmStandIn(BaseCacheManager):
         self.cached: dict[bytes, _Block] = {}
         self.free = _FreeQueue()
         self.num_locked = 0
-        self.requests: dict[
-            tuple[int, ...], tuple[list[int], list[bytes]]
-        ] = {}  # first block -> request
+        # first block -> (ids, block hashes, blocks found cached by the last match)
+        self.requests: dict[tuple[int, ...], tuple[list[int], list[bytes], list[_Block]]] = {}
 
     # --------------------------------------------------------- boundary
     def _tokens(self, input_ids: torch.Tensor) -> list[int]:
@@ -121,19 +127,24 @@ class VllmStandIn(BaseCacheManager):
         return out
 
     # ------------------------------------------------------------ hashes
-    def _block_hashes(self, ids: list[int]) -> list[bytes]:
-        """``Request.block_hashes``: every full block's hash, reusing the request's earlier ones."""
+    def _block_hashes(self, ids: list[int]) -> tuple[list[bytes], list[_Block]]:
+        """``Request.block_hashes``: every full block's hash, reusing the request's earlier ones;
+        and the blocks the request's last match found (held by it while it runs)."""
         ps = self.page_size
         nb = len(ids) // ps
         if nb == 0:
-            return []
+            return [], []
+        t0 = self.clock()  # finding the request: vLLM is handed the request object
         known: list[bytes] = []
+        held: list[_Block] = []
         key = tuple(ids[:ps])
         if self.hash_once and key in self.requests:
-            old_ids, old_hashes = self.requests[key]
+            old_ids, old_hashes, old_held = self.requests[key]
             n = min(len(old_hashes), nb)
             if old_ids[: n * ps] == ids[: n * ps]:
                 known = old_hashes[:n]
+                held = old_held[:n]
+        self.boundary_seconds += self.clock() - t0
         hashes = list(known)
         parent = hashes[-1] if hashes else NONE_HASH
         t0 = self.clock()
@@ -141,13 +152,11 @@ class VllmStandIn(BaseCacheManager):
             parent = sha256_block_hash(parent, tuple(ids[i * ps : (i + 1) * ps]))
             hashes.append(parent)
         self.hash_seconds += self.clock() - t0
-        if self.hash_once:
-            self.requests[key] = (ids, hashes)
-        return hashes
+        return hashes, held
 
-    def _computed(self, hashes: list[bytes]) -> list[_Block]:
+    def _computed(self, hashes: list[bytes], start: int = 0) -> list[_Block]:
         out = []
-        for h in hashes:
+        for h in hashes[start:] if start else hashes:
             block = self.cached.get(h)
             if block is None:
                 break
@@ -155,8 +164,17 @@ class VllmStandIn(BaseCacheManager):
         return out
 
     # ------------------------------------------------------------ the API
+    def _remember(self, ids: list[int], hashes: list[bytes], blocks: list[_Block]) -> None:
+        if self.hash_once and hashes:
+            t0 = self.clock()
+            self.requests[tuple(ids[: self.page_size])] = (ids, hashes, blocks)
+            self.boundary_seconds += self.clock() - t0
+
     def match_prefix(self, input_ids: torch.Tensor) -> tuple[StandInHandle, torch.Tensor]:
-        blocks = self._computed(self._block_hashes(self._tokens(input_ids)))
+        ids = self._tokens(input_ids)
+        hashes, _ = self._block_hashes(ids)
+        blocks = self._computed(hashes)
+        self._remember(ids, hashes, blocks)
         return StandInHandle(len(blocks) * self.page_size, tuple(blocks)), self._slots(blocks)
 
     def lock_handle(self, handle: BaseCacheHandle, unlock: bool = False) -> None:
@@ -176,9 +194,23 @@ class VllmStandIn(BaseCacheManager):
 
     def insert_prefix(self, input_ids: torch.Tensor, indices: torch.Tensor) -> int:
         """``cache_full_blocks``: the new full blocks join the table; returns the length already cached."""
+        return self._insert(input_ids, indices)[0]
+
+    def insert_and_match(self, input_ids: torch.Tensor, indices: torch.Tensor) -> InsertResult:
+        """The insert, and a handle on the chain it leaves cached (no second lookup)."""
+        m, blocks = self._insert(input_ids, indices)
+        return InsertResult(m, StandInHandle(len(blocks) * self.page_size, tuple(blocks)))
+
+    def _insert(self, input_ids: torch.Tensor, indices: torch.Tensor) -> tuple[int, list[_Block]]:
         ps = self.page_size
-        hashes = self._block_hashes(self._tokens(input_ids))
-        m = len(self._computed(hashes))
+        ids = self._tokens(input_ids)
+        hashes, held = self._block_hashes(ids)
+        # vLLM's num_cached_blocks: the blocks the request's match found are held by it (locked),
+        # so they are still cached; look up only past them (to learn what another request added).
+        if not held or held[-1].ref_cnt == 0:
+            held = []
+        blocks = held + self._computed(hashes, len(held))
+        m = len(blocks)
         t0 = self.clock()
         pages = (indices[m * ps : len(hashes) * ps : ps].numpy() // ps).tolist()
         self.boundary_seconds += self.clock() - t0
@@ -189,7 +221,9 @@ class VllmStandIn(BaseCacheManager):
             new.append(block)
         for block in reversed(new):  # held by the request until it ends: freed deepest first
             self.free.append(block)
-        return m * ps
+        blocks += new
+        self._remember(ids, hashes, blocks)
+        return m * ps, blocks
 
     def evict(self, size: int) -> torch.Tensor:
         n = -(-size // self.page_size)
