@@ -11,8 +11,10 @@ Our own code, written from vLLM's published design (``vllm/v1/core``: ``kv_cache
   (removed from the list, ``ref_cnt += 1``), a finished request frees its blocks in reverse order
   (appended at the tail), and eviction pops from the head;
 - ``Request.block_hashes``: the hashes of a request's full blocks are computed once, when the
-  request arrives, and extended as it grows (``hash_once=True``, vLLM's design); with
-  ``hash_once=False`` they are computed in ``match_prefix`` and again in ``insert_prefix``.
+  request arrives (here: its ``match_prefix``; every block of the prompt, as vLLM's
+  ``Request.__init__`` does, even when an earlier request had the same prefix), and extended as
+  it grows (its insert hashes only the blocks past them) (``hash_once=True``, vLLM's design);
+  with ``hash_once=False`` they are computed in ``match_prefix`` and again in ``insert_prefix``.
 
 It speaks this package's `BaseCacheManager` API so that the same `RequestFlow` drives both. A
 request is recognised at insert by its tokens (its first block, then an exact comparison of the
@@ -127,9 +129,10 @@ class VllmStandIn(BaseCacheManager):
         return out
 
     # ------------------------------------------------------------ hashes
-    def _block_hashes(self, ids: list[int]) -> tuple[list[bytes], list[_Block]]:
-        """``Request.block_hashes``: every full block's hash, reusing the request's earlier ones;
-        and the blocks the request's last match found (held by it while it runs)."""
+    def _block_hashes(self, ids: list[int], arrival: bool) -> tuple[list[bytes], list[_Block]]:
+        """``Request.block_hashes``: every full block's hash, reusing the request's earlier ones
+        unless it has just ``arrival``-ed; and the blocks the request's match found (held by it
+        while it runs)."""
         ps = self.page_size
         nb = len(ids) // ps
         if nb == 0:
@@ -138,7 +141,7 @@ class VllmStandIn(BaseCacheManager):
         known: list[bytes] = []
         held: list[_Block] = []
         key = tuple(ids[:ps])
-        if self.hash_once and key in self.requests:
+        if self.hash_once and not arrival and key in self.requests:
             old_ids, old_hashes, old_held = self.requests[key]
             n = min(len(old_hashes), nb)
             if old_ids[: n * ps] == ids[: n * ps]:
@@ -172,7 +175,7 @@ class VllmStandIn(BaseCacheManager):
 
     def match_prefix(self, input_ids: torch.Tensor) -> tuple[StandInHandle, torch.Tensor]:
         ids = self._tokens(input_ids)
-        hashes, _ = self._block_hashes(ids)
+        hashes, _ = self._block_hashes(ids, arrival=True)
         blocks = self._computed(hashes)
         self._remember(ids, hashes, blocks)
         return StandInHandle(len(blocks) * self.page_size, tuple(blocks)), self._slots(blocks)
@@ -204,7 +207,7 @@ class VllmStandIn(BaseCacheManager):
     def _insert(self, input_ids: torch.Tensor, indices: torch.Tensor) -> tuple[int, list[_Block]]:
         ps = self.page_size
         ids = self._tokens(input_ids)
-        hashes, held = self._block_hashes(ids)
+        hashes, held = self._block_hashes(ids, arrival=False)
         # vLLM's num_cached_blocks: the blocks the request's match found are held by it (locked),
         # so they are still cached; look up only past them (to learn what another request added).
         if not held or held[-1].ref_cnt == 0:
