@@ -54,7 +54,7 @@ def evict_blocks(table: BlockTable, size: int, events: EventLog | None) -> np.nd
     serials = gen[pages]
     gen[pages] = -2  # marks the victims (restored below if the check fails)
     inner = gen[up] == -2
-    if int(np.count_nonzero(inner)) != int(table.nchild[pages].sum()):
+    if np.count_nonzero(inner) != np.add.reduce(table.nchild[pages]):
         gen[pages] = serials
         inner_of = {v: 0 for v in victims}
         for parent in up[inner].tolist():

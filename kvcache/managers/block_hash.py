@@ -203,7 +203,7 @@ class BlockHashCacheManager(BaseCacheManager):
         return BlockHashCacheHandle(
             k * self.page_size,
             keys,
-            raw[: k * 8 * self.page_size],
+            raw,  # the request's tokens: the chain's are its first ``k`` blocks
             pages,
             (self._token, self._epoch, keys),
         )

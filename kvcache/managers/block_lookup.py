@@ -153,16 +153,16 @@ class RequestHashes:
         if entry is not None and first:
             old, hashes, pages, gens = entry
             n = min(len(hashes), len(rows))
-            if raw[: n * self.width] == (old if n == len(hashes) else old[: n * self.width]):
+            if raw.startswith(old) if n == len(hashes) else old.startswith(raw):  # no copies
                 if n < len(rows):
                     hashes = hashes[:n] + hasher.chain(rows[n:], hashes[n - 1])
                 elif n < len(hashes):
                     hashes = hashes[:n]
                 if len(pages) > n:
                     pages, gens = pages[:n], gens[:n]
-                same = table.gen[pages] == gens
-                if not same.all():
-                    pages = pages[: int(same.argmin())]
+                moved = table.gen[pages] != gens
+                if np.count_nonzero(moved):
+                    pages = pages[: int(moved.argmax())]
                 return hashes, pages
         return hasher.chain(rows, key_seed(extra_key)), NO_PAGES
 
@@ -236,22 +236,24 @@ def new_pages(
     ps = page_size
     new = part.numpy() if part.device.type == "cpu" else part.cpu().numpy()
     pages = new[::ps] // ps if ps > 1 else new
-    lo, hi = int(pages.min()), int(pages.max())
-    if lo < 0 or (new < 0).any():
-        raise ValueError(f"indices must be >= 0, got {min(lo * ps, int(new.min()))}")
+    lo, hi = int(np.minimum.reduce(pages)), int(np.maximum.reduce(pages))
+    if lo < 0:
+        raise ValueError(f"indices must be >= 0, got {int(new.min())}")
     # Within the table, a page's slots are one row of ``table.slots``; past it, arithmetic.
-    if ps > 1 and (
-        (table.slots[pages].reshape(-1) != new).any()
+    if ps > 1 and np.count_nonzero(
+        table.slots[pages].reshape(-1) != new
         if hi < table.capacity
-        else (new.reshape(-1, ps) != (pages * ps)[:, None] + np.arange(ps, dtype=np.int32)).any()
+        else new.reshape(-1, ps) != (pages * ps)[:, None] + np.arange(ps, dtype=np.int32)
     ):
+        if np.count_nonzero(new < 0):
+            raise ValueError(f"indices must be >= 0, got {int(new.min())}")
         raise ValueError(
             f"with page_size={ps} every {ps} indices must be the consecutive slots of one page "
             f"(first slot a multiple of {ps}); got {part.tolist()}"
         )
     pages = pages.astype(np.int64)
-    taken = table.holds(pages)
-    if taken.any():
+    taken = table.gen[pages] >= 0 if hi < table.capacity else table.holds(pages)
+    if np.count_nonzero(taken):
         page = int(pages[taken.argmax()])
         raise ValueError(
             f"page {page} (slots {page * ps}..{(page + 1) * ps - 1}) already holds cached "

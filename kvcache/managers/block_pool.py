@@ -94,8 +94,9 @@ class CachedBlock:
 class BlockHashCacheHandle(BaseCacheHandle):
     """The matched prefix is the chain of blocks ``block_hashes`` (``cached_len // page_size`` of them).
 
-    A handle names the *content* it was made for: ``tokens`` (the chain's tokens as int64 bytes,
-    kept by `match_prefix` and `insert_and_match`) are compared with what the keys hold whenever
+    A handle names the *content* it was made for: ``tokens`` (int64 bytes of the ids it was made
+    from, by `match_prefix` or `insert_and_match`; the chain's are the first ``cached_len``) are
+    compared with what the keys hold whenever
     the handle is used after an eviction. If its blocks are evicted the handle can no longer be
     locked (``RuntimeError``), even when other tokens have since been cached under the same keys
     (a hash collision); if the same tokens are cached again, the handle names the new blocks.
