@@ -426,7 +426,8 @@ def test_evict_refuses_if_the_queue_order_were_broken():
     m.insert_prefix(ids(1, 2), torch.tensor([0, 1], dtype=torch.int32))
     key = m.match_prefix(ids(1, 2))[0].block_hashes[1]
     m.free_queue()
-    m._table.free.move_to_end(m.get_block(key).page)  # corrupt: parent now first
+    page = m.get_block(key).page
+    m._table.free[page] = m._table.free.pop(page)  # corrupt: parent now first
     with pytest.raises(RuntimeError, match="queued after its parent"):
         m.check_integrity()
     unchanged_dump = dump(m)

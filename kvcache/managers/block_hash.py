@@ -9,7 +9,7 @@ prefix without any tree. The manager keeps:
 - a table of blocks indexed by page (`block_pool.BlockTable`): per page, in NumPy arrays, the
   tokens, the key, the parent's page, a ref count, a child count and the logical time of last
   use; and ``key -> page`` in a dict;
-- a *free queue* (an ``OrderedDict``) of the pages whose ref count is 0. It is also the eviction
+- a *free queue* (a ``dict`` in insertion order) of the pages whose ref count is 0. It is also the eviction
   order: ``evict`` takes blocks from its head;
 - the locked handles and how often each is locked, so that unlocking a handle that is not locked
   is refused even while its blocks are locked through another handle.

@@ -5,15 +5,20 @@ A block is cached on exactly one page, so the table keeps every per-block field 
 indexed by page id (vLLM keeps one ``KVCacheBlock`` object per page; here it is one row of each
 array). Locking, releasing and refreshing a chain are then a few array operations on the
 chain's page ids, whatever its length; the only per-block Python work left is in C (dict and
-``OrderedDict`` operations driven by ``map``/``zip``).
+``dict`` operations driven by ``map``/``zip``).
+
+The free queue is a plain ``dict`` of pages: insertion order is queue order, and a plain dict
+inserts and deletes several times faster than an ``OrderedDict`` (whose ``move_to_end`` is here a
+delete and a re-insert). Reading its head skips the slots of deleted entries, which a dict
+reclaims whenever it resizes, so that cost stays bounded by the dict's size.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
-from itertools import count, repeat
+from itertools import count
 
 import numpy as np
 
@@ -139,7 +144,7 @@ class BlockTable:
         self.meta = np.array([[-1, 0, 0, 0, 0, -1]], dtype=np.int64)
         self._views()
         self.page_of: dict[int, int] = {}
-        self.free: OrderedDict[int, None] = OrderedDict()
+        self.free: dict[int, None] = {}
         self.ns: dict[int, Hashable] = {}
         self.num_locked = 0  # pages whose ref > 0
         self.max_probe = 0  # the largest probe ever used
@@ -195,7 +200,6 @@ class BlockTable:
         unused, none twice; ``listed`` the same as a list), the first chaining from page ``parent`` (``-1``: none). The new
         blocks are free, used at ``tic``, and join the free queue deepest first."""
         self.reserve(int(pages.max()))
-        n = len(pages)
         self.tok[pages] = rows
         self.key[pages] = np.array(keys, dtype=np.uint64)
         meta = self.meta
@@ -209,7 +213,7 @@ class BlockTable:
         elif extra_key is not None:
             self.ns[int(pages[0])] = extra_key
         self.page_of.update(zip(keys, listed, strict=True))
-        self.free.update(zip(reversed(listed), repeat(None, n), strict=True))
+        self.free.update(dict.fromkeys(reversed(listed)))
 
     # Along a chain (root first) ref counts never grow (a lock covers a whole chain from its
     # first block), so a chain's free blocks are a suffix of it: ``count_nonzero`` finds it.
@@ -229,7 +233,7 @@ class BlockTable:
         if held < len(pages):
             zero = pages[: held - 1 if held else None : -1]
             self.last[zero] = clock
-            self.free.update(zip(zero.tolist(), repeat(None)))
+            self.free.update(dict.fromkeys(zero.tolist()))
             self.num_locked -= len(zero)
 
     def use(self, pages: np.ndarray, tic: int) -> None:
@@ -238,7 +242,9 @@ class BlockTable:
         if held < len(pages):
             idle = pages[: held - 1 if held else None : -1]
             self.last[idle] = tic
-            deque(map(self.free.move_to_end, idle.tolist()), 0)
+            listed = idle.tolist()
+            deque(map(self.free.pop, listed), 0)
+            self.free.update(dict.fromkeys(listed))
 
     # ------------------------------------------------------------ reading
     def keys_of(self, pages: np.ndarray) -> list[int]:
