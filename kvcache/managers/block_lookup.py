@@ -60,7 +60,7 @@ def walk(
     pages = np.array(found, dtype=np.int64)
     if (
         table.parent[found[0]] != (known[-1] if i0 else -1)
-        or (table.parent[pages[1:]] != pages[:-1]).any()
+        or np.count_nonzero(table.parent[pages[1:]] != pages[:-1])
         or table.tok[pages].tobytes() != rows[i0 : i0 + k].tobytes()
     ):  # a collision: keep what really matches
         good = (table.tok[pages] == rows[i0 : i0 + k]).all(axis=1)

@@ -199,7 +199,7 @@ class BlockTable:
         """Cache a chain: ``rows[i]`` (int64 tokens) under ``keys[i]`` on ``pages[i]`` (int64,
         unused, none twice; ``listed`` the same as a list), the first chaining from page ``parent`` (``-1``: none). The new
         blocks are free, used at ``tic``, and join the free queue deepest first."""
-        self.reserve(int(pages.max()))
+        self.reserve(int(np.maximum.reduce(pages)))
         self.tok[pages] = rows
         self.key[pages] = np.array(keys, dtype=np.uint64)
         meta = self.meta
