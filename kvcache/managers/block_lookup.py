@@ -235,7 +235,9 @@ def new_pages(
     """
     ps = page_size
     new = part.numpy() if part.device.type == "cpu" else part.cpu().numpy()
-    pages = new[::ps] // ps if ps > 1 else new
+    pages = (new[::ps] if ps > 1 else new).astype(np.int64)  # int64: the native index type
+    if ps > 1:
+        pages //= ps
     lo, hi = int(np.minimum.reduce(pages)), int(np.maximum.reduce(pages))
     if lo < 0:
         raise ValueError(f"indices must be >= 0, got {int(new.min())}")
@@ -251,7 +253,6 @@ def new_pages(
             f"with page_size={ps} every {ps} indices must be the consecutive slots of one page "
             f"(first slot a multiple of {ps}); got {part.tolist()}"
         )
-    pages = pages.astype(np.int64)
     taken = table.gen[pages] >= 0 if hi < table.capacity else table.holds(pages)
     if np.count_nonzero(taken):
         page = int(pages[taken.argmax()])
