@@ -133,6 +133,9 @@ class BlockTable:
     cached it, ``-1`` when the page holds no block). ``page_of`` maps key -> page in insertion
     order (a parent before its children); ``free`` holds the pages whose ``ref`` is 0, head =
     next to evict; ``ns`` the namespace of each first block whose namespace is not ``None``.
+
+    Memory: one row per page id up to the largest one ever cached (about ``8 * page_size + 60``
+    bytes a page), like vLLM's block pool, which holds a block object for every page there is.
     """
 
     def __init__(self, page_size: int) -> None:
