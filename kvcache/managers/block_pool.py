@@ -134,7 +134,7 @@ class BlockTable:
     order (a parent before its children); ``free`` holds the pages whose ``ref`` is 0, head =
     next to evict; ``ns`` the namespace of each first block whose namespace is not ``None``.
 
-    Memory: one row per page id up to the largest one ever cached (about ``8 * page_size + 60``
+    Memory: one row per page id up to the largest one ever cached (``12 * page_size + 56``
     bytes a page), like vLLM's block pool, which holds a block object for every page there is.
     """
 
