@@ -276,7 +276,8 @@ class BlockHashCacheManager(BaseCacheManager):
             table.use(pages, self._clock)
             self._pending.remember(raw, hashes, pages, table.gen[pages], extra_key)
             return m * ps, self._handle(pages, hashes, raw)
-        fresh, listed = new_pages(indices[m * ps : nb * ps], ps, table)
+        slots = (indices if self._on_cpu else indices.cpu()).numpy()[m * ps : nb * ps]
+        fresh, listed = new_pages(slots, ps, table)
         keys, probes = new_keys(table, hashes[m:])
         # Validation done; from here on nothing raises.
         self._clock += 1
@@ -288,7 +289,6 @@ class BlockHashCacheManager(BaseCacheManager):
         pages = np.concatenate((pages, fresh)) if m else fresh
         self._pending.remember(raw, hashes, pages, table.gen[pages], extra_key)
         if self._events is not None:
-            slots = indices[m * ps : nb * ps]
             self._events.stored(extra_key, rows.reshape(-1).tolist(), slots.tolist())
         return m * ps, self._handle(pages, hashes, raw)
 

@@ -17,7 +17,6 @@ from collections import OrderedDict
 from collections.abc import Hashable
 
 import numpy as np
-import torch
 
 from .base import BaseCacheHandle
 from .block_hash_chain import ChainHasher, key_seed
@@ -223,10 +222,8 @@ def handle_pages(
     return np.array(chain, dtype=np.int64)
 
 
-def new_pages(
-    part: torch.Tensor, page_size: int, table: BlockTable
-) -> tuple[np.ndarray, list[int]]:
-    """The pages of the new blocks' slots ``part`` (validated int32, whole blocks), checked; as
+def new_pages(new: np.ndarray, page_size: int, table: BlockTable) -> tuple[np.ndarray, list[int]]:
+    """The pages of the new blocks' slots ``new`` (int32, validated, whole blocks), checked; as
     an int64 array and as a list.
 
     Each block's slots must be the ``page_size`` consecutive slots of one page (``>= 0``, the
@@ -234,7 +231,6 @@ def new_pages(
     ``ValueError`` naming the page or slots otherwise. NumPy, no per-block Python work.
     """
     ps = page_size
-    new = part.numpy() if part.device.type == "cpu" else part.cpu().numpy()
     pages = (new[::ps] if ps > 1 else new).astype(np.int64)  # int64: the native index type
     if ps > 1:
         pages //= ps
@@ -251,7 +247,7 @@ def new_pages(
             raise ValueError(f"indices must be >= 0, got {int(new.min())}")
         raise ValueError(
             f"with page_size={ps} every {ps} indices must be the consecutive slots of one page "
-            f"(first slot a multiple of {ps}); got {part.tolist()}"
+            f"(first slot a multiple of {ps}); got {new.tolist()}"
         )
     taken = table.gen[pages] >= 0 if hi < table.capacity else table.holds(pages)
     if np.count_nonzero(taken):
