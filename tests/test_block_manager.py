@@ -926,3 +926,15 @@ def test_agrees_with_a_vllm_style_stand_in_on_a_seeded_trace():
             assert cached[0] == cached[1] == cached[2]
         assert flows[0].stats.evicted_tokens > 0
         flows[0].check_integrity()
+
+
+def test_handle_pages_are_read_only():
+    """A handle shares its pages with the manager's lock record: they cannot be changed."""
+    m = BlockHashCacheManager(page_size=2)
+    m.insert_prefix(ids(1, 2, 3, 4), slots_of([0, 1], 2))
+    h, _ = m.match_prefix(ids(1, 2, 3, 4))
+    m.lock_handle(h)
+    with pytest.raises(ValueError, match="read-only"):
+        h.pages[0] = 5
+    m.lock_handle(h, unlock=True)
+    m.check_integrity()

@@ -200,6 +200,7 @@ class BlockHashCacheManager(BaseCacheManager):
     def _handle(self, pages: np.ndarray, hashes: list[int], raw: bytes) -> BlockHashCacheHandle:
         k = len(pages)
         keys = tuple(hashes[:k] if not self._table.max_probe else self._table.keys_of(pages))
+        pages.flags.writeable = False  # shared by the handle, its lock record and the memo
         return BlockHashCacheHandle(
             k * self.page_size,
             keys,
