@@ -27,7 +27,8 @@ Per block it does no more than vLLM, and in places less: a lookup is one dict pr
 builds a ``BlockHashWithGroupId`` key and goes through ``BlockHashToBlockMap.get_one_block``);
 an insert starts past the blocks its match found (vLLM's ``num_cached_blocks``) instead of
 walking them again; ``insert_and_match`` returns the chain it just built, without a second
-lookup (vLLM's ``cache_full_blocks`` looks nothing up).
+lookup (vLLM's ``cache_full_blocks`` looks nothing up); a page's block object is made once and
+reused, as in vLLM's ``BlockPool``.
 """
 
 from __future__ import annotations
@@ -110,6 +111,9 @@ class VllmStandIn(BaseCacheManager):
         self.cached: dict[bytes, _Block] = {}
         self.free = _FreeQueue()
         self.num_locked = 0
+        # One block object per page, made once and reused (vLLM's BlockPool makes one
+        # KVCacheBlock per GPU block up front; caching a block sets its hash, evicting resets it).
+        self.pool: list[_Block] = []
         # first block -> (ids, block hashes, blocks found cached by the last match)
         self.requests: dict[tuple[int, ...], tuple[list[int], list[bytes], list[_Block]]] = {}
 
@@ -218,8 +222,13 @@ class VllmStandIn(BaseCacheManager):
         pages = (indices[m * ps : len(hashes) * ps : ps].numpy() // ps).tolist()
         self.boundary_seconds += self.clock() - t0
         new = []
+        pool = self.pool
+        if pages and max(pages) >= len(pool):
+            pool.extend(_Block(i, b"") for i in range(len(pool), max(pages) + 1))
         for h, page in zip(hashes[m:], pages, strict=True):
-            block = _Block(page, h)
+            block = pool[page]
+            block.block_hash = h
+            block.ref_cnt = 0
             self.cached[h] = block
             new.append(block)
         for block in reversed(new):  # held by the request until it ends: freed deepest first
@@ -235,6 +244,7 @@ class VllmStandIn(BaseCacheManager):
         victims = [self.free.popleft() for _ in range(n)]
         for block in victims:
             del self.cached[block.block_hash]
+            block.block_hash = b""  # vLLM's reset_hash
         return self._slots(victims) if victims else torch.empty(0, dtype=torch.int32)
 
     @property
