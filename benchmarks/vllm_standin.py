@@ -11,14 +11,24 @@ Our own code, written from vLLM's published design (``vllm/v1/core``: ``kv_cache
   (removed from the list, ``ref_cnt += 1``), a finished request frees its blocks in reverse order
   (appended at the tail), and eviction pops from the head;
 - ``Request.block_hashes``: the hashes of a request's full blocks are computed once, when the
-  request arrives, and extended as it grows (``hash_once=True``, vLLM's design); with
-  ``hash_once=False`` they are computed in ``match_prefix`` and again in ``insert_prefix``.
+  request arrives (here: its ``match_prefix``; every block of the prompt, as vLLM's
+  ``Request.__init__`` does, even when an earlier request had the same prefix), and extended as
+  it grows (its insert hashes only the blocks past them) (``hash_once=True``, vLLM's design);
+  with ``hash_once=False`` they are computed in ``match_prefix`` and again in ``insert_prefix``.
 
 It speaks this package's `BaseCacheManager` API so that the same `RequestFlow` drives both. A
 request is recognised at insert by its tokens (its first block, then an exact comparison of the
 whole remembered prefix), which is what carrying ``block_hashes`` on a request object amounts to.
-Converting the API's tensors (token ids to a list, pages to a slot tensor) is timed separately in
-``boundary_seconds``: vLLM's own manager receives lists and returns block ids.
+Converting the API's tensors (token ids to a list, pages to a slot tensor) and finding the
+request's record are timed separately in ``boundary_seconds``: vLLM's own manager receives
+lists and a request object and returns block ids.
+
+Per block it does no more than vLLM, and in places less: a lookup is one dict probe (vLLM also
+builds a ``BlockHashWithGroupId`` key and goes through ``BlockHashToBlockMap.get_one_block``);
+an insert starts past the blocks its match found (vLLM's ``num_cached_blocks``) instead of
+walking them again; ``insert_and_match`` returns the chain it just built, without a second
+lookup (vLLM's ``cache_full_blocks`` looks nothing up); a page's block object is made once and
+reused, as in vLLM's ``BlockPool``.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvcache import BaseCacheHandle, BaseCacheManager, SizeInfo
+from kvcache import BaseCacheHandle, BaseCacheManager, InsertResult, SizeInfo
 
 __all__ = ["VllmStandIn", "StandInHandle"]
 
@@ -101,9 +111,11 @@ class VllmStandIn(BaseCacheManager):
         self.cached: dict[bytes, _Block] = {}
         self.free = _FreeQueue()
         self.num_locked = 0
-        self.requests: dict[
-            tuple[int, ...], tuple[list[int], list[bytes]]
-        ] = {}  # first block -> request
+        # One block object per page, made once and reused (vLLM's BlockPool makes one
+        # KVCacheBlock per GPU block up front; caching a block sets its hash, evicting resets it).
+        self.pool: list[_Block] = []
+        # first block -> (ids, block hashes, blocks found cached by the last match)
+        self.requests: dict[tuple[int, ...], tuple[list[int], list[bytes], list[_Block]]] = {}
 
     # --------------------------------------------------------- boundary
     def _tokens(self, input_ids: torch.Tensor) -> list[int]:
@@ -121,19 +133,25 @@ class VllmStandIn(BaseCacheManager):
         return out
 
     # ------------------------------------------------------------ hashes
-    def _block_hashes(self, ids: list[int]) -> list[bytes]:
-        """``Request.block_hashes``: every full block's hash, reusing the request's earlier ones."""
+    def _block_hashes(self, ids: list[int], arrival: bool) -> tuple[list[bytes], list[_Block]]:
+        """``Request.block_hashes``: every full block's hash, reusing the request's earlier ones
+        unless it has just ``arrival``-ed; and the blocks the request's match found (held by it
+        while it runs)."""
         ps = self.page_size
         nb = len(ids) // ps
         if nb == 0:
-            return []
+            return [], []
+        t0 = self.clock()  # finding the request: vLLM is handed the request object
         known: list[bytes] = []
+        held: list[_Block] = []
         key = tuple(ids[:ps])
-        if self.hash_once and key in self.requests:
-            old_ids, old_hashes = self.requests[key]
+        if self.hash_once and not arrival and key in self.requests:
+            old_ids, old_hashes, old_held = self.requests[key]
             n = min(len(old_hashes), nb)
             if old_ids[: n * ps] == ids[: n * ps]:
                 known = old_hashes[:n]
+                held = old_held[:n]
+        self.boundary_seconds += self.clock() - t0
         hashes = list(known)
         parent = hashes[-1] if hashes else NONE_HASH
         t0 = self.clock()
@@ -141,13 +159,11 @@ class VllmStandIn(BaseCacheManager):
             parent = sha256_block_hash(parent, tuple(ids[i * ps : (i + 1) * ps]))
             hashes.append(parent)
         self.hash_seconds += self.clock() - t0
-        if self.hash_once:
-            self.requests[key] = (ids, hashes)
-        return hashes
+        return hashes, held
 
-    def _computed(self, hashes: list[bytes]) -> list[_Block]:
+    def _computed(self, hashes: list[bytes], start: int = 0) -> list[_Block]:
         out = []
-        for h in hashes:
+        for h in hashes[start:] if start else hashes:
             block = self.cached.get(h)
             if block is None:
                 break
@@ -155,8 +171,17 @@ class VllmStandIn(BaseCacheManager):
         return out
 
     # ------------------------------------------------------------ the API
+    def _remember(self, ids: list[int], hashes: list[bytes], blocks: list[_Block]) -> None:
+        if self.hash_once and hashes:
+            t0 = self.clock()
+            self.requests[tuple(ids[: self.page_size])] = (ids, hashes, blocks)
+            self.boundary_seconds += self.clock() - t0
+
     def match_prefix(self, input_ids: torch.Tensor) -> tuple[StandInHandle, torch.Tensor]:
-        blocks = self._computed(self._block_hashes(self._tokens(input_ids)))
+        ids = self._tokens(input_ids)
+        hashes, _ = self._block_hashes(ids, arrival=True)
+        blocks = self._computed(hashes)
+        self._remember(ids, hashes, blocks)
         return StandInHandle(len(blocks) * self.page_size, tuple(blocks)), self._slots(blocks)
 
     def lock_handle(self, handle: BaseCacheHandle, unlock: bool = False) -> None:
@@ -176,20 +201,41 @@ class VllmStandIn(BaseCacheManager):
 
     def insert_prefix(self, input_ids: torch.Tensor, indices: torch.Tensor) -> int:
         """``cache_full_blocks``: the new full blocks join the table; returns the length already cached."""
+        return self._insert(input_ids, indices)[0]
+
+    def insert_and_match(self, input_ids: torch.Tensor, indices: torch.Tensor) -> InsertResult:
+        """The insert, and a handle on the chain it leaves cached (no second lookup)."""
+        m, blocks = self._insert(input_ids, indices)
+        return InsertResult(m, StandInHandle(len(blocks) * self.page_size, tuple(blocks)))
+
+    def _insert(self, input_ids: torch.Tensor, indices: torch.Tensor) -> tuple[int, list[_Block]]:
         ps = self.page_size
-        hashes = self._block_hashes(self._tokens(input_ids))
-        m = len(self._computed(hashes))
+        ids = self._tokens(input_ids)
+        hashes, held = self._block_hashes(ids, arrival=False)
+        # vLLM's num_cached_blocks: the blocks the request's match found are held by it (locked),
+        # so they are still cached; look up only past them (to learn what another request added).
+        if not held or held[-1].ref_cnt == 0:
+            held = []
+        blocks = held + self._computed(hashes, len(held))
+        m = len(blocks)
         t0 = self.clock()
         pages = (indices[m * ps : len(hashes) * ps : ps].numpy() // ps).tolist()
         self.boundary_seconds += self.clock() - t0
         new = []
+        pool = self.pool
+        if pages and max(pages) >= len(pool):
+            pool.extend(_Block(i, b"") for i in range(len(pool), max(pages) + 1))
         for h, page in zip(hashes[m:], pages, strict=True):
-            block = _Block(page, h)
+            block = pool[page]
+            block.block_hash = h
+            block.ref_cnt = 0
             self.cached[h] = block
             new.append(block)
         for block in reversed(new):  # held by the request until it ends: freed deepest first
             self.free.append(block)
-        return m * ps
+        blocks += new
+        self._remember(ids, hashes, blocks)
+        return m * ps, blocks
 
     def evict(self, size: int) -> torch.Tensor:
         n = -(-size // self.page_size)
@@ -198,6 +244,7 @@ class VllmStandIn(BaseCacheManager):
         victims = [self.free.popleft() for _ in range(n)]
         for block in victims:
             del self.cached[block.block_hash]
+            block.block_hash = b""  # vLLM's reset_hash
         return self._slots(victims) if victims else torch.empty(0, dtype=torch.int32)
 
     @property

@@ -20,7 +20,6 @@ from kvcache import BaseCacheManager, SizeInfo
 from kvcache.managers.block_hash import (
     BlockHashCacheHandle,
     BlockHashCacheManager,
-    CachedBlock,
     default_block_hash,
 )
 from kvcache.managers.radix import RadixCacheManager
@@ -50,8 +49,8 @@ def dump(m: BlockHashCacheManager) -> tuple:
     return (
         blocks,
         queue,
-        tuple(sorted(m._page_owner.items())),
-        m._num_locked,
+        tuple(m._table.page_of.items()),
+        m._table.num_locked,
         m.max_probe,
         m.clock,
         m.size_info,
@@ -427,7 +426,8 @@ def test_evict_refuses_if_the_queue_order_were_broken():
     m.insert_prefix(ids(1, 2), torch.tensor([0, 1], dtype=torch.int32))
     key = m.match_prefix(ids(1, 2))[0].block_hashes[1]
     m.free_queue()
-    m._free.move_to_end(key)  # corrupt: parent now first
+    page = m.get_block(key).page
+    m._table.free[page] = m._table.free.pop(page)  # corrupt: parent now first
     with pytest.raises(RuntimeError, match="queued after its parent"):
         m.check_integrity()
     unchanged_dump = dump(m)
@@ -468,24 +468,32 @@ def _corrupt(fn):
 @pytest.mark.parametrize(
     "fn, match",
     [
-        (lambda m, b: setattr(b[2], "ref_count", -1), "negative ref_count|free queue"),
-        (lambda m, b: setattr(b[1], "ref_count", 2), "exceeds its parent"),
+        (lambda m, b: m._table.ref.__setitem__(b[2].page, -1), "negative ref_count|free queue"),
+        (lambda m, b: m._table.ref.__setitem__(b[1].page, 2), "exceeds its parent"),
+        (lambda m, b: m._table.tok.__setitem__(b[2].page, [5, 9]), "hash does not match"),
+        (lambda m, b: m._table.free.pop(b[3].page), "not in the free queue"),
+        (lambda m, b: m._table.free.__setitem__(b[0].page, None), "in the free queue"),
+        (lambda m, b: m._table.free.__setitem__(999, None), "not cached"),
+        (lambda m, b: m._table.page_of.pop(b[1].block_hash), "pages recorded"),
+        (lambda m, b: m._table.gen.__setitem__(b[1].page, -1), "pages recorded"),
         (
-            lambda m, b: setattr(b[2], "token_bytes", np.array([5, 9]).astype(np.int64).tobytes()),
-            "hash does not match",
+            lambda m, b: (
+                m._table.gen.__setitem__(b[1].page, -1),
+                m._table.page_of.pop(b[1].block_hash),
+            ),
+            "parent on page 1 is not cached",
         ),
-        (lambda m, b: setattr(b[2], "token_bytes", b"\x05" * 8), "not 2 ints"),
-        (lambda m, b: m._free.pop(b[3].block_hash), "not in the free queue"),
-        (lambda m, b: m._free.__setitem__(b[0].block_hash, None), "in the free queue"),
-        (lambda m, b: m._free.__setitem__(999, None), "not cached"),
-        (lambda m, b: m._blocks.pop(b[1].block_hash), "parent .* is not cached"),
-        (lambda m, b: setattr(b[3], "page", 1), "page 1 is not recorded"),
-        (lambda m, b: m._page_owner.__setitem__(77, b[0].block_hash), "pages recorded"),
-        (lambda m, b: setattr(b[0], "num_children", 1), "records 1 children, has 2"),
-        (lambda m, b: setattr(m, "_num_locked", 3), "recorded 3 locked blocks, counted 2"),
-        (lambda m, b: setattr(b[3], "last_use", 0), "LRU order"),
-        (lambda m, b: setattr(b[2], "probe", 5), "probe 5 outside"),
-        (lambda m, b: setattr(b[0], "block_hash", 1), "wrong key"),
+        (lambda m, b: m._table.page_of.__setitem__(77, b[0].page), "pages recorded"),
+        (
+            lambda m, b: m._table.page_of.__setitem__(b[0].block_hash, b[3].page),
+            "pages recorded|wrong key",
+        ),
+        (lambda m, b: m._table.key.__setitem__(b[0].page, 1), "wrong key"),
+        (lambda m, b: m._table.nchild.__setitem__(b[0].page, 1), "records 1 children, has 2"),
+        (lambda m, b: setattr(m._table, "num_locked", 3), "recorded 3 locked blocks, counted 2"),
+        (lambda m, b: m._table.last.__setitem__(b[3].page, 0), "LRU order"),
+        (lambda m, b: m._table.probe.__setitem__(b[2].page, 5), "probe 5 outside"),
+        (lambda m, b: m._table.ns.__setitem__(b[1].page, "x"), "namespace recorded"),
     ],
 )
 def test_check_integrity_catches(fn, match):
@@ -497,12 +505,22 @@ def test_check_integrity_catches(fn, match):
 def test_check_integrity_catches_duplicate_content():
     m = BlockHashCacheManager(page_size=1, hash_fn=lambda p, t: 0)
     m.insert_prefix(ids(4), torch.tensor([0], dtype=torch.int32))
-    first = m.get_block(0)
-    twin = CachedBlock(1, 0, None, first.token_bytes, 1, m.clock, 1)  # the same content under key 1
-    m._blocks[1], m._page_owner[1], m._free[1] = twin, 1, None
-    m._max_probe = 1
+    t = m._table
+    # The same content under key 1, on page 1.
+    t.add(np.array([1]), [1], [1], [1], np.array([[4]]), -1, m.clock, None)
+    t.max_probe = 1
     with pytest.raises(RuntimeError, match="cached twice"):
         m.check_integrity()
+
+
+def test_blocks_are_copies():
+    """`blocks` and `get_block` give copies: changing one changes nothing in the manager."""
+    m = _corrupt(lambda m, b: None)
+    before = dump(m)
+    for b in m.blocks():
+        b.ref_count, b.page, b.token_bytes = 99, 99, b""
+    assert dump(m) == before
+    m.check_integrity()
 
 
 # ---------------------------------------------------------- request flow
@@ -908,3 +926,15 @@ def test_agrees_with_a_vllm_style_stand_in_on_a_seeded_trace():
             assert cached[0] == cached[1] == cached[2]
         assert flows[0].stats.evicted_tokens > 0
         flows[0].check_integrity()
+
+
+def test_handle_pages_are_read_only():
+    """A handle shares its pages with the manager's lock record: they cannot be changed."""
+    m = BlockHashCacheManager(page_size=2)
+    m.insert_prefix(ids(1, 2, 3, 4), slots_of([0, 1], 2))
+    h, _ = m.match_prefix(ids(1, 2, 3, 4))
+    m.lock_handle(h)
+    with pytest.raises(ValueError, match="read-only"):
+        h.pages[0] = 5
+    m.lock_handle(h, unlock=True)
+    m.check_integrity()

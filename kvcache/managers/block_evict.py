@@ -1,4 +1,4 @@
-"""Eviction for `BlockHashCacheManager`: which free blocks leave, and what the event log hears.
+"""Eviction for `BlockHashCacheManager`, and the integrity check of its `BlockTable`.
 
 Eviction rule. vLLM evicts any free block (an orphaned child just lingers, unmatchable). Here
 the cache's content must stay exact (`cached_indices`, `check_integrity`, the page accounting of
@@ -14,66 +14,172 @@ keeps the queue in least-recently-used order; locking and evicting only remove b
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict, deque
-from collections.abc import Mapping, MutableMapping
-from itertools import islice, repeat
-from operator import attrgetter
+from collections import deque
+from collections.abc import Mapping
+from itertools import islice
 
 import numpy as np
 
-from .block_pool import CachedBlock
+from .block_hash_chain import ChainHasher, key_seed
+from .block_pool import BlockHashCacheHandle, BlockTable, CachedBlock
 from .cache_events import EventLog
 
-__all__ = ["evict_blocks", "prefix_tokens"]
+__all__ = ["evict_blocks", "prefix_tokens", "check_table"]
 
-_PARENT = attrgetter("parent_hash")
-_CHILDREN = attrgetter("num_children")
-_PAGE = attrgetter("page")
+_MASK = (1 << 64) - 1
 
 
-def prefix_tokens(blocks: Mapping[int, CachedBlock], block: CachedBlock) -> list[int]:
-    """The tokens of ``block``'s whole prefix, from its chain's first block through its own."""
-    parts = [block.token_bytes]
-    while block.parent_hash is not None:
-        block = blocks[block.parent_hash]
-        parts.append(block.token_bytes)
-    tokens: list[int] = np.frombuffer(b"".join(reversed(parts)), dtype=np.int64).tolist()
+def prefix_tokens(table: BlockTable, page: int) -> list[int]:
+    """The tokens of the whole prefix ending with the block on ``page``, first block first."""
+    chain = [page]
+    while table.parent[chain[-1]] >= 0:
+        chain.append(int(table.parent[chain[-1]]))
+    tokens: list[int] = table.tok[chain[::-1]].reshape(-1).tolist()
     return tokens
 
 
-def evict_blocks(
-    blocks: dict[int, CachedBlock],
-    free: OrderedDict[int, None],
-    page_owner: MutableMapping[int, int],
-    size: int,
-    page_size: int,
-    events: EventLog | None,
-) -> list[CachedBlock]:
-    """Take blocks from the head of ``free`` until ``size`` tokens (``<=`` the evictable ones)
-    are freed; drop them from ``blocks``, ``free`` and ``page_owner``; return them in order.
+def evict_blocks(table: BlockTable, size: int, events: EventLog | None) -> np.ndarray:
+    """Take blocks from the head of the free queue until ``size`` tokens (``<=`` the evictable
+    ones) are freed, forget them, and return their pages (int64) in order.
 
     ``RuntimeError``, changing nothing, if a victim still has a child that is not a victim.
     """
-    keys = list(islice(free, -(-size // page_size)))
-    victims = list(map(blocks.__getitem__, keys))
-    parents = Counter(map(_PARENT, victims))
-    # Every victim's children must be victims too (the queue's order promises it).
-    if list(map(_CHILDREN, victims)) != list(map(parents.get, keys, repeat(0))):
-        bad = next(b for b in victims if b.num_children != parents.get(b.block_hash, 0))
+    ps = table.page_size
+    victims: list[int] = list(islice(table.free, -(-size // ps)))
+    pages = np.array(victims, dtype=np.int64)
+    up = table.parent[pages]  # -1 (no parent) indexes the table's spare row
+    # Every victim's children must be victims too (the queue's order promises it): the victims
+    # chaining from a victim are among its children, so equal totals mean all of them.
+    gen = table.gen
+    serials = gen[pages]
+    gen[pages] = -2  # marks the victims (restored below if the check fails)
+    inner = gen[up] == -2
+    if np.count_nonzero(inner) != np.add.reduce(table.nchild[pages]):
+        gen[pages] = serials
+        inner_of = {v: 0 for v in victims}
+        for parent in up[inner].tolist():
+            inner_of[parent] += 1
+        page = next(v for v in victims if table.nchild[v] != inner_of[v])
         raise RuntimeError(
-            f"internal error: free block {bad.block_hash:#018x} would be evicted before its "
-            f"{bad.num_children} children; nothing was evicted"
+            f"internal error: free block {int(table.key[page]):#018x} would be evicted before "
+            f"its {int(table.nchild[page])} children; nothing was evicted"
         )
+    gen[pages] = -1
     if events is not None:
-        for block in victims:
-            first = block.page * page_size
+        for page in victims:
+            first = page * ps
             events.removed(
-                block.extra_key, prefix_tokens(blocks, block), list(range(first, first + page_size))
+                table.namespace(page), prefix_tokens(table, page), list(range(first, first + ps))
             )
-    deque(map(free.pop, keys), 0)
-    deque(map(blocks.pop, keys), 0)
-    deque(map(page_owner.pop, map(_PAGE, victims)), 0)
-    for parent, count in parents.items():
-        if parent is not None and parent in blocks:
-            blocks[parent].num_children -= count
-    return victims
+    free, page_of, ns = table.free, table.page_of, table.ns
+    deque(map(free.pop, victims), 0)
+    deque(map(page_of.pop, table.key[pages].tolist()), 0)
+    if ns:
+        for page in pages[up < 0].tolist():
+            ns.pop(page, None)
+    np.subtract.at(table.nchild, up, 1)  # victims' own counts drop to 0 with them
+    table.nchild[-1] = 0  # the spare row took the first blocks' decrements
+    return pages
+
+
+def check_table(
+    table: BlockTable,
+    hasher: ChainHasher,
+    locks: Mapping[BlockHashCacheHandle, int],
+) -> None:
+    """Every check of `BlockHashCacheManager.check_integrity`; ``RuntimeError`` on the first fault.
+
+    ``locks`` maps each locked handle to its lock count: every block's ``ref_count`` must equal
+    the locks of the handles through it.
+    """
+    page_size = table.page_size
+    cached = {int(p) for p in np.flatnonzero(table.gen >= 0)}
+    pages_listed = list(table.page_of.values())
+    if set(pages_listed) != cached or len(pages_listed) != len(cached):
+        raise RuntimeError(f"{len(pages_listed)} pages recorded for {len(cached)} blocks")
+    blocks: dict[int, CachedBlock] = {}
+    for key, page in table.page_of.items():
+        up = int(table.parent[page])
+        if up >= 0 and up not in cached:
+            raise RuntimeError(f"block {key:#018x}: parent on page {up} is not cached")
+        if int(table.key[page]) != key:
+            raise RuntimeError(f"block {key:#018x}: filed under the wrong key")
+        blocks[key] = table.snapshot(page, table.namespace(page))
+    for page in table.ns:
+        if page not in cached or table.parent[page] >= 0:
+            raise RuntimeError(f"namespace recorded for page {page}, not a cached first block")
+    children: dict[int, int] = {}
+    expected_refs: dict[int, int] = {}
+    for handle, n in locks.items():
+        if n <= 0:
+            raise RuntimeError(f"handle {handle} recorded with lock count {n}")
+        for key in handle.block_hashes:
+            expected_refs[key] = expected_refs.get(key, 0) + n
+    free_list = list(table.free)
+    extra = [p for p in free_list if p not in cached]
+    if extra:
+        raise RuntimeError(f"free queue holds {len(extra)} pages that are not cached: {extra[:4]}")
+    free_set = set(free_list)
+    contents = set()
+    locked = 0
+    for key, block in blocks.items():
+        where = f"block {key:#018x}"
+        if not 0 <= block.probe <= table.max_probe:
+            raise RuntimeError(f"{where}: probe {block.probe} outside [0, {table.max_probe}]")
+        parent = blocks[block.parent_hash] if block.parent_hash is not None else None
+        parent_base = parent.base if parent is not None else key_seed(block.extra_key)
+        if (
+            block.base != hasher.one(parent_base, block.tokens)
+            or key != (block.base + block.probe) & _MASK
+        ):
+            raise RuntimeError(f"{where}: hash does not match its parent and tokens")
+        content = (block.parent_hash, block.extra_key, block.token_bytes)
+        if content in contents:
+            raise RuntimeError(f"{where}: the same tokens after the same parent are cached twice")
+        contents.add(content)
+        if block.ref_count < 0:
+            raise RuntimeError(f"{where}: negative ref_count {block.ref_count}")
+        if parent is not None:
+            if parent.ref_count < block.ref_count:
+                raise RuntimeError(
+                    f"{where}: ref_count {block.ref_count} exceeds its parent's {parent.ref_count}"
+                )
+            children[parent.block_hash] = children.get(parent.block_hash, 0) + 1
+        in_queue = block.page in free_set
+        if (block.ref_count == 0) != in_queue:
+            raise RuntimeError(
+                f"{where}: ref_count {block.ref_count} but {'in' if in_queue else 'not in'} the free queue"
+            )
+        if block.ref_count != expected_refs.get(key, 0):
+            raise RuntimeError(
+                f"{where}: ref_count {block.ref_count} but the locked handles through it hold "
+                f"{expected_refs.get(key, 0)}"
+            )
+        locked += block.ref_count > 0
+    for key, block in blocks.items():
+        if block.num_children != children.get(key, 0):
+            raise RuntimeError(
+                f"block {key:#018x}: records {block.num_children} children, has {children.get(key, 0)}"
+            )
+    stray = [k for k in expected_refs if k not in blocks]
+    if stray:
+        raise RuntimeError(
+            f"locked handles name {len(stray)} blocks that are not cached: {stray[:4]}"
+        )
+    last = None
+    for page in free_list:
+        use = int(table.last[page])
+        if last is not None and use < last:
+            raise RuntimeError(f"free queue out of LRU order at page {page}")
+        last = use
+    position = {p: i for i, p in enumerate(free_list)}
+    for page in free_list:
+        up = int(table.parent[page])
+        if up in position and position[up] < position[page]:
+            raise RuntimeError(
+                f"block on page {page} is queued after its parent: the parent would be evicted first"
+            )
+    if locked != table.num_locked:
+        raise RuntimeError(f"recorded {table.num_locked} locked blocks, counted {locked}")
+    if page_size != table.tok.shape[1]:
+        raise RuntimeError(f"tokens stored {table.tok.shape[1]} a block, not {page_size}")

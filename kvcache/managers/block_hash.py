@@ -6,38 +6,38 @@ sequence is named by a chained hash, ``hash(block i) = H(hash(block i-1), tokens
 the blocks of a prompt one after another and stopping at the first miss finds the longest cached
 prefix without any tree. The manager keeps:
 
-- ``hash -> CachedBlock``: the page, the tokens, the parent's hash, a ref count, a child count and
-  the logical time of last use;
-- a *free queue* (an ``OrderedDict``) of the blocks whose ref count is 0. It is also the eviction
+- a table of blocks indexed by page (`block_pool.BlockTable`): per page, in NumPy arrays, the
+  tokens, the key, the parent's page, a ref count, a child count and the logical time of last
+  use; and ``key -> page`` in a dict;
+- a *free queue* (a ``dict`` in insertion order) of the pages whose ref count is 0. It is also the eviction
   order: ``evict`` takes blocks from its head;
 - the locked handles and how often each is locked, so that unlocking a handle that is not locked
   is refused even while its blocks are locked through another handle.
 
 Speed. The default hash (`block_hash_chain`) is computed for every block of a sequence at once
-with a few NumPy passes; a lookup is then one dict probe per block, and the parents and tokens of
-the whole matched chain are compared in one go each (`block_lookup.walk`). A request's hashes
-and matched chain are remembered from `match_prefix` to its insert (`block_lookup.RequestHashes`,
-vLLM's ``Request.block_hashes``), so the insert hashes only new tokens and re-walks nothing still
-cached. Slots are built in NumPy; an insert validates its new blocks only. A handle carries the
-blocks it was made for, so locking one made since the last eviction re-checks nothing, and a
-match's LRU refresh waits for the next call, which skips it when it locks that very chain.
+with a few NumPy passes; a lookup is then one dict probe per block (``map`` in C), and the
+parents and tokens of the whole matched chain are compared in one array operation each
+(`block_lookup.walk`). A request's hashes and matched pages are remembered from `match_prefix`
+to its insert (`block_lookup.RequestHashes`, vLLM's ``Request.block_hashes``), so the insert
+hashes only new tokens and re-walks nothing still cached. Locking, unlocking and the LRU refresh
+are array operations on the chain's pages; slots are built in NumPy; an insert validates its new
+blocks only, in NumPy. No per-block Python object exists: a handle carries its chain's pages, so
+locking one made since the last eviction re-checks nothing, and a match's LRU refresh waits for
+the next call, which skips it when it locks that very chain.
 
 Collisions: see `block_lookup`. Eviction rule: see `block_evict`; ``check_integrity`` verifies the free queue's order.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Hashable, Iterator, Sequence
-from itertools import repeat
-from operator import attrgetter
+from collections.abc import Hashable, Iterator
 
 import numpy as np
 import torch
 
 from .._validate import check_count, check_indices, check_positive_int, check_token_ids
 from .base import BaseCacheHandle, BaseCacheManager, InsertResult, SizeInfo
-from .block_evict import evict_blocks
+from .block_evict import check_table, evict_blocks
 from .block_hash_chain import (
     ROOT_HASH_SEED,
     ChainHasher,
@@ -46,18 +46,8 @@ from .block_hash_chain import (
     key_seed,
     token_array,
 )
-from .block_lookup import RequestHashes, walk
-from .block_pool import (
-    BlockHashCacheHandle,
-    CachedBlock,
-    chain_slots,
-    check_pool,
-    handle_chain,
-    lock_blocks,
-    new_blocks,
-    new_pages,
-    release_blocks,
-)
+from .block_lookup import NO_PAGES, RequestHashes, handle_pages, new_keys, new_pages, walk
+from .block_pool import BlockHashCacheHandle, BlockTable, CachedBlock
 from .cache_events import CacheEvent, EventLog, check_extra_key, events_off
 
 __all__ = [
@@ -67,8 +57,6 @@ __all__ = [
     "ROOT_HASH_SEED",
     "default_block_hash",
 ]
-
-_KEY = attrgetter("block_hash")
 
 
 class BlockHashCacheManager(BaseCacheManager):
@@ -84,7 +72,7 @@ class BlockHashCacheManager(BaseCacheManager):
         events: keep the log `take_events` returns (keyword only; off by default: no cost).
 
     Namespaces: a chain under ``extra_key`` starts from `key_seed` (not `ROOT_HASH_SEED`);
-    each block keeps the key, compared on every hit.
+    each first block keeps the key, compared on every hit.
     """
 
     def __init__(
@@ -101,11 +89,11 @@ class BlockHashCacheManager(BaseCacheManager):
         if hash_fn is not None and not callable(hash_fn):
             raise TypeError(f"hash_fn must be callable, got {type(hash_fn).__name__}")
         self.device = torch.device(device)
+        self._on_cpu = self.device.type == "cpu"
         self.page_size = page_size
         self._hasher = ChainHasher(page_size, hash_fn)
         self.hash_fn: HashFn = self._hasher.hash_fn
         self.empty_tensor = torch.empty(0, dtype=torch.int32, device=self.device)
-        self._offsets = np.arange(page_size, dtype=np.int32)
         self._clock = 0
         self._token = object()  # names this manager in the handles it makes
         self._epoch = 0  # bumped whenever a block leaves the cache
@@ -114,28 +102,24 @@ class BlockHashCacheManager(BaseCacheManager):
 
     # ------------------------------------------------------------------ state
     def _init_state(self) -> None:
-        self._blocks: dict[int, CachedBlock] = {}
-        self._free: OrderedDict[int, None] = OrderedDict()  # head = next to evict
-        self._page_owner: dict[int, int] = {}  # page -> block hash
-        self._num_locked = 0  # blocks with ref_count > 0
-        self._max_probe = 0
-        # locked handle -> (times locked, the blocks it locked)
-        self._locks: dict[BlockHashCacheHandle, tuple[int, tuple[CachedBlock, ...]]] = {}
+        self._table = BlockTable(self.page_size)
+        # locked handle -> (times locked, the pages it locked)
+        self._locks: dict[BlockHashCacheHandle, tuple[int, np.ndarray]] = {}
         self._pending = RequestHashes(self.page_size)
-        # A match's refresh of the LRU order (chain, clock), applied by the next call unless that
+        # A match's refresh of the LRU order (pages, clock), applied by the next call unless that
         # call locks the very chain: the flow matches and locks at once, and a lock takes the
         # blocks out of the queue anyway.
-        self._touch: tuple[tuple[CachedBlock, ...], int] | None = None
+        self._touch: tuple[np.ndarray, int] | None = None
         self._epoch += 1
 
     @property
     def size_info(self) -> SizeInfo:
-        ps = self.page_size
-        return SizeInfo(evictable_size=len(self._free) * ps, protected_size=self._num_locked * ps)
+        t, ps = self._table, self.page_size
+        return SizeInfo(evictable_size=len(t.free) * ps, protected_size=t.num_locked * ps)
 
     @property
     def num_blocks(self) -> int:
-        return len(self._blocks)
+        return len(self._table.page_of)
 
     @property
     def clock(self) -> int:
@@ -145,38 +129,45 @@ class BlockHashCacheManager(BaseCacheManager):
     @property
     def max_probe(self) -> int:
         """The largest collision offset ever used (0 while no two blocks' hashes have collided)."""
-        return self._max_probe
+        return self._table.max_probe
 
     def blocks(self) -> Iterator[CachedBlock]:
-        """Every cached block, in insertion order (a parent before its children)."""
+        """A copy of every cached block, in insertion order (a parent before its children)."""
         self._flush()
-        return iter(list(self._blocks.values()))
+        return iter(list(self._table.snapshots()))
 
     def get_block(self, block_hash: int) -> CachedBlock | None:
+        """A copy of the block cached under key ``block_hash``, or ``None``."""
         self._flush()
-        return self._blocks.get(block_hash)
+        page = self._table.page_of.get(block_hash)
+        return None if page is None else self._table.snapshot(page, self._table.namespace(page))
 
     def free_queue(self) -> list[int]:
-        """Hashes of the evictable blocks in eviction order (head first)."""
+        """Keys of the evictable blocks in eviction order (head first)."""
         self._flush()
-        return list(self._free)
+        t = self._table
+        return t.keys_of(np.fromiter(t.free, dtype=np.int64, count=len(t.free)))
 
     def locked_handles(self) -> dict[BlockHashCacheHandle, int]:
         """Each locked handle and how many times it is locked (a copy)."""
         return {h: n for h, (n, _) in self._locks.items()}
 
-    def _slots(self, chain: Sequence[CachedBlock]) -> torch.Tensor:
-        """The slots of ``chain``'s pages, block after block (1-D int32 on ``device``)."""
-        return chain_slots(chain, self._offsets, self.device) if chain else self.empty_tensor
+    def _slots(self, pages: np.ndarray) -> torch.Tensor:
+        """The slots of ``pages``, page after page (1-D int32 on ``device``)."""
+        if not len(pages):
+            return self.empty_tensor
+        out = torch.from_numpy(self._table.slots[pages].reshape(-1))
+        return out if self._on_cpu else out.to(self.device)
 
     def cached_indices(self) -> torch.Tensor:
-        return self._slots(list(self._blocks.values()))
+        t = self._table
+        return self._slots(np.fromiter(t.page_of.values(), dtype=np.int64, count=len(t.page_of)))
 
     def reset(self) -> None:
         self._flush()
-        if self._num_locked:
+        if self._table.num_locked:
             raise RuntimeError(
-                f"cannot reset while {self._num_locked * self.page_size} tokens are locked; "
+                f"cannot reset while {self._table.num_locked * self.page_size} tokens are locked; "
                 "unlock every handle first"
             )
         self._init_state()
@@ -202,23 +193,20 @@ class BlockHashCacheManager(BaseCacheManager):
     def _flush(self) -> None:
         """Apply the last match's deferred LRU refresh, if any."""
         if self._touch is not None:
-            chain, tic = self._touch
+            pages, tic = self._touch
             self._touch = None
-            self._use(chain, tic)
+            self._table.use(pages, tic)
 
-    def _use(self, chain: Sequence[CachedBlock], tic: int) -> None:
-        """Mark ``chain`` used at ``tic``: its free blocks move to the queue's tail, deepest first."""
-        move = self._free.move_to_end
-        for block in reversed(chain):
-            if block.ref_count:
-                break  # locked blocks are a prefix of any chain; their release sets ``last_use``
-            block.last_use = tic
-            move(block.block_hash)
-
-    def _handle(self, chain: list[CachedBlock]) -> BlockHashCacheHandle:
-        hashes = tuple(map(_KEY, chain))
+    def _handle(self, pages: np.ndarray, hashes: list[int], raw: bytes) -> BlockHashCacheHandle:
+        k = len(pages)
+        keys = tuple(hashes[:k] if not self._table.max_probe else self._table.keys_of(pages))
+        pages.flags.writeable = False  # shared by the handle, its lock record and the memo
         return BlockHashCacheHandle(
-            len(chain) * self.page_size, hashes, tuple(chain), (self._token, self._epoch, hashes)
+            k * self.page_size,
+            keys,
+            raw,  # the request's tokens: the chain's are its first ``k`` blocks
+            pages,
+            (self._token, self._epoch, keys),
         )
 
     # ------------------------------------------------------------- public
@@ -235,13 +223,15 @@ class BlockHashCacheManager(BaseCacheManager):
         else:
             hashes = self._hasher.chain(rows, key_seed(check_extra_key(extra_key)))
         self._flush()
-        chain = walk(self._blocks, self._max_probe, rows, hashes, (), extra_key)
-        self._pending.remember(rows, hashes, chain, extra_key)
+        table = self._table
+        pages = walk(table, rows, hashes, NO_PAGES, extra_key)
+        raw = rows.tobytes()
+        self._pending.remember(raw, hashes, pages, table.gen[pages], extra_key)
         self._clock += 1
-        handle = self._handle(chain)
-        if chain:
-            self._touch = (handle.blocks, self._clock)
-        return handle, self._slots(chain)
+        handle = self._handle(pages, hashes, raw)
+        if len(pages):
+            self._touch = (pages, self._clock)
+        return handle, self._slots(pages)
 
     def insert_prefix(
         self, input_ids: torch.Tensor, indices: torch.Tensor, extra_key: Hashable = None
@@ -262,12 +252,12 @@ class BlockHashCacheManager(BaseCacheManager):
         self, input_ids: torch.Tensor, indices: torch.Tensor, extra_key: Hashable = None
     ) -> InsertResult:
         """`insert_prefix` and the (unlocked) handle on the whole inserted chain, in one walk."""
-        cached, chain = self._insert(input_ids, indices, extra_key)
-        return InsertResult(cached, self._handle(chain))
+        cached, handle = self._insert(input_ids, indices, extra_key)
+        return InsertResult(cached, handle)
 
     def _insert(
         self, input_ids: torch.Tensor, indices: torch.Tensor, extra_key: Hashable
-    ) -> tuple[int, list[CachedBlock]]:
+    ) -> tuple[int, BlockHashCacheHandle]:
         rows = self._rows(input_ids)
         if extra_key is not None:
             check_extra_key(extra_key)
@@ -277,39 +267,35 @@ class BlockHashCacheManager(BaseCacheManager):
                 f"len(indices) ({len(indices)}) must equal len(input_ids) ({len(input_ids)})"
             )
         self._flush()
-        hashes, known = self._pending.recall(rows, self._blocks, self._hasher, extra_key)
-        chain = walk(self._blocks, self._max_probe, rows, hashes, known, extra_key)
-        ps, m, nb = self.page_size, len(chain), len(rows)
+        table = self._table
+        raw = rows.tobytes()
+        hashes, known = self._pending.recall(rows, raw, table, self._hasher, extra_key)
+        pages = walk(table, rows, hashes, known, extra_key)
+        ps, m, nb = self.page_size, len(pages), len(rows)
         if m == nb:
             self._clock += 1
-            self._use(chain, self._clock)
-            self._pending.remember(rows, hashes, chain, extra_key)
-            return m * ps, chain
-        pages = new_pages(indices[m * ps : nb * ps], ps, self._page_owner)
+            table.use(pages, self._clock)
+            self._pending.remember(raw, hashes, pages, table.gen[pages], extra_key)
+            return m * ps, self._handle(pages, hashes, raw)
+        slots = (indices if self._on_cpu else indices.cpu()).numpy()[m * ps : nb * ps]
+        fresh, listed = new_pages(slots, ps, table)
+        keys, probes = new_keys(table, hashes[m:])
         # Validation done; from here on nothing raises.
         self._clock += 1
         tic = self._clock
-        parent = chain[-1].block_hash if m else None
-        keys, created, probe_max = new_blocks(
-            hashes[m:], parent, rows[m:], pages, self._blocks, self._max_probe, tic, extra_key
+        table.add(
+            fresh, listed, keys, probes, rows[m:], int(pages[-1]) if m else -1, tic, extra_key
         )
-        if m:
-            chain[-1].num_children += 1
-        self._blocks.update(zip(keys, created, strict=True))
-        self._page_owner.update(zip(pages, keys, strict=True))
-        self._free.update(zip(reversed(keys), repeat(None)))  # deepest first
-        self._max_probe = probe_max
-        self._use(chain, tic)
-        chain += created
-        self._pending.remember(rows, hashes, chain, extra_key)
+        table.use(pages, tic)
+        pages = np.concatenate((pages, fresh)) if m else fresh
+        self._pending.remember(raw, hashes, pages, table.gen[pages], extra_key)
         if self._events is not None:
-            slots = indices[m * ps : nb * ps]
             self._events.stored(extra_key, rows.reshape(-1).tolist(), slots.tolist())
-        return m * ps, chain
+        return m * ps, self._handle(pages, hashes, raw)
 
-    def _chain(self, handle: BaseCacheHandle) -> tuple[CachedBlock, ...]:
-        """The blocks behind ``handle``, root first, after checking the handle names them."""
-        return handle_chain(handle, self._blocks, self.page_size, (self._token, self._epoch))
+    def _chain(self, handle: BaseCacheHandle) -> np.ndarray:
+        """The pages behind ``handle``, root first, after checking the handle names them."""
+        return handle_pages(handle, self._table, self.page_size, (self._token, self._epoch))
 
     def handle_indices(self, handle: BaseCacheHandle) -> torch.Tensor:
         """The slots of the prefix behind ``handle`` (read-only: the LRU order does not change)."""
@@ -329,17 +315,17 @@ class BlockHashCacheManager(BaseCacheManager):
         if unlock:
             self._unlock(handle)
             return
-        chain = self._chain(handle)
-        if not chain:
+        pages = self._chain(handle)
+        if not len(pages):
             return
         if self._touch is not None:
-            if self._touch[0] is chain:
+            if self._touch[0] is pages:
                 self._touch = None  # the lock takes the matched blocks out of the queue: moot
             else:
                 self._flush()
         record = self._locks.get(handle)  # type: ignore[call-overload]
-        self._locks[handle] = (record[0] + 1, record[1]) if record else (1, chain)  # type: ignore[index]
-        self._num_locked += lock_blocks(chain, self._free)
+        self._locks[handle] = (record[0] + 1, record[1]) if record else (1, pages)  # type: ignore[index]
+        self._table.lock(pages)
 
     def _unlock(self, handle: BaseCacheHandle) -> None:
         if not isinstance(handle, BlockHashCacheHandle) or not handle.cached_len:
@@ -352,15 +338,16 @@ class BlockHashCacheManager(BaseCacheManager):
                 f"cannot unlock a handle that is not locked ({len(handle.block_hashes)} blocks, "
                 f"cached_len={handle.cached_len})"
             )
-        times, locked_chain = record
+        times, locked = record
         self._flush()
         # Locked blocks cannot leave the cache: the handle that locked them needs no re-check.
-        chain = locked_chain if handle.blocks is locked_chain else self._chain(handle)
+        if handle.pages is not locked:
+            self._chain(handle)
         if times == 1:
             del self._locks[handle]
         else:
-            self._locks[handle] = (times - 1, locked_chain)
-        self._num_locked -= release_blocks(chain, self._free, self._clock)
+            self._locks[handle] = (times - 1, locked)
+        self._table.release(locked, self._clock)
 
     def evict(self, size: int) -> torch.Tensor:
         """Evict free blocks from the head of the free queue until at least ``size`` tokens are freed.
@@ -377,24 +364,13 @@ class BlockHashCacheManager(BaseCacheManager):
         if size > evictable:
             raise RuntimeError(
                 f"cannot evict {size} tokens: only {evictable} are evictable "
-                f"({self._num_locked * self.page_size} are locked)"
+                f"({self._table.num_locked * self.page_size} are locked)"
             )
-        victims = evict_blocks(
-            self._blocks, self._free, self._page_owner, size, self.page_size, self._events
-        )
+        victims = evict_blocks(self._table, size, self._events)
         self._epoch += 1
         return self._slots(victims)
 
     def check_integrity(self) -> None:
         """Check every block, the free queue, the locked handles and the sizes; ``RuntimeError`` on the first fault."""
         self._flush()
-        check_pool(
-            self._blocks,
-            self._free,
-            self._page_owner,
-            self._num_locked,
-            self._max_probe,
-            self._hasher,
-            self.page_size,
-            self.locked_handles(),
-        )
+        check_table(self._table, self._hasher, self.locked_handles())

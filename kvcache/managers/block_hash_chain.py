@@ -136,7 +136,7 @@ class ChainHasher:
         # Integer array arithmetic wraps modulo 2**64 without a warning (only scalars warn).
         c = _mix64_np(blocks.view(np.uint64) @ self._token_weights)
         c *= self._m_inv_pow[:nb]
-        s = np.cumsum(c, dtype=np.uint64)
+        s = np.add.accumulate(c)  # uint64 in, uint64 out (the ufunc skips cumsum's wrappers)
         s += np.uint64((seed * _M) & _MASK)
         s *= self._m_pow[:nb]
         hashes: list[int] = s.tolist()

@@ -1,8 +1,9 @@
-"""Finding cached chains for `BlockHashCacheManager`: the walk over a sequence's block hashes, and
-the block hashes a request carries from `match_prefix` to `insert_prefix`.
+"""Finding cached chains for `BlockHashCacheManager`: the walk over a sequence's block hashes, the
+block hashes a request carries from `match_prefix` to `insert_prefix`, and the checks of a
+handle and of an insert's new pages.
 
 Collisions. A 64-bit hash can collide (and a caller's ``hash_fn`` may be weak on purpose). Every
-block keeps its tokens and its parent's key, and a lookup compares both, so a collision can cost a
+block keeps its tokens and its parent, and a lookup compares both, so a collision can cost a
 cache hit but never returns another prefix's K/V. A block whose hash is taken by a different block
 is stored under the next free key (``hash + 1``, ``hash + 2``, ... modulo 2**64, its ``probe``
 offset), and lookups try every offset up to the largest ever used (``0`` unless a collision
@@ -13,158 +14,272 @@ block's name.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
-from contextlib import suppress
-from operator import attrgetter
-from typing import cast
+from collections.abc import Hashable
 
 import numpy as np
 
+from .base import BaseCacheHandle
 from .block_hash_chain import ChainHasher, key_seed
-from .block_pool import CachedBlock
+from .block_pool import BlockHashCacheHandle, BlockTable
 
-__all__ = ["walk", "RequestHashes"]
+__all__ = ["walk", "RequestHashes", "handle_pages", "new_pages", "new_keys", "NO_PAGES"]
 
 _MASK = (1 << 64) - 1
-_PARENT = attrgetter("parent_hash")
-_TOKENS = attrgetter("token_bytes")
-_KEY = attrgetter("block_hash")
+NO_PAGES = np.zeros(0, dtype=np.int64)
+NO_PAGES.flags.writeable = False
 
 
 def walk(
-    blocks: dict[int, CachedBlock],
-    max_probe: int,
+    table: BlockTable,
     rows: np.ndarray,
     hashes: list[int],
-    known: Sequence[CachedBlock] = (),
+    known: np.ndarray = NO_PAGES,
     extra_key: Hashable = None,
-) -> list[CachedBlock]:
-    """The cached chain matching the longest prefix of ``rows`` (read-only).
+) -> np.ndarray:
+    """The pages of the cached chain matching the longest prefix of ``rows`` (read-only).
 
     ``rows`` is ``(n, page_size)`` int64; ``hashes[i]`` is the chained hash of ``rows[:i + 1]``;
-    ``known`` is a chain already known to match ``rows[:len(known)]``, from which the walk goes
-    on. The chain's first block must belong to namespace ``extra_key``. Without collisions (``max_probe == 0``) a block's key is its hash: one dict probe per
-    block (run in C), then the parents and the tokens of the whole chain in one comparison each.
-    With collisions every block tries each probe offset and compares parent and tokens.
+    ``known`` (int64 pages) is a chain already known to match ``rows[:len(known)]``, from which
+    the walk goes on. The chain's first block must belong to namespace ``extra_key``. Without
+    collisions (``max_probe == 0``) a block's key is its hash: one dict probe per block (run in
+    C), then the parents and the tokens of the whole chain in one array comparison each.
     """
-    get = blocks.get
     i0 = len(known)
-    parent: int | None = known[-1].block_hash if i0 else None
-    if max_probe == 0:
-        found = list(map(get, hashes[i0:] if i0 else hashes))
-        with suppress(ValueError):
-            del found[found.index(None) :]  # a miss ends the chain
-        chain = cast("list[CachedBlock]", found)  # no None is left
-        k = len(chain)
-        if k and not i0 and chain[0].extra_key != extra_key:  # another namespace's hash
-            k = 0
-            chain.clear()
-        if k:
-            parents = list(map(_PARENT, chain))
-            if parents[0] != parent or parents[1:] != hashes[i0 : i0 + k - 1]:  # a collision
-                k = next(
-                    i for i, p in enumerate(parents) if p != (hashes[i0 + i - 1] if i else parent)
-                )
-                del chain[k:]
-        if k and b"".join(map(_TOKENS, chain)) != rows[i0 : i0 + k].tobytes():
-            for i, b in enumerate(chain):  # a collision: keep what really matches
-                if b.token_bytes != rows[i0 + i].tobytes():
-                    del chain[i:]
-                    break
-        return [*known, *chain] if i0 else chain
-    chain = list(known)
-    for h, row in zip(hashes[i0:], rows[i0:], strict=True):
-        block = _probe(blocks, h, max_probe, parent, row.tobytes(), extra_key)
-        if block is None:
-            return chain
-        chain.append(block)
-        parent = block.block_hash
-    return chain
+    if table.max_probe:
+        return _walk_probing(table, rows, hashes, known, extra_key)
+    get = table.page_of.get
+    if i0 and (i0 == len(hashes) or get(hashes[i0]) is None):
+        return known  # an insert's usual case: its match found all that is cached
+    found = list(map(get, hashes[i0:] if i0 else hashes))
+    if None in found:
+        del found[found.index(None) :]  # a miss ends the chain
+    k = len(found)
+    if not k:
+        return known
+    pages = np.array(found, dtype=np.int64)
+    if (
+        table.parent[found[0]] != (known[-1] if i0 else -1)
+        or np.count_nonzero(table.parent[pages[1:]] != pages[:-1])
+        or table.tok[pages].tobytes() != rows[i0 : i0 + k].tobytes()
+    ):  # a collision: keep what really matches
+        good = (table.tok[pages] == rows[i0 : i0 + k]).all(axis=1)
+        par = table.parent[pages]
+        good[0] &= par[0] == (known[-1] if i0 else -1)
+        good[1:] &= par[1:] == pages[:-1]
+        pages = pages[: int(good.argmin())] if not good.all() else pages
+    if not i0:
+        if len(pages) and table.ns.get(int(pages[0])) != extra_key:  # another namespace's hash
+            return NO_PAGES
+        return pages
+    return np.concatenate((known, pages))
 
 
-def _probe(
-    blocks: dict[int, CachedBlock],
-    h: int,
-    max_probe: int,
-    parent: int | None,
-    tokens: bytes,
+def _walk_probing(
+    table: BlockTable,
+    rows: np.ndarray,
+    hashes: list[int],
+    known: np.ndarray,
     extra_key: Hashable,
-) -> CachedBlock | None:
-    """The block under key ``h + k`` (``k <= max_probe``) with this parent, these tokens and
-    (for a first block) this namespace."""
-    for k in range(max_probe + 1):
-        block = blocks.get((h + k) & _MASK)
-        if (
-            block is not None
-            and block.parent_hash == parent
-            and block.token_bytes == tokens
-            and (parent is not None or block.extra_key == extra_key)
-        ):
-            return block
-    return None
+) -> np.ndarray:
+    """`walk` once a collision has happened: every block tries each probe offset."""
+    chain: list[int] = known.tolist()
+    parent = chain[-1] if chain else -1
+    get, tok, up = table.page_of.get, table.tok, table.parent
+    for h, row in zip(hashes[len(chain) :], rows[len(chain) :], strict=True):
+        for k in range(table.max_probe + 1):
+            page = get((h + k) & _MASK)
+            if (
+                page is not None
+                and up[page] == parent
+                and (tok[page] == row).all()
+                and (parent >= 0 or table.ns.get(page) == extra_key)
+            ):
+                break
+        else:
+            break
+        chain.append(page)
+        parent = page
+    return np.array(chain, dtype=np.int64)
 
 
 class RequestHashes:
     """The block hashes of recent requests, so that a request's insert does not hash again what
     its match hashed (vLLM's ``Request.block_hashes``), and the chain its match found.
 
-    Keyed by a request's namespace and first block; an entry is used only for the tokens that are still equal
-    (one ``bytes`` comparison), and its chain only for the blocks that are still the same objects
-    under the same keys (a block never changes in place, so identity proves its content and
-    parent). At most ``capacity`` requests are remembered, the least recent forgotten first.
+    Keyed by a request's namespace and first block; an entry is used only for the tokens that
+    are still equal (one ``bytes`` comparison), and its chain only for the pages that still hold
+    the very blocks it found (the serial each page was cached under, compared in one go). At most
+    ``capacity`` requests are remembered, the least recent forgotten first.
     """
 
     def __init__(self, page_size: int, capacity: int = 64) -> None:
         self.width = 8 * page_size
         self.capacity = capacity
-        self._entries: OrderedDict[
-            Hashable, tuple[bytes, list[int], list[CachedBlock], tuple[int, ...]]
-        ] = OrderedDict()
+        self._entries: OrderedDict[Hashable, tuple[bytes, list[int], np.ndarray, np.ndarray]] = (
+            OrderedDict()
+        )
 
     def remember(
         self,
-        rows: np.ndarray,
+        raw: bytes,
         hashes: list[int],
-        chain: list[CachedBlock],
+        pages: np.ndarray,
+        gens: np.ndarray,
         extra_key: Hashable = None,
     ) -> None:
-        if len(rows):
+        """``raw``: the rows' bytes; ``pages`` the chain found (and ``gens``, their serials)."""
+        if raw:
             entries = self._entries
-            first = rows[0].tobytes()
+            first = raw[: self.width]
             key = first if extra_key is None else (extra_key, first)  # bytes never equal a tuple
             entries.pop(key, None)
-            entries[key] = (rows.tobytes(), hashes, chain, tuple(map(_KEY, chain)))
+            entries[key] = (raw, hashes, pages, gens)
             if len(entries) > self.capacity:
                 entries.popitem(last=False)
 
     def recall(
         self,
         rows: np.ndarray,
-        blocks: dict[int, CachedBlock],
+        raw: bytes,
+        table: BlockTable,
         hasher: ChainHasher,
         extra_key: Hashable = None,
-    ) -> tuple[list[int], list[CachedBlock]]:
+    ) -> tuple[list[int], np.ndarray]:
         """The hashes of every row of ``rows`` (only rows not remembered are hashed) and the longest
         remembered chain that still matches them (possibly empty)."""
-        first = rows[0].tobytes() if len(rows) else None
-        entry = (
-            None
-            if first is None
-            else self._entries.get(first if extra_key is None else (extra_key, first))
-        )
-        if entry is not None:
-            raw, hashes, chain, keys = entry
+        first = raw[: self.width]
+        entry = self._entries.get(first if extra_key is None else (extra_key, first))
+        if entry is not None and first:
+            old, hashes, pages, gens = entry
             n = min(len(hashes), len(rows))
-            if rows[:n].tobytes() == (raw if n == len(hashes) else raw[: n * self.width]):
+            if raw.startswith(old) if n == len(hashes) else old.startswith(raw):  # no copies
                 if n < len(rows):
                     hashes = hashes[:n] + hasher.chain(rows[n:], hashes[n - 1])
                 elif n < len(hashes):
                     hashes = hashes[:n]
-                now = list(map(blocks.get, keys[:n]))
-                if now != chain[:n]:
-                    first = next(
-                        i for i, (a, b) in enumerate(zip(now, chain, strict=False)) if a is not b
-                    )
-                    return hashes, chain[:first]
-                return hashes, cast("list[CachedBlock]", now)  # equal to chain[:n]: no None
-        return hasher.chain(rows, key_seed(extra_key)), []
+                if len(pages) > n:
+                    pages, gens = pages[:n], gens[:n]
+                moved = table.gen[pages] != gens
+                if np.count_nonzero(moved):
+                    pages = pages[: int(moved.argmax())]
+                return hashes, pages
+        return hasher.chain(rows, key_seed(extra_key)), NO_PAGES
+
+
+def handle_pages(
+    handle: BaseCacheHandle, table: BlockTable, page_size: int, stamp: tuple[object, int]
+) -> np.ndarray:
+    """The pages of the blocks ``handle`` names, root first, checked to be the content it was
+    made for.
+
+    ``stamp`` is the manager's (token, epoch): a handle made by that manager since its last
+    eviction names blocks that are all still cached, and its pages are returned as they are.
+    Otherwise each block must still be cached, chain from the one before, and hold the tokens the
+    handle was made for (a weak hash may have put other tokens under the same key).
+    ``TypeError`` for another kind of handle, ``RuntimeError`` otherwise.
+    """
+    if not isinstance(handle, BlockHashCacheHandle):
+        raise TypeError(f"handle must be a BlockHashCacheHandle, got {type(handle).__name__}")
+    hashes = handle.block_hashes
+    if handle.cached_len != len(hashes) * page_size:
+        raise RuntimeError(
+            f"handle says cached_len={handle.cached_len} but names {len(hashes)} blocks of "
+            f"{page_size} tokens"
+        )
+    made = handle.pages
+    mine = handle.stamp
+    if (
+        made is not None
+        and mine is not None
+        and mine[0] is stamp[0]
+        and mine[1] == stamp[1]
+        and mine[2] is hashes
+    ):
+        return made  # nothing has left the cache since the handle was made
+    width = 8 * page_size
+    carried = handle.tokens if isinstance(handle.tokens, bytes) else b""
+    chain: list[int] = []
+    parent = -1
+    for i, h in enumerate(hashes):
+        page = table.page_of.get(h)
+        if page is None:
+            raise RuntimeError(
+                f"handle's block {i} ({h:#018x}) was evicted; match the prefix again"
+            )
+        if table.parent[page] != parent:
+            raise RuntimeError(f"handle's block {i} ({h:#018x}) does not chain from block {i - 1}")
+        if len(carried) < (i + 1) * width:
+            raise RuntimeError(
+                f"handle does not carry the tokens of block {i}; make handles with match_prefix"
+            )
+        if table.tok[page].tobytes() != carried[i * width : (i + 1) * width]:
+            raise RuntimeError(
+                f"handle's block {i} ({h:#018x}) was evicted and its key now holds other tokens; "
+                "match the prefix again"
+            )
+        chain.append(page)
+        parent = page
+    return np.array(chain, dtype=np.int64)
+
+
+def new_pages(new: np.ndarray, page_size: int, table: BlockTable) -> tuple[np.ndarray, list[int]]:
+    """The pages of the new blocks' slots ``new`` (int32, validated, whole blocks), checked; as
+    an int64 array and as a list.
+
+    Each block's slots must be the ``page_size`` consecutive slots of one page (``>= 0``, the
+    first a multiple of ``page_size``); no page may already be cached or appear twice.
+    ``ValueError`` naming the page or slots otherwise. NumPy, no per-block Python work.
+    """
+    ps = page_size
+    pages = (new[::ps] if ps > 1 else new).astype(np.int64)  # int64: the native index type
+    if ps > 1:
+        pages //= ps
+    lo, hi = int(np.minimum.reduce(pages)), int(np.maximum.reduce(pages))
+    if lo < 0:
+        raise ValueError(f"indices must be >= 0, got {int(new.min())}")
+    # Within the table, a page's slots are one row of ``table.slots``; past it, arithmetic.
+    if ps > 1 and np.count_nonzero(
+        table.slots[pages].reshape(-1) != new
+        if hi < table.capacity
+        else new.reshape(-1, ps) != (pages * ps)[:, None] + np.arange(ps, dtype=np.int32)
+    ):
+        if np.count_nonzero(new < 0):
+            raise ValueError(f"indices must be >= 0, got {int(new.min())}")
+        raise ValueError(
+            f"with page_size={ps} every {ps} indices must be the consecutive slots of one page "
+            f"(first slot a multiple of {ps}); got {new.tolist()}"
+        )
+    taken = table.gen[pages] >= 0 if hi < table.capacity else table.holds(pages)
+    if np.count_nonzero(taken):
+        page = int(pages[taken.argmax()])
+        raise ValueError(
+            f"page {page} (slots {page * ps}..{(page + 1) * ps - 1}) already holds cached "
+            f"block {int(table.key[page]):#018x}; a page can be cached once"
+        )
+    listed: list[int] = pages.tolist()
+    if len(set(listed)) != len(listed):
+        dup = next(p for p in listed if listed.count(p) > 1)
+        raise ValueError(f"page {dup} appears in more than one new block of this insert")
+    return pages, listed
+
+
+def new_keys(table: BlockTable, new_hashes: list[int]) -> tuple[list[int], list[int] | None]:
+    """The keys of new blocks with these hashes: each its hash, or the next key (``hash + 1``,
+    ...) that neither a cached block nor an earlier new one holds; and their probe offsets
+    (``None``: all 0). Raises ``table.max_probe`` when a probe goes further than any before."""
+    taken = table.page_of
+    if not any(map(taken.__contains__, new_hashes)) and len(set(new_hashes)) == len(new_hashes):
+        return new_hashes, None
+    keys: list[int] = []
+    probes: list[int] = []
+    mine: set[int] = set()
+    for h in new_hashes:
+        key, probe = h, 0
+        while key in taken or key in mine:
+            probe += 1
+            key = (h + probe) & _MASK
+        keys.append(key)
+        probes.append(probe)
+        mine.add(key)
+    table.max_probe = max(table.max_probe, *probes)
+    return keys, probes

@@ -1,45 +1,48 @@
-"""The records of `BlockHashCacheManager`: a cached block, a handle on a chain of them, and the
-integrity check over the whole pool of blocks."""
+"""The state of `BlockHashCacheManager`: a table of cached blocks indexed by page, its records for
+callers (`CachedBlock`) and its handles (`BlockHashCacheHandle`).
+
+A block is cached on exactly one page, so the table keeps every per-block field in a NumPy array
+indexed by page id (vLLM keeps one ``KVCacheBlock`` object per page; here it is one row of each
+array). Locking, releasing and refreshing a chain are then a few array operations on the
+chain's page ids, whatever its length; the only per-block Python work left is in C (dict and
+``dict`` operations driven by ``map``/``zip``).
+
+The free queue is a plain ``dict`` of pages: insertion order is queue order, and a plain dict
+inserts and deletes several times faster than an ``OrderedDict`` (whose ``move_to_end`` is here a
+delete and a re-insert). Reading its head skips the slots of deleted entries, which a dict
+reclaims whenever it resizes, so that cost stays bounded by the dict's size.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Mapping, MutableMapping, Sequence
+from collections import deque
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import count
 
 import numpy as np
-import torch
 
 from .base import BaseCacheHandle
-from .block_hash_chain import ChainHasher, key_seed
 
-__all__ = [
-    "CachedBlock",
-    "BlockHashCacheHandle",
-    "handle_chain",
-    "check_pool",
-    "new_pages",
-    "new_blocks",
-    "lock_blocks",
-    "release_blocks",
-    "chain_slots",
-]
+__all__ = ["CachedBlock", "BlockHashCacheHandle", "BlockTable", "next_serial"]
 
 _MASK = (1 << 64) - 1
+#: Every insert call that adds blocks takes a number no other call (of any manager) has, and
+#: writes it on their pages: equal numbers on a page prove it still holds the same block.
+next_serial = count(1).__next__
 
 
 class CachedBlock:
-    """One cached full block: ``page_size`` tokens whose K/V fill page ``page``.
+    """A copy of one cached full block's state, taken when `BlockHashCacheManager.blocks` or
+    `get_block` was called: ``page_size`` tokens whose K/V fill page ``page``.
 
     ``block_hash`` is its key in the manager's table: its chained hash ``base`` plus ``probe``
     (how far the key moved after a collision, usually 0). ``parent_hash`` is the key of the block
     before it (``None`` for the first block of a sequence). ``ref_count`` counts the locks through
     it (0: the block is in the free queue and may be evicted); ``num_children`` the cached blocks
-    that chain from it. ``last_use`` is the manager's clock when it was last matched or inserted while
-    free, or released.
-    ``token_bytes`` holds the tokens as little-endian int64 (compared on every hit); ``tokens``
+    that chain from it. ``last_use`` is the manager's clock when it was last matched or inserted
+    while free, or released. ``token_bytes`` holds the tokens as little-endian int64; ``tokens``
     gives them as a tuple of ints. ``extra_key`` is the namespace of the chain it belongs to.
-    Read-only for callers.
     """
 
     __slots__ = (
@@ -66,6 +69,7 @@ class CachedBlock:
         probe: int = 0,
         num_children: int = 0,
         extra_key: Hashable = None,
+        ref_count: int = 0,
     ) -> None:
         self.extra_key = extra_key
         self.block_hash = block_hash
@@ -73,7 +77,7 @@ class CachedBlock:
         self.parent_hash = parent_hash
         self.token_bytes = token_bytes
         self.page = page
-        self.ref_count = 0
+        self.ref_count = ref_count
         self.num_children = num_children
         self.last_use = last_use
         self.probe = probe
@@ -95,302 +99,188 @@ class CachedBlock:
 class BlockHashCacheHandle(BaseCacheHandle):
     """The matched prefix is the chain of blocks ``block_hashes`` (``cached_len // page_size`` of them).
 
-    A handle names the *content* it was made for: ``blocks`` are the blocks `match_prefix` (or
-    `insert_and_match`) found, whose tokens every later use compares with what the keys hold now.
-    If its blocks are evicted the handle can no longer be locked (``RuntimeError``), even when
-    other tokens have since been cached under the same keys (a hash collision); if the same
-    tokens are cached again, the handle names the new blocks. Equality and hashing use
-    ``cached_len`` and ``block_hashes`` only: equal handles are the same claim.
+    A handle names the *content* it was made for: ``tokens`` (int64 bytes of the ids it was made
+    from, by `match_prefix` or `insert_and_match`; the chain's are the first ``cached_len``) are
+    compared with what the keys hold whenever
+    the handle is used after an eviction. If its blocks are evicted the handle can no longer be
+    locked (``RuntimeError``), even when other tokens have since been cached under the same keys
+    (a hash collision); if the same tokens are cached again, the handle names the new blocks.
+    Equality and hashing use ``cached_len`` and ``block_hashes`` only: equal handles are the
+    same claim.
     """
 
     block_hashes: tuple[int, ...]
-    blocks: tuple[CachedBlock, ...] = field(default=(), compare=False, repr=False)
-    #: (manager token, manager epoch, the ``block_hashes`` object) when made; lets the manager
-    #: skip re-checking a handle made since its last eviction.
+    tokens: bytes = field(default=b"", compare=False, repr=False)
+    #: The pages of the chain when the handle was made (int64), and the manager's (token, epoch,
+    #: ``block_hashes`` object) then: a handle made since the last eviction needs no re-check.
+    pages: np.ndarray | None = field(default=None, compare=False, repr=False)
     stamp: tuple[object, int, object] | None = field(default=None, compare=False, repr=False)
 
 
-def handle_chain(
-    handle: BaseCacheHandle,
-    blocks: Mapping[int, CachedBlock],
-    page_size: int,
-    stamp: tuple[object, int],
-) -> tuple[CachedBlock, ...]:
-    """The blocks ``handle`` names, root first, checked to be the content it was made for.
+#: Columns of `BlockTable.meta`.
+PARENT, REF, NCHILD, LAST, PROBE, GEN = range(6)
 
-    ``stamp`` is the manager's (token, epoch): a handle made by that manager since its last
-    eviction names blocks that are all still cached, and is returned as it is. Otherwise each
-    block must still be cached, chain from the one before, and hold the tokens the handle was made
-    for (a weak hash may have put other tokens under the same key). ``TypeError`` for another
-    kind of handle, ``RuntimeError`` otherwise.
+
+class BlockTable:
+    """Every cached block, one row per page, plus the key index and the free queue.
+
+    Arrays (indexed by page, grown on demand, with one spare row at index ``-1`` that stands for
+    "no page" so that a parent of ``-1`` can be used as an index): ``tok`` (tokens,
+    ``(capacity + 1, page_size)`` int64), ``key`` (the block's key, uint64), ``slots`` (each
+    page's slots, int32) and ``meta`` (int64), whose columns are viewed as ``parent`` (the parent
+    block's page, ``-1`` for a first block), ``ref`` (lock count), ``nchild`` (cached children),
+    ``last`` (last use), ``probe`` (collision offset) and ``gen`` (the serial of the insert that
+    cached it, ``-1`` when the page holds no block). ``page_of`` maps key -> page in insertion
+    order (a parent before its children); ``free`` holds the pages whose ``ref`` is 0, head =
+    next to evict; ``ns`` the namespace of each first block whose namespace is not ``None``.
+
+    Memory: one row per page id up to the largest one ever cached (``12 * page_size + 56``
+    bytes a page), like vLLM's block pool, which holds a block object for every page there is.
     """
-    if not isinstance(handle, BlockHashCacheHandle):
-        raise TypeError(f"handle must be a BlockHashCacheHandle, got {type(handle).__name__}")
-    hashes = handle.block_hashes
-    if handle.cached_len != len(hashes) * page_size:
-        raise RuntimeError(
-            f"handle says cached_len={handle.cached_len} but names {len(hashes)} blocks of "
-            f"{page_size} tokens"
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self.capacity = 0
+        self.tok = np.zeros((1, page_size), dtype=np.int64)
+        self.key = np.zeros(1, dtype=np.uint64)
+        self.slots: np.ndarray = np.zeros((1, page_size), dtype=np.int32)
+        self.meta = np.array([[-1, 0, 0, 0, 0, -1]], dtype=np.int64)
+        self._views()
+        self.page_of: dict[int, int] = {}
+        self.free: dict[int, None] = {}
+        self.ns: dict[int, Hashable] = {}
+        self.num_locked = 0  # pages whose ref > 0
+        self.max_probe = 0  # the largest probe ever used
+
+    def _views(self) -> None:
+        meta = self.meta
+        self.parent, self.ref, self.nchild = meta[:, PARENT], meta[:, REF], meta[:, NCHILD]
+        self.last, self.probe, self.gen = meta[:, LAST], meta[:, PROBE], meta[:, GEN]
+
+    def reserve(self, top: int) -> None:
+        """Make room for page ids up to ``top`` (inclusive)."""
+        if top < self.capacity:
+            return
+        old, size = self.capacity, max(top + 1, 2 * self.capacity, 64)
+        ps = self.page_size
+
+        def grown(a: np.ndarray) -> np.ndarray:
+            out = np.empty((size + 1, *a.shape[1:]), dtype=a.dtype)
+            out[:old] = a[:old]
+            out[old:] = a[-1]  # the spare row's values: no block
+            return out
+
+        self.tok, self.key, self.meta = grown(self.tok), grown(self.key), grown(self.meta)
+        slots = np.arange((size + 1) * ps, dtype=np.int32).reshape(size + 1, ps)
+        slots[-1] = -1
+        self.slots = slots
+        self.capacity = size
+        self._views()
+
+    def holds(self, pages: np.ndarray) -> np.ndarray:
+        """Which of ``pages`` (``>= 0``) hold a cached block (bool array)."""
+        if len(pages) and pages.max() < self.capacity:
+            held: np.ndarray = self.gen[pages] >= 0
+            return held
+        inside = pages < self.capacity
+        out = np.zeros(len(pages), dtype=bool)
+        out[inside] = self.gen[pages[inside]] >= 0
+        return out
+
+    # ------------------------------------------------------------ changes
+    def add(
+        self,
+        pages: np.ndarray,
+        listed: list[int],
+        keys: list[int],
+        probes: list[int] | None,
+        rows: np.ndarray,
+        parent: int,
+        tic: int,
+        extra_key: Hashable,
+    ) -> None:
+        """Cache a chain: ``rows[i]`` (int64 tokens) under ``keys[i]`` on ``pages[i]`` (int64,
+        unused, none twice; ``listed`` the same as a list), the first chaining from page ``parent`` (``-1``: none). The new
+        blocks are free, used at ``tic``, and join the free queue deepest first."""
+        self.reserve(int(np.maximum.reduce(pages)))
+        self.tok[pages] = rows
+        self.key[pages] = np.array(keys, dtype=np.uint64)
+        meta = self.meta
+        meta[pages] = (parent, 0, 1, tic, 0, next_serial())
+        meta[pages[1:], PARENT] = pages[:-1]
+        meta[pages[-1], NCHILD] = 0
+        if probes is not None:
+            meta[pages, PROBE] = probes
+        if parent >= 0:
+            meta[parent, NCHILD] += 1
+        elif extra_key is not None:
+            self.ns[int(pages[0])] = extra_key
+        self.page_of.update(zip(keys, listed, strict=True))
+        self.free.update(dict.fromkeys(reversed(listed)))
+
+    # Along a chain (root first) ref counts never grow (a lock covers a whole chain from its
+    # first block), so a chain's free blocks are a suffix of it: ``count_nonzero`` finds it.
+    def lock(self, pages: np.ndarray) -> None:
+        """``ref += 1`` on every page of a chain; those locked for the first time leave the queue."""
+        held = int(np.count_nonzero(self.ref[pages]))
+        self.ref[pages] += 1
+        if held < len(pages):
+            deque(map(self.free.pop, pages[held:].tolist()), 0)
+            self.num_locked += len(pages) - held
+
+    def release(self, pages: np.ndarray, clock: int) -> None:
+        """``ref -= 1`` on every page of a chain; those left unlocked join the queue's tail,
+        deepest first, used at ``clock``."""
+        self.ref[pages] -= 1
+        held = int(np.count_nonzero(self.ref[pages]))
+        if held < len(pages):
+            zero = pages[: held - 1 if held else None : -1]
+            self.last[zero] = clock
+            self.free.update(dict.fromkeys(zero.tolist()))
+            self.num_locked -= len(zero)
+
+    def use(self, pages: np.ndarray, tic: int) -> None:
+        """Mark a chain used at ``tic``: its free blocks move to the queue's tail, deepest first."""
+        held = int(np.count_nonzero(self.ref[pages]))
+        if held < len(pages):
+            idle = pages[: held - 1 if held else None : -1]
+            self.last[idle] = tic
+            listed = idle.tolist()
+            deque(map(self.free.pop, listed), 0)
+            self.free.update(dict.fromkeys(listed))
+
+    # ------------------------------------------------------------ reading
+    def keys_of(self, pages: np.ndarray) -> list[int]:
+        out: list[int] = self.key[pages].tolist()
+        return out
+
+    def namespace(self, page: int) -> Hashable:
+        """The namespace of the chain through ``page`` (follows parents to its first block)."""
+        parent = self.parent
+        while parent[page] >= 0:
+            page = int(parent[page])
+        return self.ns.get(page)
+
+    def snapshot(self, page: int, extra_key: Hashable = None) -> CachedBlock:
+        key, probe, up = int(self.key[page]), int(self.probe[page]), int(self.parent[page])
+        return CachedBlock(
+            key,
+            (key - probe) & _MASK,
+            int(self.key[up]) if up >= 0 else None,
+            self.tok[page].tobytes(),
+            page,
+            int(self.last[page]),
+            probe,
+            int(self.nchild[page]),
+            extra_key,
+            int(self.ref[page]),
         )
-    made = handle.blocks
-    mine = handle.stamp
-    if (
-        mine is not None
-        and mine[0] is stamp[0]
-        and mine[1] == stamp[1]
-        and mine[2] is hashes
-        and len(made) == len(hashes)
-    ):
-        return made  # nothing has left the cache since the handle was made
-    chain: list[CachedBlock] = []
-    parent: int | None = None
-    for i, h in enumerate(hashes):
-        block = blocks.get(h)
-        if block is None:
-            raise RuntimeError(
-                f"handle's block {i} ({h:#018x}) was evicted; match the prefix again"
-            )
-        if block.parent_hash != parent:
-            raise RuntimeError(f"handle's block {i} ({h:#018x}) does not chain from block {i - 1}")
-        if i >= len(made) or not isinstance(made[i], CachedBlock):
-            raise RuntimeError(
-                f"handle does not carry the tokens of block {i}; make handles with match_prefix"
-            )
-        if made[i] is not block and made[i].token_bytes != block.token_bytes:
-            raise RuntimeError(
-                f"handle's block {i} ({h:#018x}) was evicted and its key now holds other tokens; "
-                "match the prefix again"
-            )
-        chain.append(block)
-        parent = h
-    return tuple(chain)
 
-
-def new_pages(part: torch.Tensor, page_size: int, page_owner: Mapping[int, int]) -> list[int]:
-    """The pages of the new blocks' slots ``part`` (validated int32, whole blocks), checked.
-
-    Each block's slots must be the ``page_size`` consecutive slots of one page (``>= 0``, the
-    first a multiple of ``page_size``); no page may already be cached (in ``page_owner``) or
-    appear twice. ``ValueError`` naming the page or slots otherwise. NumPy, no per-block work.
-    """
-    ps = page_size
-    new = (part.numpy() if part.device.type == "cpu" else part.cpu().numpy()).reshape(-1, ps)
-    first = new[:, 0]
-    if ps > 1 and (
-        (first % ps).any() or (new != first[:, None] + np.arange(ps, dtype=np.int32)).any()
-    ):
-        if (new < 0).any():
-            raise ValueError(f"indices must be >= 0, got {int(new.min())}")
-        raise ValueError(
-            f"with page_size={ps} every {ps} indices must be the consecutive slots of one page "
-            f"(first slot a multiple of {ps}); got {part.tolist()}"
-        )
-    pages: list[int] = (first // ps).tolist()
-    if pages and min(pages) < 0:
-        raise ValueError(f"indices must be >= 0, got {min(pages) * ps}")
-    for page in pages:
-        if page in page_owner:
-            raise ValueError(
-                f"page {page} (slots {page * ps}..{(page + 1) * ps - 1}) already holds cached "
-                f"block {page_owner[page]:#018x}; a page can be cached once"
-            )
-    if len(set(pages)) != len(pages):
-        dup = next(p for p in pages if pages.count(p) > 1)
-        raise ValueError(f"page {dup} appears in more than one new block of this insert")
-    return pages
-
-
-def new_blocks(
-    new_hashes: list[int],
-    parent: int | None,
-    rows: np.ndarray,
-    pages: list[int],
-    taken: Mapping[int, CachedBlock],
-    max_probe: int,
-    tic: int,
-    extra_key: Hashable = None,
-) -> tuple[list[int], list[CachedBlock], int]:
-    """The blocks an insert adds: one per row of ``rows`` (``(n, page_size)`` int64) with chained
-    hash ``new_hashes[i]`` on page ``pages[i]``, the first chaining from key ``parent``.
-
-    Each block's key is its hash, or the next key (``hash + 1``, ...) that neither ``taken`` nor
-    an earlier new block holds. Returns the keys, the blocks (free, used at ``tic``, each but the
-    last with one child) and the largest probe offset now in use (at least ``max_probe``).
-    Changes nothing.
-    """
-    keys = new_hashes
-    probes: list[int] | None = None
-    if any(map(taken.__contains__, keys)) or len(set(keys)) != len(keys):
-        keys, probes, mine = [], [], set()
-        for h in new_hashes:
-            key, probe = h, 0
-            while key in taken or key in mine:
-                probe += 1
-                key = (h + probe) & _MASK
-            max_probe = max(max_probe, probe)
-            keys.append(key)
-            probes.append(probe)
-            mine.add(key)
-    raw = rows.tobytes()
-    width = rows.itemsize * rows.shape[1]
-    tokens = [raw[j : j + width] for j in range(0, len(raw), width)]
-    n = len(keys)
-    parents: list[int | None] = [parent, *keys[:-1]]
-    created = list(
-        map(
-            CachedBlock,
-            keys,
-            new_hashes,
-            parents,
-            tokens,
-            pages,
-            repeat(tic, n),
-            repeat(0) if probes is None else probes,
-            [1] * (n - 1) + [0],
-            repeat(extra_key, n),
-        )
-    )
-    return keys, created, max_probe
-
-
-def lock_blocks(chain: Sequence[CachedBlock], free: MutableMapping[int, None]) -> int:
-    """``ref_count += 1`` on every block of ``chain``; a block locked for the first time leaves
-    the ``free`` queue. Returns how many did."""
-    newly = 0
-    for block in chain:
-        if block.ref_count == 0:
-            del free[block.block_hash]
-            newly += 1
-        block.ref_count += 1
-    return newly
-
-
-def release_blocks(
-    chain: Sequence[CachedBlock], free: MutableMapping[int, None], clock: int
-) -> int:
-    """``ref_count -= 1`` on every block of ``chain``, deepest first; a block left unlocked joins
-    the tail of the ``free`` queue, used at ``clock``. Returns how many did."""
-    released = 0
-    for block in reversed(chain):
-        block.ref_count -= 1
-        if block.ref_count == 0:
-            block.last_use = clock
-            free[block.block_hash] = None
-            released += 1
-    return released
-
-
-def chain_slots(
-    chain: Sequence[CachedBlock], offsets: np.ndarray, device: torch.device
-) -> torch.Tensor:
-    """The slots of ``chain``'s pages (``offsets`` is ``arange(page_size)``), block after block,
-    as 1-D int32 on ``device``."""
-    pages = np.fromiter((b.page for b in chain), dtype=np.int32, count=len(chain))
-    if len(offsets) > 1:
-        pages = (pages[:, None] * len(offsets) + offsets).reshape(-1)
-    out = torch.from_numpy(pages)
-    return out if device.type == "cpu" else out.to(device)
-
-
-def check_pool(
-    blocks: Mapping[int, CachedBlock],
-    free: Iterable[int],
-    page_owner: Mapping[int, int],
-    num_locked: int,
-    max_probe: int,
-    hasher: ChainHasher,
-    page_size: int,
-    locks: Mapping[BlockHashCacheHandle, int],
-) -> None:
-    """Every check of `BlockHashCacheManager.check_integrity`; ``RuntimeError`` on the first fault.
-
-    ``locks`` maps each locked handle to its lock count: every block's ``ref_count`` must equal
-    the locks of the handles through it.
-    """
-    children: dict[int, int] = {}
-    expected_refs: dict[int, int] = {}
-    for handle, n in locks.items():
-        if n <= 0:
-            raise RuntimeError(f"handle {handle} recorded with lock count {n}")
-        for key in handle.block_hashes:
-            expected_refs[key] = expected_refs.get(key, 0) + n
-    free_list = list(free)
-    free_set = set(free_list)
-    contents = set()
-    locked = 0
-    for key, block in blocks.items():
-        where = f"block {key:#018x}"
-        if block.block_hash != key:
-            raise RuntimeError(
-                f"{where}: filed under the wrong key (says {block.block_hash:#018x})"
-            )
-        if not isinstance(block.token_bytes, bytes) or len(block.token_bytes) != 8 * page_size:
-            raise RuntimeError(f"{where}: tokens {block.token_bytes!r} are not {page_size} ints")
-        if not 0 <= block.probe <= max_probe:
-            raise RuntimeError(f"{where}: probe {block.probe} outside [0, {max_probe}]")
-        parent = blocks.get(block.parent_hash) if block.parent_hash is not None else None
-        if block.parent_hash is not None and parent is None:
-            raise RuntimeError(f"{where}: parent {block.parent_hash:#018x} is not cached")
-        parent_base = parent.base if parent is not None else key_seed(block.extra_key)
-        if parent is not None and parent.extra_key != block.extra_key:
-            raise RuntimeError(f"{where}: namespace {block.extra_key!r} under a block of another")
-        if (
-            block.base != hasher.one(parent_base, block.tokens)
-            or key != (block.base + block.probe) & _MASK
-        ):
-            raise RuntimeError(f"{where}: hash does not match its parent and tokens")
-        content = (block.parent_hash, block.extra_key, block.token_bytes)
-        if content in contents:
-            raise RuntimeError(f"{where}: the same tokens after the same parent are cached twice")
-        contents.add(content)
-        if block.ref_count < 0:
-            raise RuntimeError(f"{where}: negative ref_count {block.ref_count}")
-        if parent is not None:
-            if parent.ref_count < block.ref_count:
-                raise RuntimeError(
-                    f"{where}: ref_count {block.ref_count} exceeds its parent's {parent.ref_count}"
-                )
-            children[parent.block_hash] = children.get(parent.block_hash, 0) + 1
-        if page_owner.get(block.page) != key:
-            raise RuntimeError(f"{where}: page {block.page} is not recorded as its page")
-        if block.page < 0:
-            raise RuntimeError(f"{where}: negative page {block.page}")
-        in_queue = key in free_set
-        if (block.ref_count == 0) != in_queue:
-            raise RuntimeError(
-                f"{where}: ref_count {block.ref_count} but {'in' if in_queue else 'not in'} the free queue"
-            )
-        if block.ref_count != expected_refs.get(key, 0):
-            raise RuntimeError(
-                f"{where}: ref_count {block.ref_count} but the locked handles through it hold "
-                f"{expected_refs.get(key, 0)}"
-            )
-        locked += block.ref_count > 0
-    for key, block in blocks.items():
-        if block.num_children != children.get(key, 0):
-            raise RuntimeError(
-                f"block {key:#018x}: records {block.num_children} children, has {children.get(key, 0)}"
-            )
-    stray = [k for k in expected_refs if k not in blocks]
-    if stray:
-        raise RuntimeError(
-            f"locked handles name {len(stray)} blocks that are not cached: {stray[:4]}"
-        )
-    if len(page_owner) != len(blocks):
-        raise RuntimeError(f"{len(page_owner)} pages recorded for {len(blocks)} blocks")
-    extra = [h for h in free_list if h not in blocks]
-    if extra:
-        raise RuntimeError(f"free queue holds {len(extra)} blocks that are not cached: {extra[:4]}")
-    position = {h: i for i, h in enumerate(free_list)}
-    last = None
-    for h in free_list:
-        block = blocks[h]
-        if last is not None and block.last_use < last:
-            raise RuntimeError(f"free queue out of LRU order at block {h:#018x}")
-        last = block.last_use
-        if block.parent_hash in position and position[block.parent_hash] < position[h]:
-            raise RuntimeError(
-                f"block {h:#018x} is queued after its parent: the parent would be evicted first"
-            )
-    if locked != num_locked:
-        raise RuntimeError(f"recorded {num_locked} locked blocks, counted {locked}")
+    def snapshots(self) -> Iterator[CachedBlock]:
+        """A `CachedBlock` per cached block, in insertion order."""
+        spaces: dict[int, Hashable] = {}
+        for page in list(self.page_of.values()):
+            up = int(self.parent[page])
+            ns = self.ns.get(page) if up < 0 else spaces.get(up, self.namespace(page))
+            spaces[page] = ns
+            yield self.snapshot(page, ns)
