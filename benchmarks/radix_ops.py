@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -39,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from source_radix import SourceRadixCacheManager
 from source_radix_paged import PagedSourceRadixCacheManager
 
-from kvcache import BaseCacheManager, PageAllocator, RadixCacheManager, RequestFlow
+from kvcache import BaseCacheManager, PageAllocator, RadixCacheManager, RequestFlow, SizeInfo
+from kvcache.managers.base import fused_calls_safe
 from kvcache.serving.workloads import Job, agent, long_few_shot, mixed, multi_turn_chat, replay
 
 # name -> factory(page_size); None where the manager has no such page size.
@@ -57,12 +59,22 @@ TRACES: dict[str, Callable[[], tuple]] = {
 }
 
 
-class RecordedCalls:
+def _recorded(name: str) -> Callable[..., Any]:
+    def call(self: RecordedCalls, *args: Any, **kwargs: Any) -> Any:
+        return self.call(name, *args, **kwargs)
+
+    call.__name__ = name
+    return call
+
+
+class RecordedCalls(BaseCacheManager):
     """Forwards everything to ``manager`` and records its public calls, to replay them later.
 
     The manager's time is then measured by `replay_calls` alone, with no timer around each call
     (a timer call costs about as much as a small manager call on a busy machine) and in CPU
-    time of the thread, which a machine shared with other jobs does not inflate.
+    time of the thread, which a machine shared with other jobs does not inflate. A manager
+    subclass itself, defining the fused calls too, so that the flow makes the same calls
+    through it as through the bare manager (`fused_calls_safe`).
     """
 
     def __init__(self, manager: BaseCacheManager) -> None:
@@ -70,28 +82,58 @@ class RecordedCalls:
         self.calls: list[tuple] = []  # (method, args) with handles as ("handle", call number)
         self._handles: dict[int, int] = {}
 
-    def __getattr__(self, name: str):
-        attr = getattr(self.manager, name)
-        if name.startswith("_") or not callable(attr):
-            return attr
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return self.manager.device
 
-        def recorded(*args, **kwargs):
-            saved = [
-                ("handle", self._handles[id(a)])
-                if id(a) in self._handles
-                else a.clone()
-                if isinstance(a, torch.Tensor)
-                else a
-                for a in args
-            ]
-            out = attr(*args, **kwargs)
-            handle = out[0] if name == "match_prefix" else getattr(out, "handle", None)
-            if handle is not None:
-                self._handles[id(handle)] = len(self.calls)
-            self.calls.append((name, saved, kwargs))
-            return out
+    @property
+    def page_size(self) -> int:  # type: ignore[override]
+        return self.manager.page_size
 
-        return recorded
+    @property
+    def size_info(self) -> SizeInfo:
+        return self.manager.size_info
+
+    def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        saved = [
+            ("handle", self._handles[id(a)])
+            if id(a) in self._handles
+            else a.clone()
+            if isinstance(a, torch.Tensor)
+            else a
+            for a in args
+        ]
+        out = getattr(self.manager, name)(*args, **kwargs)
+        handle = out[0] if name in _MATCHES else getattr(out, "handle", None)
+        if handle is not None:
+            self._handles[id(handle)] = len(self.calls)
+        self.calls.append((name, saved, kwargs))
+        return out
+
+    match_prefix = _recorded("match_prefix")
+    lock_handle = _recorded("lock_handle")
+    insert_prefix = _recorded("insert_prefix")
+    insert_and_match = _recorded("insert_and_match")
+    evict = _recorded("evict")
+    reset = _recorded("reset")
+    check_integrity = _recorded("check_integrity")
+    cached_indices = _recorded("cached_indices")
+    handle_indices = _recorded("handle_indices")
+
+
+class RecordedFusedCalls(RecordedCalls):
+    """`RecordedCalls` of a manager with fused calls of its own: the flow makes those."""
+
+    match_and_lock = _recorded("match_and_lock")
+    insert_and_unlock = _recorded("insert_and_unlock")
+
+
+def record(manager: BaseCacheManager) -> RecordedCalls:
+    """A recorder through which the flow makes the calls it would make on ``manager``."""
+    return (RecordedFusedCalls if fused_calls_safe(type(manager)) else RecordedCalls)(manager)
+
+
+_MATCHES = ("match_prefix", "match_and_lock")
 
 
 def replay_calls(calls: list[tuple], manager: BaseCacheManager) -> float:
@@ -102,11 +144,14 @@ def replay_calls(calls: list[tuple], manager: BaseCacheManager) -> float:
         out = getattr(manager, name)(
             *[handles[a[1]] if type(a) is tuple else a for a in args], **kwargs
         )
-        if name == "match_prefix":
+        if name in _MATCHES:
             handles[k] = out[0]
-        elif name == "insert_and_match":
+        elif name in _INSERTS:
             handles[k] = out.handle
     return time.thread_time() - t0
+
+
+_INSERTS = ("insert_and_match", "insert_and_unlock")
 
 
 def machine() -> dict[str, str]:
@@ -132,8 +177,8 @@ def run(
     replayed on a fresh manager for the manager's time (`replay_calls`).
     """
     flow_s, manager_s = [], []
-    recorder = RecordedCalls(make())
-    replay(RequestFlow(recorder, PageAllocator(num_slots // page_size, page_size)), jobs)  # type: ignore[arg-type]
+    recorder = record(make())
+    replay(RequestFlow(recorder, PageAllocator(num_slots // page_size, page_size)), jobs)
     for _ in range(repeats):
         flow = RequestFlow(make(), PageAllocator(num_slots // page_size, page_size))
         t0 = time.thread_time()
