@@ -420,3 +420,28 @@ def test_a_handle_made_by_hand_with_the_wrong_length_is_refused():
         m.handle_indices(forged)
     assert state(m) == before and m.num_locked_handles == 0
     m.check_integrity()
+
+
+def test_the_flow_uses_fused_calls_only_where_no_override_is_bypassed():
+    """`RequestFlow` makes one call for match + lock and for insert + unlock on a radix manager,
+    but a subclass overriding ``match_prefix`` (here: counting) still sees every match."""
+    from kvcache import PageAllocator, RequestFlow
+    from kvcache.managers.base import fused_calls_safe
+
+    class Counting(RadixCacheManager):
+        matches = 0
+
+        def match_prefix(self, input_ids, extra_key=None):
+            Counting.matches += 1
+            return super().match_prefix(input_ids, extra_key)
+
+    assert fused_calls_safe(RadixCacheManager) and not fused_calls_safe(Counting)
+    for manager in (RadixCacheManager(), Counting()):
+        flow = RequestFlow(manager, PageAllocator(16))
+        for _ in range(2):
+            req = flow.begin(torch.tensor([1, 2, 3]))
+            flow.mark_computed(req)
+            flow.finish(req)
+            flow.check_integrity()
+        assert manager.size_info.total_size == 3 and manager.num_locked_handles == 0
+    assert Counting.matches == 2

@@ -63,7 +63,9 @@ class FlowPages:
     def allocate(self, rid: int, num_tokens: int, out: np.ndarray | None = None) -> np.ndarray:
         """Host slots for ``num_tokens`` on new pages (into ``out`` if given), evicting first when
         the free list is short; ``RuntimeError`` changing nothing when the pool cannot hold them."""
-        self.make_room(rid, -(-num_tokens // self.page_size))
+        need = -(-num_tokens // self.page_size)
+        if need > self.allocator.num_free_pages:
+            self.make_room(rid, need)
         slots = self.allocator.allocate_host_slots(num_tokens, out)
         if self.trace is not None:
             self.trace(rid, 3, "allocate", f"pages {self.allocator.slots_to_pages(slots).tolist()}")

@@ -129,7 +129,8 @@ class RequestFlow:
         nothing taken)."""
         n, m = ids.shape[0], handle.cached_len
         host = HostCopy.with_room(n)
-        self._pages.allocate(rid, n - m, host.slots[m:n])  # in place: the new slots, no copy
+        if n > m:
+            self._pages.allocate(rid, n - m, host.slots[m:n])  # in place: the new slots, no copy
         host.ids[:n] = ids
         if m:
             host.slots[:m] = prefix.numpy() if prefix.is_cpu else prefix.cpu().numpy()
@@ -152,7 +153,8 @@ class RequestFlow:
         lock is then released and no page changes hands (the match's LRU refresh stays).
         """
         check_token_ids(input_ids)
-        check_extra_key(extra_key)
+        if extra_key is not None:
+            check_extra_key(extra_key)
         n = input_ids.shape[0]
         if n == 0:
             raise ValueError("input_ids must hold at least one token")
