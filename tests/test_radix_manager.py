@@ -445,3 +445,18 @@ def test_the_flow_uses_fused_calls_only_where_no_override_is_bypassed():
             flow.check_integrity()
         assert manager.size_info.total_size == 3 and manager.num_locked_handles == 0
     assert Counting.matches == 2
+
+
+def test_page_alignment_is_checked_past_the_kept_page_rows():
+    """Slots past the 4M whose page rows the slot record keeps are checked by arithmetic: the
+    same acceptance and the same refusal."""
+    m = RadixCacheManager(page_size=16)
+    far = 5_000_000 // 16 * 16
+    m.insert_prefix(torch.arange(32), torch.arange(far, far + 32, dtype=torch.int32))
+    assert m.size_info.total_size == 32
+    bad = torch.arange(far + 64, far + 96, dtype=torch.int32)
+    bad[17] = far + 200
+    with pytest.raises(ValueError, match="consecutive slots of one page"):
+        m.insert_prefix(torch.arange(100, 132), bad)
+    m.check_integrity()
+    assert m.size_info.total_size == 32
