@@ -11,7 +11,9 @@ the next child is one unpack and one dict probe away. Slots live on the host as 
 insert walks without changing anything, checks only the *new* slots (`SlotOwners`), then changes
 the tree, so a refused call leaves no trace. Evictable leaves sit in a lazy heap of flat integer
 priorities (`LeafHeap`): a match never touches it, evicting ``k`` leaves costs ``O(k log n)``.
-No method recurses over the tree's depth.
+No method recurses over the tree's depth. The flow's fused calls (`match_and_lock`,
+`insert_and_unlock`, in radix_locks.py) lock the path the match walked, and resume the insert at
+the locked handle's node after one compare of the prefix bytes the lock recorded.
 """
 
 from __future__ import annotations
