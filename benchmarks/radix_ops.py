@@ -6,8 +6,10 @@
    ``--page-size``. Reported twice: for the whole flow (allocator and request bookkeeping
    included, the same code for every manager) and for the time spent inside the manager's own
    calls.
-   Times are CPU seconds of the thread (robust on a shared machine); the manager's are those
-   of its calls alone, recorded from the flow and replayed without a timer around each call.
+   Times are CPU seconds of the thread (robust on a shared machine). The flow's: the flow's
+   calls for every job (`drive`; `replay`'s per-request samples left out). The manager's: its
+   calls alone, recorded from the flow and replayed without a timer around each call, less the
+   replay loop's own time (the same calls answered at once by a stub), which is reported too.
 2. Traces (``--traces``): three request shapes a server sees, each at page sizes 1 and 16 —
    chat (880 requests, 110 conversations of 8 turns), few-shot (800 requests on 2-8k-token
    shared prefixes) and agent (800 branching multi-turn requests) — the time inside manager
@@ -31,6 +33,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -39,7 +42,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from source_radix import SourceRadixCacheManager
 from source_radix_paged import PagedSourceRadixCacheManager
 
-from kvcache import BaseCacheManager, PageAllocator, RadixCacheManager, RequestFlow
+from kvcache import (
+    BaseCacheManager,
+    BlockHashCacheManager,
+    PageAllocator,
+    RadixCacheManager,
+    RequestFlow,
+    SizeInfo,
+)
+from kvcache.managers.base import InsertResult, fused_calls_safe
 from kvcache.serving.workloads import Job, agent, long_few_shot, mixed, multi_turn_chat, replay
 
 # name -> factory(page_size); None where the manager has no such page size.
@@ -57,12 +68,22 @@ TRACES: dict[str, Callable[[], tuple]] = {
 }
 
 
-class RecordedCalls:
+def _recorded(name: str) -> Callable[..., Any]:
+    def call(self: RecordedCalls, *args: Any, **kwargs: Any) -> Any:
+        return self.call(name, *args, **kwargs)
+
+    call.__name__ = name
+    return call
+
+
+class RecordedCalls(BaseCacheManager):
     """Forwards everything to ``manager`` and records its public calls, to replay them later.
 
     The manager's time is then measured by `replay_calls` alone, with no timer around each call
     (a timer call costs about as much as a small manager call on a busy machine) and in CPU
-    time of the thread, which a machine shared with other jobs does not inflate.
+    time of the thread, which a machine shared with other jobs does not inflate. A manager
+    subclass itself, defining the fused calls too, so that the flow makes the same calls
+    through it as through the bare manager (`fused_calls_safe`).
     """
 
     def __init__(self, manager: BaseCacheManager) -> None:
@@ -70,28 +91,58 @@ class RecordedCalls:
         self.calls: list[tuple] = []  # (method, args) with handles as ("handle", call number)
         self._handles: dict[int, int] = {}
 
-    def __getattr__(self, name: str):
-        attr = getattr(self.manager, name)
-        if name.startswith("_") or not callable(attr):
-            return attr
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return self.manager.device
 
-        def recorded(*args, **kwargs):
-            saved = [
-                ("handle", self._handles[id(a)])
-                if id(a) in self._handles
-                else a.clone()
-                if isinstance(a, torch.Tensor)
-                else a
-                for a in args
-            ]
-            out = attr(*args, **kwargs)
-            handle = out[0] if name == "match_prefix" else getattr(out, "handle", None)
-            if handle is not None:
-                self._handles[id(handle)] = len(self.calls)
-            self.calls.append((name, saved, kwargs))
-            return out
+    @property
+    def page_size(self) -> int:  # type: ignore[override]
+        return self.manager.page_size
 
-        return recorded
+    @property
+    def size_info(self) -> SizeInfo:
+        return self.manager.size_info
+
+    def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        saved = [
+            ("handle", self._handles[id(a)])
+            if id(a) in self._handles
+            else a.clone()
+            if isinstance(a, torch.Tensor)
+            else a
+            for a in args
+        ]
+        out = getattr(self.manager, name)(*args, **kwargs)
+        handle = out[0] if name in _MATCHES else getattr(out, "handle", None)
+        if handle is not None:
+            self._handles[id(handle)] = len(self.calls)
+        self.calls.append((name, saved, kwargs))
+        return out
+
+    match_prefix = _recorded("match_prefix")
+    lock_handle = _recorded("lock_handle")
+    insert_prefix = _recorded("insert_prefix")
+    insert_and_match = _recorded("insert_and_match")
+    evict = _recorded("evict")
+    reset = _recorded("reset")
+    check_integrity = _recorded("check_integrity")
+    cached_indices = _recorded("cached_indices")
+    handle_indices = _recorded("handle_indices")
+
+
+class RecordedFusedCalls(RecordedCalls):
+    """`RecordedCalls` of a manager with fused calls of its own: the flow makes those."""
+
+    match_and_lock = _recorded("match_and_lock")
+    insert_and_unlock = _recorded("insert_and_unlock")
+
+
+def record(manager: BaseCacheManager) -> RecordedCalls:
+    """A recorder through which the flow makes the calls it would make on ``manager``."""
+    return (RecordedFusedCalls if fused_calls_safe(type(manager)) else RecordedCalls)(manager)
+
+
+_MATCHES = ("match_prefix", "match_and_lock")
 
 
 def replay_calls(calls: list[tuple], manager: BaseCacheManager) -> float:
@@ -102,11 +153,14 @@ def replay_calls(calls: list[tuple], manager: BaseCacheManager) -> float:
         out = getattr(manager, name)(
             *[handles[a[1]] if type(a) is tuple else a for a in args], **kwargs
         )
-        if name == "match_prefix":
+        if name in _MATCHES:
             handles[k] = out[0]
-        elif name == "insert_and_match":
+        elif name in _INSERTS:
             handles[k] = out.handle
     return time.thread_time() - t0
+
+
+_INSERTS = ("insert_and_match", "insert_and_unlock")
 
 
 def machine() -> dict[str, str]:
@@ -119,6 +173,29 @@ def machine() -> dict[str, str]:
     }
 
 
+class _Stub:
+    """Answers every recorded call at once: replaying on it measures `replay_calls`' own loop
+    (argument lookup, dispatch, keeping handles), which `run` subtracts from the manager's time."""
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        out = (None, None) if name in _MATCHES else InsertResult(0, None)  # type: ignore[arg-type]
+        method = lambda *args, **kwargs: out  # noqa: E731
+        setattr(self, name, method)  # found without __getattr__ from the second call on
+        return method
+
+
+def drive(flow: RequestFlow, jobs: list[Job]) -> None:
+    """The calls `replay` makes on ``flow`` for each job (begin, store, decode, store, finish),
+    without its per-request `Sample` bookkeeping, which is the workload's, not the flow's."""
+    for job in jobs:
+        req = flow.begin(job.prompt)
+        flow.mark_computed(req)
+        if job.output.shape[0]:
+            flow.extend(req, job.output)
+            flow.mark_computed(req)
+        flow.finish(req)
+
+
 def run(
     jobs: list[Job],
     make: Callable[[], BaseCacheManager],
@@ -128,24 +205,29 @@ def run(
 ) -> dict[str, float]:
     """Best of ``repeats``: CPU seconds of the whole flow, and of the manager's calls alone.
 
-    The flow runs with the bare manager; its manager calls are recorded in one more run and
-    replayed on a fresh manager for the manager's time (`replay_calls`).
+    The flow runs with the bare manager (`drive`); its manager calls are recorded in one more
+    run and replayed on a fresh manager for the manager's time (`replay_calls`), less the
+    replay loop's own time (the same calls answered by `_Stub`: ``replay_overhead_seconds``).
     """
-    flow_s, manager_s = [], []
-    recorder = RecordedCalls(make())
-    replay(RequestFlow(recorder, PageAllocator(num_slots // page_size, page_size)), jobs)  # type: ignore[arg-type]
+    flow_s, manager_s, stub_s = [], [], []
+    recorder = record(make())
+    replay(RequestFlow(recorder, PageAllocator(num_slots // page_size, page_size)), jobs)
     for _ in range(repeats):
         flow = RequestFlow(make(), PageAllocator(num_slots // page_size, page_size))
         t0 = time.thread_time()
-        replay(flow, jobs)
+        drive(flow, jobs)
         flow_s.append(time.thread_time() - t0)
         manager_s.append(replay_calls(recorder.calls, make()))
-    n = len(jobs)
+        stub_s.append(replay_calls(recorder.calls, _Stub()))  # type: ignore[arg-type]
+    n, overhead = len(jobs), min(stub_s)
+    manager = min(manager_s) - overhead
     return {
         "flow_seconds": min(flow_s),
-        "manager_seconds": min(manager_s),
+        "manager_seconds": manager,
+        "manager_seconds_with_replay": min(manager_s),
+        "replay_overhead_seconds": overhead,
         "requests_per_s": n / min(flow_s),
-        "manager_requests_per_s": n / min(manager_s),
+        "manager_requests_per_s": n / manager,
         "reused_tokens": flow.stats.reused_tokens,
         "evicted_tokens": flow.stats.evicted_tokens,
         "evictions": flow.stats.evictions,
@@ -212,13 +294,19 @@ def evict_one_leaf(num_leaves: int, make: Callable[[], BaseCacheManager], calls:
     return statistics.median(times)
 
 
-def block_hash_rows(num_requests: int, pool_tokens: int) -> dict[str, dict[str, float]]:
-    """`BlockHashCacheManager`'s own lines (page sizes 1 and 16): see benchmarks/block_hash_vs_vllm.py."""
-    from block_hash_vs_vllm import print_radix_ops_rows, radix_ops_rows
-
-    rows = radix_ops_rows(num_requests, pool_tokens)
-    print_radix_ops_rows(rows)
-    return rows
+def block_hash_rows(
+    num_requests: int, num_slots: int, repeats: int, page_sizes: tuple[int, ...] = (1, 16)
+) -> dict[str, dict[str, float]]:
+    """`BlockHashCacheManager` on the mixed workload, measured as `run` measures every manager,
+    one row per page size (``page_size_<P>``). It makes its own cache decisions (whole blocks,
+    its own eviction order), so its reuse is printed beside its times, not compared."""
+    jobs = mixed(num_requests, seed=0)
+    return {
+        f"page_size_{ps}": run(
+            jobs, partial(BlockHashCacheManager, "cpu", ps), num_slots, ps, repeats
+        )
+        for ps in page_sizes
+    }
 
 
 def print_traces(tr: dict[str, dict[str, dict[str, dict[str, float]]]]) -> None:
@@ -282,10 +370,18 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     print(f"  {'speed-up':18s} {ratio:12.1f}x {manager_ratio:18.1f}x")
     print(
         f"  RadixCacheManager whole flow / manager calls: {ours['flow_seconds'] / ours['manager_seconds']:.2f}x"
+        f" (manager calls: {ours['manager_seconds_with_replay'] * 1e3:.1f} ms replayed, less the "
+        f"replay loop's own {ours['replay_overhead_seconds'] * 1e3:.1f} ms measured on a stub)"
     )
-    block_hash = block_hash_rows(
-        args.requests, args.pages
-    )  # block-hash manager, page sizes 1 and 16
+    block_hash = block_hash_rows(args.requests, args.pages, args.repeats)
+    for key, r in block_hash.items():
+        print(
+            f"  {'BlockHash ' + key.replace('page_size_', 'ps='):18s} {r['requests_per_s']:8.0f} req/s "
+            f"{r['manager_requests_per_s']:14.0f} req/s  (flow / manager calls "
+            f"{r['flow_seconds'] / r['manager_seconds']:.2f}x, {r['reused_tokens']} reused)"
+        )
+    if f"page_size_{ps}" in block_hash:
+        tp["BlockHashCacheManager"] = block_hash[f"page_size_{ps}"]
 
     result: dict[str, object] = {
         "machine": info,

@@ -12,6 +12,7 @@ from conftest import slots as s
 from conftest import unchanged as watch
 
 from kvcache import (
+    BaseCacheManager,
     NaiveCacheManager,
     PageAllocator,
     RadixCacheManager,
@@ -309,3 +310,34 @@ def test_flow_with_naive_manager_cache_keeps_pages():
     flow.check_integrity()
     flow.finish(r)
     assert flow.allocator.num_free_pages == 4
+
+
+class PlainCalls(RadixCacheManager):
+    """A radix manager driven through the base class's fused calls (the public calls in turn)."""
+
+    match_and_lock = BaseCacheManager.match_and_lock
+    insert_and_unlock = BaseCacheManager.insert_and_unlock
+
+
+@pytest.mark.parametrize("make", [RadixCacheManager, PlainCalls])
+def test_insert_and_unlock_of_a_handle_not_locked_inserts_nothing(make):
+    """The fused insert (radix's own, and the base default): an unlocked handle is refused
+    before anything is inserted; a refused insert leaves the handle locked and nothing changed."""
+    m = make()
+    m.insert_prefix(t(1, 2), s(0, 1))
+    handle, _ = m.match_prefix(t(1, 2, 3))
+    unchanged(
+        m, lambda: m.insert_and_unlock(handle, t(1, 2, 3), s(0, 1, 2)), RuntimeError, "not locked"
+    )
+    locked, _ = m.match_and_lock(t(1, 2, 3))
+    assert m.size_info.protected_size == 2
+    wide = torch.tensor([0, 1, 2])  # int64 slots
+    unchanged(m, lambda: m.insert_and_unlock(locked, t(1, 2, 3), wide), TypeError, "int32")
+    unchanged(m, lambda: m.insert_and_unlock(locked, t(1, 2, 3), s(0, 1, 1)), ValueError, "already")
+    res = m.insert_and_unlock(locked, t(1, 2, 3), s(0, 1, 2), relock=True)
+    assert res.cached_len == 2 and m.size_info == SizeInfo(0, 3)
+    with pytest.raises(RuntimeError, match="not locked"):
+        m.lock_handle(locked, unlock=True)
+    m.lock_handle(res.handle, unlock=True)
+    assert m.size_info == SizeInfo(3, 0) and m.num_locked_handles == 0
+    m.check_integrity()

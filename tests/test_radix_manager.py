@@ -420,3 +420,43 @@ def test_a_handle_made_by_hand_with_the_wrong_length_is_refused():
         m.handle_indices(forged)
     assert state(m) == before and m.num_locked_handles == 0
     m.check_integrity()
+
+
+def test_the_flow_uses_fused_calls_only_where_no_override_is_bypassed():
+    """`RequestFlow` makes one call for match + lock and for insert + unlock on a radix manager,
+    but a subclass overriding ``match_prefix`` (here: counting) still sees every match."""
+    from kvcache import PageAllocator, RequestFlow
+    from kvcache.managers.base import fused_calls_safe
+
+    class Counting(RadixCacheManager):
+        matches = 0
+
+        def match_prefix(self, input_ids, extra_key=None):
+            Counting.matches += 1
+            return super().match_prefix(input_ids, extra_key)
+
+    assert fused_calls_safe(RadixCacheManager) and not fused_calls_safe(Counting)
+    for manager in (RadixCacheManager(), Counting()):
+        flow = RequestFlow(manager, PageAllocator(16))
+        for _ in range(2):
+            req = flow.begin(torch.tensor([1, 2, 3]))
+            flow.mark_computed(req)
+            flow.finish(req)
+            flow.check_integrity()
+        assert manager.size_info.total_size == 3 and manager.num_locked_handles == 0
+    assert Counting.matches == 2
+
+
+def test_page_alignment_is_checked_past_the_kept_page_rows():
+    """Slots past the 4M whose page rows the slot record keeps are checked by arithmetic: the
+    same acceptance and the same refusal."""
+    m = RadixCacheManager(page_size=16)
+    far = 5_000_000 // 16 * 16
+    m.insert_prefix(torch.arange(32), torch.arange(far, far + 32, dtype=torch.int32))
+    assert m.size_info.total_size == 32
+    bad = torch.arange(far + 64, far + 96, dtype=torch.int32)
+    bad[17] = far + 200
+    with pytest.raises(ValueError, match="consecutive slots of one page"):
+        m.insert_prefix(torch.arange(100, 132), bad)
+    m.check_integrity()
+    assert m.size_info.total_size == 32

@@ -89,6 +89,10 @@ def make_machine(page_size: int, policy: str):
             before = (self.m.size_info, [n.ref_count for n in self.m.nodes()])
             with pytest.raises(RuntimeError, match="not locked"):
                 self.m.lock_handle(handle, unlock=True)
+            with pytest.raises(RuntimeError, match="not locked"):
+                self.m.insert_and_unlock(
+                    handle, torch.tensor([1]), torch.tensor([0], dtype=torch.int32)
+                )
             assert (self.m.size_info, [n.ref_count for n in self.m.nodes()]) == before
 
         @rule(seq=seqs)
@@ -122,6 +126,76 @@ def make_machine(page_size: int, policy: str):
                 self.ref.locks[prefix] -= 1
                 if not self.ref.locks[prefix]:
                     del self.ref.locks[prefix]
+
+        @rule(seq=seqs)
+        def match_and_lock(self, seq: tuple) -> None:
+            """The flow's fused steps 1-2: what `match` then `lock` give, in one call."""
+            handle, idx = self.m.match_and_lock(torch.tensor(seq))
+            k, slots = self.ref.match(seq)
+            assert handle.cached_len == k and idx.tolist() == slots and idx.dtype == torch.int32
+            self.matched.append((handle, seq[:k]))
+            self.handles.append((handle, seq[:k]))
+            if k:
+                self.ref.locks[seq[:k]] = self.ref.locks.get(seq[:k], 0) + 1
+
+        @precondition(lambda self: self.handles)
+        @rule(i=st.integers(0, 1000), tail=seqs, extend=st.booleans(), relock=st.booleans())
+        def insert_and_unlock(self, i: int, tail: tuple, extend: bool, relock: bool) -> None:
+            """The flow's fused insert: ``extend`` continues the locked prefix (the walk may resume
+            at the handle's node), otherwise any other sequence (a walk from the root). The same
+            as `insert_and_match` then an unlock (and a lock of the new handle with ``relock``)."""
+            j = i % len(self.handles)
+            handle, prefix = self.handles[j]
+            seq = prefix + tail if extend else tail
+            slots = self.fresh_slots(len(seq))
+            res = self.m.insert_and_unlock(
+                handle, torch.tensor(seq), torch.tensor(slots, dtype=torch.int32), relock=relock
+            )
+            assert res.cached_len == self.ref.insert(seq, slots)
+            k = len(seq) // page_size * page_size
+            assert res.handle.cached_len == k
+            assert self.m.handle_indices(res.handle).tolist() == self.ref.slots(seq, k)
+            self.matched.append((res.handle, seq[:k]))
+            self.handles.pop(j)
+            if relock:
+                self.handles.append((res.handle, seq[:k]))
+                if k:
+                    self.ref.locks[seq[:k]] = self.ref.locks.get(seq[:k], 0) + 1
+            if prefix:
+                self.ref.locks[prefix] -= 1
+                if not self.ref.locks[prefix]:
+                    del self.ref.locks[prefix]
+
+        @precondition(lambda self: self.handles and self.ref.entries)
+        @rule(i=st.integers(0, 1000), pick=st.integers(0, 10**6), tail=seqs)
+        def insert_and_unlock_refused(self, i: int, pick: int, tail: tuple) -> None:
+            """A refused fused insert (a held slot in the new part) changes nothing: the handle
+            stays locked."""
+            handle, prefix = self.handles[i % len(self.handles)]
+            seq = prefix + tail
+            k = self.ref.longest(seq)
+            if k == len(seq) // page_size * page_size:
+                return
+            slots = self.fresh_slots(len(seq))
+            page = sorted(self.ref.owner_of_slots())[pick % len(self.ref.owner_of_slots())]
+            page //= page_size
+            slots[k : k + page_size] = range(page * page_size, page * page_size + page_size)
+            before = (
+                self.m.size_info,
+                self.m.clock,
+                self.m.num_locked_handles,
+                sorted(self.m.cached_indices().tolist()),
+            )
+            with pytest.raises(ValueError, match="already holds"):
+                self.m.insert_and_unlock(
+                    handle, torch.tensor(seq), torch.tensor(slots, dtype=torch.int32)
+                )
+            assert (
+                self.m.size_info,
+                self.m.clock,
+                self.m.num_locked_handles,
+                sorted(self.m.cached_indices().tolist()),
+            ) == before
 
         @rule(size=st.integers(0, 20))
         def evict(self, size: int) -> None:
@@ -193,3 +267,4 @@ TestRadixPS1LRU = make_machine(1, "lru").TestCase
 TestRadixPS1FIFO = make_machine(1, "fifo").TestCase
 TestRadixPS4LRU = make_machine(4, "lru").TestCase
 TestRadixPS4FIFO = make_machine(4, "fifo").TestCase
+TestRadixPS2LRU = make_machine(2, "lru").TestCase

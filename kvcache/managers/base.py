@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["BaseCacheHandle", "SizeInfo", "InsertResult", "BaseCacheManager"]
+__all__ = ["BaseCacheHandle", "SizeInfo", "InsertResult", "BaseCacheManager", "fused_calls_safe"]
 
 
 @dataclass(frozen=True)
@@ -124,6 +124,50 @@ class BaseCacheManager(ABC):
             handle, _ = self.match_prefix(input_ids, extra_key)
         return InsertResult(cached_len, handle)
 
+    def match_and_lock(
+        self, input_ids: torch.Tensor, extra_key: Hashable = None
+    ) -> tuple[BaseCacheHandle, torch.Tensor]:
+        """`match_prefix`, then `lock_handle` of the handle it returns, in one call (the flow's
+        steps 1 and 2). The default runs the two public calls; a manager may override it to lock
+        the path its walk just followed."""
+        handle, indices = (
+            self.match_prefix(input_ids)
+            if extra_key is None
+            else self.match_prefix(input_ids, extra_key)
+        )
+        self.lock_handle(handle)
+        return handle, indices
+
+    def insert_and_unlock(
+        self,
+        handle: BaseCacheHandle,
+        input_ids: torch.Tensor,
+        indices: torch.Tensor,
+        extra_key: Hashable = None,
+        *,
+        relock: bool = False,
+    ) -> InsertResult:
+        """`insert_and_match`, then release one lock of ``handle``; with ``relock=True`` the
+        returned handle is locked first (the lock moves to the longer prefix).
+
+        The flow's insert: ``handle`` is the request's locked prefix, normally a prefix of
+        ``input_ids``, which a manager may use to skip re-matching that prefix. All or nothing:
+        ``RuntimeError`` (nothing inserted) when ``handle`` is not locked, and the errors of
+        `insert_prefix` with ``handle`` still locked. The default runs the public calls (a
+        manager that overrides neither is driven by the flow through those calls directly).
+        """
+        self.lock_handle(handle, unlock=True)  # raises, changing nothing, when not locked
+        self.lock_handle(handle)  # locked again: the insert runs as it would on its own
+        res = (
+            self.insert_and_match(input_ids, indices)
+            if extra_key is None
+            else self.insert_and_match(input_ids, indices, extra_key)
+        )
+        if relock:
+            self.lock_handle(res.handle)
+        self.lock_handle(handle, unlock=True)
+        return res
+
     @abstractmethod
     def cached_indices(self) -> torch.Tensor:
         """Every slot the cache holds (1-D int32 on ``device``, any order).
@@ -147,3 +191,26 @@ class BaseCacheManager(ABC):
         state. Raises ``NotImplementedError`` for a manager without per-node priorities.
         """
         raise NotImplementedError(f"{type(self).__name__} has no per-node eviction priority")
+
+
+_FUSED_PARTS = {
+    "match_and_lock": ("match_prefix", "lock_handle"),
+    "insert_and_unlock": ("insert_and_match", "lock_handle"),
+}
+
+
+def fused_calls_safe(cls: type) -> bool:
+    """Whether a caller (the flow) should use ``cls``'s `match_and_lock` and `insert_and_unlock`
+    in place of the calls they fuse: both are the class's own (not the defaults, which only
+    make those calls) and each is defined in a class at or below every class defining one of its
+    parts, so that a subclass overriding ``match_prefix`` (to log, to count) is never bypassed
+    by its parent's fused call."""
+
+    def owner(name: str) -> type:
+        return next(k for k in cls.__mro__ if name in vars(k))
+
+    for fused, parts in _FUSED_PARTS.items():
+        where = owner(fused)
+        if where is BaseCacheManager or not all(issubclass(where, owner(p)) for p in parts):
+            return False
+    return True

@@ -11,7 +11,9 @@ the next child is one unpack and one dict probe away. Slots live on the host as 
 insert walks without changing anything, checks only the *new* slots (`SlotOwners`), then changes
 the tree, so a refused call leaves no trace. Evictable leaves sit in a lazy heap of flat integer
 priorities (`LeafHeap`): a match never touches it, evicting ``k`` leaves costs ``O(k log n)``.
-No method recurses over the tree's depth.
+No method recurses over the tree's depth. The flow's fused calls (`match_and_lock`,
+`insert_and_unlock`, in radix_locks.py) lock the path the match walked, and resume the insert at
+the locked handle's node after one compare of the prefix bytes the lock recorded.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ import numpy as np
 import torch
 
 from .._validate import check_positive_int, check_size
-from .base import BaseCacheHandle, InsertResult
+from .base import InsertResult
 from .cache_events import EventLog, check_extra_key
 from .eviction import EVICTION_POLICIES, EvictionPolicy, LeafHeap
+from .radix_locks import RadixLocks
 from .radix_node import (
     ITEM,
     RadixCacheHandle,
@@ -34,13 +37,11 @@ from .radix_node import (
     TreeInfo,
     common_tokens,
     key_reader,
-    lock_path,
-    path_slots,
     slot_array,
+    stamp_path,
     token_array,
-    unlock_path,
 )
-from .radix_roots import RadixRoots, path_tokens
+from .radix_roots import path_tokens
 from .slot_owners import SlotOwners
 
 __all__ = ["RadixTreeNode", "RadixCacheHandle", "RadixCacheManager"]
@@ -48,7 +49,7 @@ __all__ = ["RadixTreeNode", "RadixCacheHandle", "RadixCacheManager"]
 _Walk = tuple[list[RadixTreeNode], int, RadixTreeNode | None, int]
 
 
-class RadixCacheManager(RadixRoots):
+class RadixCacheManager(RadixLocks):
     """Prefix cache on a radix tree.
 
     Args:
@@ -62,6 +63,11 @@ class RadixCacheManager(RadixRoots):
     Namespaces: each ``extra_key`` has its own root, made by its first insert (``None``'s is
     ``root_node``); eviction, sizes and integrity cover every root.
     """
+
+    # The fused calls are written in radix_locks.py; named here, they count as this class's own
+    # (`fused_calls_safe`): a subclass overriding match_prefix is then driven by the plain calls.
+    match_and_lock = RadixLocks.match_and_lock
+    insert_and_unlock = RadixLocks.insert_and_unlock
 
     def __init__(
         self,
@@ -165,13 +171,16 @@ class RadixCacheManager(RadixRoots):
         self._num_nodes += 1
         return new
 
-    def _walk(self, ids_b: bytes, ids: np.ndarray, root: RadixTreeNode | None = None) -> _Walk:
-        """Follow ``ids_b`` (whole pages of int64 token bytes) down the tree; change nothing.
+    def _walk(
+        self, ids_b: bytes, ids: np.ndarray, root: RadixTreeNode | None = None, pos: int = 0
+    ) -> _Walk:
+        """Follow ``ids_b`` (whole pages of int64 token bytes) down the tree from ``root`` (a
+        namespace's root, or a node whose path spells ``ids_b[:pos]``); change nothing.
 
         Returns ``(path, matched_bytes, partial, cut)``: the nodes matched whole (root excluded),
         and the node after them matching only its first ``cut`` tokens (whole pages), or ``None``.
         """
-        node, pos, n = root or self.root_node, 0, len(ids_b)  # default: the None namespace
+        node, n = root or self.root_node, len(ids_b)  # default: the None namespace
         path: list[RadixTreeNode] = []
         append, startswith = path.append, ids_b.startswith  # bound once: this loop is the hot path
         # The filing key of the page at byte ``pos``: the token (``ids.item``) or a tuple of them.
@@ -210,21 +219,29 @@ class RadixCacheManager(RadixRoots):
         Not read-only: a node matched only in part is split so that the handle can point at the
         end of the match, and the matched path's timestamps are refreshed.
         """
+        handle, out, _, _ = self._match(input_ids, extra_key)
+        return handle, out
+
+    def _match(
+        self, input_ids: torch.Tensor, extra_key: Hashable
+    ) -> tuple[RadixCacheHandle, torch.Tensor, bytes, RadixTreeNode | None]:
+        """`match_prefix`'s handle and slots, the token bytes it walked, and the namespace root."""
         ids = token_array(input_ids)
         root = self.root_node if extra_key is None else self._roots.get(check_extra_key(extra_key))
         if root is None:  # a namespace never inserted into: nothing to match
             self._tick()
-            return RadixCacheHandle(0, self.root_node), self.empty_tensor
+            return RadixCacheHandle(0, self.root_node), self.empty_tensor, b"", None
         n = len(ids) // self.page_size * self.page_size
-        walk = self._walk(ids[:n].tobytes(), ids, root)
+        ids_b = ids[:n].tobytes()
+        walk = self._walk(ids_b, ids, root)
         node = self._commit(walk, self._tick(), root)
         if walk[1] == 0:
-            return RadixCacheHandle(0, self.root_node), self.empty_tensor
+            return RadixCacheHandle(0, self.root_node), self.empty_tensor, ids_b, root
         values = [p._value for p in walk[0]]
         if walk[2] is not None:
             values.append(node._value)
         out = values[0].copy() if len(values) == 1 else np.concatenate(values)
-        return RadixCacheHandle(walk[1] // ITEM, node), self._out(out)
+        return RadixCacheHandle(walk[1] // ITEM, node), self._out(out), ids_b, root
 
     def insert_prefix(
         self, input_ids: torch.Tensor, indices: torch.Tensor, extra_key: Hashable = None
@@ -237,17 +254,23 @@ class RadixCacheManager(RadixRoots):
         (changing nothing) when a slot that would enter is negative, already held by the tree,
         listed twice, or (``page_size > 1``) not part of a whole aligned page.
         """
-        return self._insert(input_ids, indices, extra_key).cached_len
+        return self._insert(input_ids, indices, extra_key)[0].cached_len
 
     def insert_and_match(
         self, input_ids: torch.Tensor, indices: torch.Tensor, extra_key: Hashable = None
     ) -> InsertResult:
         """`insert_prefix` and the (unlocked) handle of the whole inserted prefix, in one walk."""
-        return self._insert(input_ids, indices, extra_key)
+        return self._insert(input_ids, indices, extra_key)[0]
 
     def _insert(
-        self, input_ids: torch.Tensor, indices: torch.Tensor, extra_key: Hashable
-    ) -> InsertResult:
+        self,
+        input_ids: torch.Tensor,
+        indices: torch.Tensor,
+        extra_key: Hashable,
+        lock: list[Any] | None = None,
+    ) -> tuple[InsertResult, bytes, RadixTreeNode]:
+        """The insert, resumed at the node of ``lock`` (a `_locks` entry) where it names a prefix
+        of ``input_ids`` in this namespace; also the token bytes and the namespace root."""
         ids = token_array(input_ids)
         root = self.root_node if extra_key is None else self._roots.get(check_extra_key(extra_key))
         all_slots = slot_array(indices, self.device)
@@ -257,7 +280,14 @@ class RadixCacheManager(RadixRoots):
             )
         n = len(ids) // self.page_size * self.page_size
         ids_b = ids[:n].tobytes()
-        walk = self._walk(ids_b, ids, root) if root is not None else ([], 0, None, 0)
+        start = None
+        if lock is not None and len(lock) > 2 and lock[3] is root is not None:
+            held = lock[0].cached_len * ITEM
+            if held and ids_b.startswith(memoryview(lock[2])[:held]):
+                start = lock[0].node  # its path spells ids_b[:held]: walk on from there
+                walk = self._walk(ids_b, ids, start, held)
+        if start is None:
+            walk = self._walk(ids_b, ids, root) if root is not None else ([], 0, None, 0)
         pos = walk[1]
         prefix_len = pos // ITEM
         if prefix_len < n:  # check what would enter before anything changes
@@ -267,9 +297,11 @@ class RadixCacheManager(RadixRoots):
             root = self._roots[extra_key] = self._new_root()
             self._root_keys[root.uuid] = extra_key
         tic = self._tick()
-        node = self._commit(walk, tic, root)
+        node = self._commit(walk, tic, start or root)
+        if start is not None:  # the path above the resumed walk is stamped as a walk would
+            stamp_path(start, tic)
         if prefix_len == n:
-            return InsertResult(prefix_len, RadixCacheHandle(n, node))
+            return InsertResult(prefix_len, RadixCacheHandle(n, node)), ids_b, root
         new = self._node(ids_b[pos:], slots.copy(), tic, tic)
         new._parent = node
         node.children[self._key_of(ids_b, pos)] = new
@@ -278,81 +310,11 @@ class RadixCacheManager(RadixRoots):
         self._leaves.file(new)
         if self._events is not None:
             self._events.stored(extra_key, ids[:n].tolist(), slots.tolist())
-        return InsertResult(prefix_len, RadixCacheHandle(n, new))
-
-    def _checked_path_end(self, handle: BaseCacheHandle) -> RadixTreeNode:
-        """``handle.node`` after proving it is a live node of this tree (read-only, O(1)).
-
-        The callers check ``handle.cached_len`` against the path in the walk they make anyway.
-        """
-        if not isinstance(handle, RadixCacheHandle):
-            raise TypeError(f"handle must be a RadixCacheHandle, got {type(handle).__name__}")
-        node = handle.node
-        if not isinstance(node, RadixTreeNode):
-            raise TypeError(f"handle.node must be a RadixTreeNode, got {type(node).__name__}")
-        if not node._in_tree:
-            raise RuntimeError(
-                f"handle's node {node.uuid} was evicted (or the tree reset); match the prefix again"
-            )
-        if node._tree is not self._tree:
-            raise RuntimeError("handle belongs to another manager")
-        return node
+        return InsertResult(prefix_len, RadixCacheHandle(n, new)), ids_b, root
 
     def eviction_priority(self, node: RadixTreeNode) -> tuple[int, ...]:
         """``node``'s key under this manager's policy: the evictable leaf with the smallest goes first."""
         return tuple(self._policy.priority(node))
-
-    def handle_indices(self, handle: BaseCacheHandle) -> torch.Tensor:
-        """The slots of the prefix behind ``handle`` (read-only: no split, no timestamp change)."""
-        values = path_slots(self._checked_path_end(handle))
-        out = np.concatenate(values) if values else np.empty(0, dtype=np.int32)
-        if len(out) != handle.cached_len:
-            raise RuntimeError(
-                f"handle says cached_len={handle.cached_len} but its path holds {len(out)} tokens"
-            )
-        return self._out(out) if values else self.empty_tensor
-
-    def lock_handle(self, handle: BaseCacheHandle, unlock: bool = False) -> None:
-        """Lock (``ref_count += 1``) or unlock every node from ``handle.node`` up to the root.
-
-        Locks are counted per handle object: unlocking a handle not locked now raises
-        ``RuntimeError``, changing nothing, even when an equal handle or an ancestor is locked.
-        An empty (root) handle protects nothing, but its locks are counted all the same.
-        """
-        entry = self._locks.get(id(handle))
-        if unlock:
-            if entry is None:
-                if not isinstance(handle, RadixCacheHandle):
-                    raise TypeError(
-                        f"handle must be a RadixCacheHandle, got {type(handle).__name__}"
-                    )
-                raise RuntimeError(
-                    f"cannot unlock a handle that is not locked (cached_len={handle.cached_len})"
-                )
-            if entry[1] == 1:
-                del self._locks[id(handle)]
-            else:
-                entry[1] -= 1
-            leaf = handle.node  # type: ignore[attr-defined]
-            freed = unlock_path(leaf)
-            self._evictable_size += freed
-            self._protected_size -= freed
-            if leaf.ref_count == 0 and not leaf.children and leaf._parent is not None:
-                self._leaves.file(leaf)
-            return
-        end = handle.node if entry is not None else self._checked_path_end(handle)  # type: ignore[attr-defined]
-        length, taken = lock_path(end)
-        if length != handle.cached_len:  # a handle made by hand: undo, then refuse
-            unlock_path(end)
-            raise RuntimeError(
-                f"handle says cached_len={handle.cached_len} but its path holds {length} tokens"
-            )
-        if entry is None:
-            self._locks[id(handle)] = [handle, 1]
-        else:
-            entry[1] += 1
-        self._evictable_size -= taken
-        self._protected_size += taken
 
     def evict(self, size: int) -> torch.Tensor:
         """Evict unlocked leaves in policy order until at least ``size`` tokens are freed.

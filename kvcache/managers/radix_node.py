@@ -34,6 +34,7 @@ __all__ = [
     "lock_path",
     "unlock_path",
     "path_slots",
+    "stamp_path",
     "ITEM",
 ]
 
@@ -331,3 +332,10 @@ def path_slots(node: RadixTreeNode) -> list[np.ndarray]:
         node = node._parent
     values.reverse()
     return values
+
+
+def stamp_path(node: RadixTreeNode, tic: int) -> None:
+    """``timestamp = tic`` on ``node`` and each ancestor below the root."""
+    while node._parent is not None:
+        node.timestamp = tic
+        node = node._parent

@@ -21,11 +21,11 @@ class SlotOwners:
 
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
-        self._offsets = np.arange(page_size, dtype=np.int32)
         self.clear()
 
     def clear(self) -> None:
         self._owner = np.zeros(1024, dtype=np.int32)  # per page: 0 free, else held
+        self._rows = self._page_rows(1024)
         self._stamps = np.arange(1, 1025, dtype=np.int32)
         self._zeros = np.zeros(1024, dtype=np.int32)
         self._count = 0
@@ -50,16 +50,7 @@ class SlotOwners:
         already held, or a page appears twice.
         """
         ps = self.page_size
-        if ps == 1:
-            first = slots
-        else:
-            grid = slots.reshape(-1, ps)
-            first = grid[:, 0] // ps
-            if grid.tobytes() != (first[:, None] * ps + self._offsets).tobytes():
-                raise ValueError(
-                    f"with page_size={ps} every {ps} {name} must be the consecutive slots of one "
-                    f"page (first slot a multiple of {ps}); got {slots.tolist()}"
-                )
+        first = slots if ps == 1 else slots[::ps] // ps
         n = len(first)
         if n == 0:
             return
@@ -73,6 +64,12 @@ class SlotOwners:
             self._grow(int(pages.max()) + 1)
             owner = self._owner
             before = owner[pages]
+        # Whole aligned pages: each run of ps slots is its page's row (one gather, one memcmp).
+        if ps > 1 and self._rows_of(pages).tobytes() != slots.tobytes():
+            raise ValueError(
+                f"with page_size={ps} every {ps} {name} must be the consecutive slots of one "
+                f"page (first slot a multiple of {ps}); got {slots.tolist()}"
+            )
         if np.count_nonzero(before):
             bad = pages[before != 0]
             raise ValueError(
@@ -92,10 +89,26 @@ class SlotOwners:
             )
         self._count += n
 
+    def _rows_of(self, pages: np.ndarray) -> np.ndarray:
+        """The slots of ``pages`` (non-negative), row after row."""
+        try:
+            return self._rows.take(pages, axis=0)
+        except IndexError:  # past the rows kept: computed
+            ps = self.page_size
+            return (pages[:, None] * ps + np.arange(ps)).astype(np.int32)
+
+    def _page_rows(self, num_pages: int) -> np.ndarray:
+        """Row ``p``: the slots of page ``p`` (int32, ``(num_pages, page_size)``; none needed, and
+        none kept, for ``page_size == 1``), for the pages the tree has seen, up to 4M slots."""
+        ps = self.page_size
+        n = min(num_pages, (1 << 22) // ps) if ps > 1 else 0  # at most 16 MiB
+        return np.arange(n * ps, dtype=np.int32).reshape(n, ps)
+
     def _grow(self, size: int) -> None:
         owner = np.zeros(max(size, 2 * len(self._owner)), dtype=np.int32)
         owner[: len(self._owner)] = self._owner
         self._owner = owner
+        self._rows = self._page_rows(len(owner))
 
     def release(self, slots: np.ndarray) -> None:
         """Mark the pages of ``slots`` (whole pages the tree held) as free again."""

@@ -50,6 +50,13 @@ class PageAllocator:
         self.num_pages, self.page_size = num_pages, page_size
         self._on_cpu = self.device.type == "cpu"
         self._offsets = np.arange(page_size, dtype=np.int64)
+        # Each page's slots as a row, so a page's slots are one row gather, not two broadcast
+        # ops; kept for pools up to 4M slots (16 MiB), larger ones compute them.
+        self._rows = (
+            np.arange(num_pages * page_size, dtype=np.int32).reshape(num_pages, page_size)
+            if page_size > 1 and num_pages * page_size <= 1 << 22
+            else None
+        )
         self.reset()
 
     @property
@@ -114,9 +121,19 @@ class PageAllocator:
             not isinstance(out, np.ndarray) or out.dtype != np.int32 or out.shape != (n,)
         ):
             raise ValueError(f"out must be an int32 NumPy array of shape ({n},), got {out!r:.80}")
-        pages = self._pop(-(-n // self.page_size))
+        k = -(-n // self.page_size)
+        if k > self._count:
+            raise RuntimeError(f"cannot allocate {k} pages: only {self._count} are free")
+        head = self._head
+        # A view of the ring where the pages do not wrap (no copy: they are read once, below).
+        pages = self._ring[head : head + k] if head + k <= self.num_pages else self._take(head, k)
+        self._head = (head + k) % self.num_pages
+        self._count -= k
+        self._is_free[pages] = False
         if self.page_size == 1:
             slots = pages
+        elif self._rows is not None:
+            slots = self._rows.take(pages, axis=0).reshape(-1)[:n]
         else:
             slots = (pages[:, None] * self.page_size + self._offsets).reshape(-1)[:n]
         if out is None:
@@ -126,6 +143,12 @@ class PageAllocator:
 
     def free(self, pages: torch.Tensor | np.ndarray) -> None:
         """Return ``pages`` (1-D integer tensor or NumPy array of page ids) to the end of the free list."""
+        if type(pages) is np.ndarray and pages.shape == (1,) and pages.dtype.kind in "iu":
+            p = int(pages[0])  # one page (a request's partial last one): checked in Python
+            if not 0 <= p < self.num_pages:
+                raise ValueError(f"pages: {p} is outside [0, {self.num_pages})")
+            self._push(pages)
+            return
         self._push(check_id_array(pages, "pages", self.num_pages))
 
     def free_slots(self, slots: torch.Tensor | np.ndarray) -> None:
@@ -149,12 +172,11 @@ class PageAllocator:
             return
         arr = pages.astype(np.int64)
         already = self._is_free[arr]
-        if already.any():
+        if np.count_nonzero(already):  # count_nonzero: cheaper than any() on small arrays
             raise RuntimeError(f"double free: pages {arr[already].tolist()} are already free")
-        if n > 1:
-            ordered = np.sort(arr)
-            if (ordered[1:] == ordered[:-1]).any():
-                raise ValueError(f"pages listed more than once: {arr.tolist()}")
+        ordered = np.sort(arr)
+        if np.count_nonzero(ordered[1:] == ordered[:-1]):
+            raise ValueError(f"pages listed more than once: {arr.tolist()}")
         self._is_free[arr] = True
         # Pages not free are handed out, so the ring has room for them: no overflow possible.
         tail = (self._head + self._count) % self.num_pages

@@ -6,7 +6,7 @@ import numpy as np
 
 from ..managers.base import BaseCacheManager
 from .allocator import PageAllocator
-from .request import FlowStats, Tracer
+from .request import FlowStats, Request, Tracer
 
 __all__ = ["FlowPages"]
 
@@ -63,8 +63,28 @@ class FlowPages:
     def allocate(self, rid: int, num_tokens: int, out: np.ndarray | None = None) -> np.ndarray:
         """Host slots for ``num_tokens`` on new pages (into ``out`` if given), evicting first when
         the free list is short; ``RuntimeError`` changing nothing when the pool cannot hold them."""
-        self.make_room(rid, -(-num_tokens // self.page_size))
+        need = -(-num_tokens // self.page_size)
+        if need > self.allocator.num_free_pages:
+            self.make_room(rid, need)
         slots = self.allocator.allocate_host_slots(num_tokens, out)
         if self.trace is not None:
             self.trace(rid, 3, "allocate", f"pages {self.allocator.slots_to_pages(slots).tolist()}")
         return slots
+
+    def append(self, req: Request, new_ids: np.ndarray) -> np.ndarray:
+        """Append ``new_ids`` (1-D, at least one) to ``req``'s host copy with their slots: the last
+        page's free slots first, then new pages. Returns the new slots (a view of the copy);
+        ``RuntimeError`` changing nothing when the pool cannot take the new pages."""
+        h = req.host
+        k, length = new_ids.shape[0], h.length
+        h.reserve(k)  # the new slots are written past ``length``: invisible until it moves
+        take = min(k, -length % self.page_size)  # free slots left in the last page
+        if take:
+            last = int(h.slots[length - 1])
+            h.slots[length : length + take] = np.arange(last + 1, last + 1 + take, dtype=np.int32)
+        if k > take:
+            self.allocate(req.rid, k - take, h.slots[length + take : length + k])
+        h.ids[length : length + k] = new_ids
+        h.length = length + k
+        self.stats.decoded_tokens += k
+        return h.slots[length : length + k]

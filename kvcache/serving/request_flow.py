@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from .._validate import aligned_run_pages, check_int_in, check_token_ids, reject_one_tensor
-from ..managers.base import BaseCacheHandle, BaseCacheManager
+from ..managers.base import BaseCacheHandle, BaseCacheManager, fused_calls_safe
 from ..managers.cache_events import check_extra_key
 from .allocator import PageAllocator
 from .flow_pages import FlowPages
@@ -67,6 +67,13 @@ class RequestFlow:
         self._trace = Tracer(on_event) if (trace or on_event is not None) else None
         self._rids = itertools.count()
         self._pages = FlowPages(manager, allocator, self.stats, self._trace)
+        # One manager call for match + lock and for insert + unlock, where that is the same as
+        # the separate calls; a traced flow makes them one by one, so each step can be watched.
+        self._fused = (
+            self._trace is None
+            and isinstance(manager, BaseCacheManager)
+            and fused_calls_safe(type(manager))
+        )
 
     @property
     def events(self) -> list[FlowEvent]:
@@ -99,6 +106,8 @@ class RequestFlow:
     def _match_lock(
         self, rid: int, ids: torch.Tensor, compute_last: bool, key: Hashable
     ) -> tuple[BaseCacheHandle, torch.Tensor]:
+        if self._fused:
+            return self.manager.match_and_lock(ids[:-1] if compute_last else ids, key)
         handle, prefix = keyed(self.manager.match_prefix, key, ids[:-1] if compute_last else ids)
         m = handle.cached_len
         if self._trace is not None:
@@ -120,7 +129,8 @@ class RequestFlow:
         nothing taken)."""
         n, m = ids.shape[0], handle.cached_len
         host = HostCopy.with_room(n)
-        self._pages.allocate(rid, n - m, host.slots[m:n])  # in place: the new slots, no copy
+        if n > m:
+            self._pages.allocate(rid, n - m, host.slots[m:n])  # in place: the new slots, no copy
         host.ids[:n] = ids
         if m:
             host.slots[:m] = prefix.numpy() if prefix.is_cpu else prefix.cpu().numpy()
@@ -143,7 +153,8 @@ class RequestFlow:
         lock is then released and no page changes hands (the match's LRU refresh stays).
         """
         check_token_ids(input_ids)
-        check_extra_key(extra_key)
+        if extra_key is not None:
+            check_extra_key(extra_key)
         n = input_ids.shape[0]
         if n == 0:
             raise ValueError("input_ids must hold at least one token")
@@ -256,36 +267,27 @@ class RequestFlow:
         return [self._extend(r, x) for r, x in zip(reqs, new_ids, strict=True)]
 
     def _extend(self, req: Request, new_ids: torch.Tensor) -> torch.Tensor:
-        h = req.host
-        k, length = new_ids.shape[0], h.length
-        if k == 0:
+        if new_ids.shape[0] == 0:
             return req.indices[:0]
-        h.reserve(k)  # the new slots are written past ``length``: invisible until it moves
-        take = min(k, -length % self.page_size)  # free slots left in the last page
-        if take:
-            last = int(h.slots[length - 1])
-            h.slots[length : length + take] = np.arange(last + 1, last + 1 + take, dtype=np.int32)
-        if k > take:
-            self._pages.allocate(req.rid, k - take, h.slots[length + take : length + k])
-        h.ids[length : length + k] = new_ids.numpy()
-        h.length = length + k
-        self.stats.decoded_tokens += k
-        out = torch.from_numpy(h.slots[length : length + k])
+        out = torch.from_numpy(self._pages.append(req, new_ids.numpy()))
         return out if self._on_cpu else out.to(self._device)
 
     def _insert(self, req: Request, n: int, keep_running: bool) -> int:
-        """Steps 4 and 5 for ``req``'s first ``n`` tokens (a whole number of pages), one walk of
-        the manager's index. Returns the length that was already cached.
-
-        Own pages in ``[tree_len, already)`` duplicate what another request inserted first.
-        Finishing frees them (with the request's pages beyond ``n``). A request that keeps
-        running frees those the tree holds too and points its indices at the tree's, then moves
-        its lock to the new handle.
-        """
+        """Steps 4, 5 and 7 for ``req``'s first ``n`` tokens (whole pages); returns the length
+        that was already cached. Own pages in ``[tree_len, already)`` duplicate what another
+        request inserted first. Finishing frees them (and the pages past ``n``) and unlocks; a
+        request that keeps running frees those the tree holds, points its indices at the tree's
+        and moves its lock to the new handle."""
         h = req.host
         length = h.length
         idx = torch.from_numpy(h.slots[:n]) if self._on_cpu else req.indices[:n]
-        res = keyed(self.manager.insert_and_match, req.extra_key, torch.from_numpy(h.ids[:n]), idx)
+        ids = torch.from_numpy(h.ids[:n])
+        fused = self._fused
+        res = (
+            self.manager.insert_and_unlock(req.handle, ids, idx, req.extra_key, relock=keep_running)
+            if fused
+            else keyed(self.manager.insert_and_match, req.extra_key, ids, idx)
+        )
         already, lo = res.cached_len, req.tree_len
         if self._trace is not None:
             self._trace(req.rid, 4, "insert_prefix", f"{n} tokens, {already} already cached")
@@ -295,24 +297,23 @@ class RequestFlow:
                 self.allocator.free(to_free)
             if self._trace is not None:
                 self._trace(req.rid, 5, "free", f"pages {to_free.tolist()}")
+            if not fused:
+                self.manager.lock_handle(req.handle, unlock=True)
             return already
         hi = min(already, res.handle.cached_len)  # a manager caching nothing holds none of them
         if hi > lo:
             dup = h.slots[lo:hi].copy()
             self.allocator.free_slots(dup)
             if self._trace is not None:
-                self._trace(
-                    req.rid,
-                    5,
-                    "free",
-                    f"duplicate pages {self.allocator.slots_to_pages(dup).tolist()}",
-                )
+                pages = self.allocator.slots_to_pages(dup).tolist()
+                self._trace(req.rid, 5, "free", f"duplicate pages {pages}")
             # A new copy: tensors handed out before keep their values.
             slots = h.slots[:length].copy()
             slots[:hi] = self.manager.handle_indices(res.handle)[:hi].cpu().numpy()
             req.host = HostCopy(h.ids[:length], slots)
-        self.manager.lock_handle(res.handle)
-        self.manager.lock_handle(req.handle, unlock=True)
+        if not fused:
+            self.manager.lock_handle(res.handle)
+            self.manager.lock_handle(req.handle, unlock=True)
         req.handle = res.handle
         if self._trace is not None:
             self._trace(
@@ -348,7 +349,6 @@ class RequestFlow:
                 "call mark_computed first"
             )
         already = self._insert(req, length // self.page_size * self.page_size, keep_running=False)
-        self.manager.lock_handle(req.handle, unlock=True)
         if self._trace is not None:
             self._trace(req.rid, 7, "unlock", f"protected={self.manager.size_info.protected_size}")
         self._end(req)
