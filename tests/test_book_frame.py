@@ -148,4 +148,6 @@ def test_every_chapter_opens_with_objectives_and_closes_with_a_summary():
         points = re.findall(r"^- ", block.group(1), re.M)
         assert 3 <= len(points) <= 5, f"{name}: {len(points)} objectives (want 3-5)"
         heads = [(i, h) for i, text in enumerate(md) for h in re.findall(r"^## .*", text, re.M)]
-        assert heads and heads[-1][1].strip() == "## Summary", f"{name}: last section is not ## Summary"
+        assert heads and heads[-1][1].strip() == "## Summary", (
+            f"{name}: last section is not ## Summary"
+        )
