@@ -34,6 +34,7 @@ OPT_TESTS := tests/test_misuse.py tests/test_serving_misuse.py tests/test_flow_r
              tests/test_distributed.py tests/test_tp.py tests/test_radix_manager.py \
              tests/test_block_manager.py tests/test_flow_stateful.py tests/test_scheduler.py \
              tests/test_host_tier.py tests/test_router.py tests/test_tenancy.py tests/test_diagrams.py
+XDIST ?= -n auto --dist loadfile
 NBVAL_FLAGS := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
                --nbval-cell-timeout=1200
 
@@ -105,15 +106,16 @@ lint: setup
 # --------------------------------------------------------------------------- tests
 # Lint and types (ruff, mypy), the package tests (and the website tests on the book just built),
 # the misuse tests under python -O, then every chapter under nbval. All always run; the target
-# fails if any failed.
+# fails if any failed. pytest-xdist runs whole files (a chapter is one file) on every core
+# (`make test XDIST=` runs them in one process).
 test: setup book
 	@rc=0; \
 	$(MAKE) --no-print-directory lint || rc=$$?; \
-	$(RUN_ENV) $(PY) -m pytest tests || rc=$$?; \
+	$(RUN_ENV) $(PY) -m pytest $(XDIST) tests || rc=$$?; \
 	echo "misuse checks again under python -O (asserts stripped)"; \
-	$(RUN_ENV) $(PY) -O -m pytest -q -p no:cacheprovider $(OPT_TESTS) || rc=$$?; \
+	$(RUN_ENV) $(PY) -O -m pytest -q -p no:cacheprovider $(XDIST) $(OPT_TESTS) || rc=$$?; \
 	if [ -n "$(NOTEBOOKS)" ]; then \
-	  $(RUN_ENV) $(PY) -m pytest $(NBVAL_FLAGS) $(NOTEBOOKS) || rc=$$?; \
+	  $(RUN_ENV) $(PY) -m pytest $(XDIST) $(NBVAL_FLAGS) $(NOTEBOOKS) || rc=$$?; \
 	else \
 	  echo "no chapters in book/ yet: nothing for nbval"; \
 	fi; \
