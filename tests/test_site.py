@@ -782,6 +782,22 @@ def test_no_internal_markers_on_pages(browser):
 
 
 @needs_site
+def test_markdown_tables_in_outputs_are_tables():
+    """A cell that displays a Markdown table (display(Markdown(...))) shows a table, not its
+    source: myst-nb parses such outputs as CommonMark, which has no tables, unless the config
+    says nb_render_markdown_format: myst."""
+    import html as html_lib
+
+    found = {}
+    for page in chapter_pages():
+        for para in re.findall(r"<p>(.*?)</p>", page.read_text(encoding="utf-8"), flags=re.S):
+            text = html_lib.unescape(re.sub(r"<[^>]+>", "", para)).strip()
+            if text.startswith("|") and re.search(r"\|\s*:?[-\u2013\u2014]+:?\s*\|", text):
+                found.setdefault(page_id(page), []).append(text[:60])
+    assert not found, f"Markdown tables shown as text: {found}"
+
+
+@needs_site
 def test_exercise_answers_are_hidden_until_asked(browser):
     """The reader's answer cell ("# Your answer") and what its check prints stay folded until a
     click: the reader tries first. The cells still run (and nbval still checks them)."""
