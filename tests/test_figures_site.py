@@ -106,33 +106,7 @@ MEASURE = r"""
 
 def measure(chrome: Chromium, url: str) -> list[dict]:
     """Open ``url`` in a fresh tab, wait for its load event, and run `MEASURE` in it."""
-    target = chrome.call("Target.createTarget", {"url": "about:blank"})["targetId"]
-    session = chrome.call("Target.attachToTarget", {"targetId": target, "flatten": True})[
-        "sessionId"
-    ]
-    try:
-        chrome.call("Page.enable", session=session)
-        chrome.take_events()
-        chrome.call("Page.navigate", {"url": url}, session=session)
-        deadline = time.monotonic() + PAGE_TIMEOUT_S
-        while not any(
-            e.get("method") == "Page.loadEventFired" and e.get("sessionId") == session
-            for e in chrome.take_events()
-        ):
-            if time.monotonic() > deadline:
-                raise DevToolsError(f"{url} did not load within {PAGE_TIMEOUT_S}s")
-            time.sleep(0.05)
-        result = chrome.call(
-            "Runtime.evaluate",
-            {"expression": MEASURE, "awaitPromise": True, "returnByValue": True},
-            session=session,
-            timeout=PAGE_TIMEOUT_S,
-        )
-        if "exceptionDetails" in result:
-            raise DevToolsError(f"measuring {url} failed: {result['exceptionDetails']}")
-        return result["result"]["value"]
-    finally:
-        chrome.call("Target.closeTarget", {"targetId": target})
+    return evaluate(chrome, url, MEASURE)
 
 
 def graphviz_images(page: Path) -> list[Path]:
