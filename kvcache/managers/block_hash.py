@@ -360,7 +360,7 @@ class BlockHashCacheManager(BaseCacheManager):
         if size == 0:
             return self.empty_tensor
         self._flush()
-        evictable = self.size_info.evictable_size
+        evictable = len(self._table.free) * self.page_size
         if size > evictable:
             raise RuntimeError(
                 f"cannot evict {size} tokens: only {evictable} are evictable "

@@ -49,13 +49,6 @@ def _mix64(x: int) -> int:
     return ((x ^ (x >> 32)) * _K) & _MASK
 
 
-def _mix64_np(x: np.ndarray) -> np.ndarray:
-    """``_mix64`` of every element, in place."""
-    x ^= x >> _SHIFT_NP
-    x *= _K_NP
-    return x
-
-
 def default_block_hash(parent_hash: int, tokens: tuple[int, ...]) -> int:
     """``H(parent_hash, tokens)`` as an unsigned 64-bit int (the module docstring's formula).
 
@@ -109,7 +102,7 @@ class ChainHasher:
         self.hash_fn: HashFn = hash_fn if self.custom else default_block_hash  # type: ignore[assignment]
         self._token_weights = _powers(_P, page_size + 1)[1:]
         self._m_pow = _powers(_M, 1)
-        self._m_inv_pow = _powers(_M_INV, 1)
+        self._k_m_inv_pow = _powers(_M_INV, 1) * _K_NP  # mix's factor K folded in: one pass fewer
 
     def one(self, parent_hash: int, tokens: tuple[int, ...]) -> int:
         """The hash of one block; ``TypeError`` when a custom ``hash_fn`` returns a non-int."""
@@ -132,10 +125,12 @@ class ChainHasher:
             return out
         if len(self._m_pow) < nb + 1:
             size = max(nb + 1, 2 * len(self._m_pow))
-            self._m_pow, self._m_inv_pow = _powers(_M, size), _powers(_M_INV, size)
+            self._m_pow, self._k_m_inv_pow = _powers(_M, size), _powers(_M_INV, size) * _K_NP
         # Integer array arithmetic wraps modulo 2**64 without a warning (only scalars warn).
-        c = _mix64_np(blocks.view(np.uint64) @ self._token_weights)
-        c *= self._m_inv_pow[:nb]
+        # c_i * M^-i = ((x ^ (x >> 32)) * K) * M^-i, the last two factors precomputed as one.
+        c = blocks.view(np.uint64) @ self._token_weights
+        c ^= c >> _SHIFT_NP
+        c *= self._k_m_inv_pow[:nb]
         s = np.add.accumulate(c)  # uint64 in, uint64 out (the ufunc skips cumsum's wrappers)
         s += np.uint64((seed * _M) & _MASK)
         s *= self._m_pow[:nb]
