@@ -192,9 +192,13 @@ class PageAllocator:
         already = self._is_free[arr]
         if np.count_nonzero(already):  # count_nonzero: cheaper than any() on small arrays
             raise RuntimeError(f"double free: pages {arr[already].tolist()} are already free")
-        ordered = np.sort(arr)
-        if np.count_nonzero(ordered[1:] == ordered[:-1]):
-            raise ValueError(f"pages listed more than once: {arr.tolist()}")
+        if n <= 64:  # a set of a few dozen Python ints is cheaper than a sort
+            if len(set(arr.tolist())) != n:
+                raise ValueError(f"pages listed more than once: {arr.tolist()}")
+        else:
+            ordered = np.sort(arr)
+            if np.count_nonzero(ordered[1:] == ordered[:-1]):
+                raise ValueError(f"pages listed more than once: {arr.tolist()}")
         self._is_free[arr] = True
         # Pages not free are handed out, so the ring has room for them: no overflow possible.
         tail = (self._head + self._count) % self.num_pages
