@@ -587,3 +587,17 @@ def test_naive_manager_flow_still_frees_everything():
     served(flow, t(1, 2, 3))
     assert flow.allocator.num_free_pages == 4
     flow.check_integrity()
+
+
+@pytest.mark.parametrize("n", [2, 64, 65, 200])
+def test_free_refuses_a_page_listed_twice_at_any_length(n):
+    """Short and long lists take different duplicate checks; both refuse, changing nothing."""
+    a = PageAllocator(256)
+    pages = a.allocate(n)
+    before = a.free_pages().tolist()
+    twice = np.concatenate([pages.numpy()[:-1], pages.numpy()[:1]])
+    with pytest.raises(ValueError, match="more than once"):
+        a.free(twice)
+    assert a.free_pages().tolist() == before
+    a.free(pages)
+    assert a.num_free_pages == 256

@@ -116,26 +116,44 @@ class PageAllocator:
     def allocate_host_slots(self, num_tokens: int, out: np.ndarray | None = None) -> np.ndarray:
         """`allocate_slots` as a host NumPy ``int32`` array (for bookkeeping on the host), written
         into ``out`` (an int32 array of ``num_tokens`` entries) when given."""
-        n = check_size(num_tokens, "num_tokens")
+        n = (
+            num_tokens
+            if type(num_tokens) is int and num_tokens >= 0
+            else check_size(num_tokens, "num_tokens")
+        )
         if out is not None and (
             not isinstance(out, np.ndarray) or out.dtype != np.int32 or out.shape != (n,)
         ):
             raise ValueError(f"out must be an int32 NumPy array of shape ({n},), got {out!r:.80}")
-        k = -(-n // self.page_size)
+        ps = self.page_size
+        k = -(-n // ps)
         if k > self._count:
             raise RuntimeError(f"cannot allocate {k} pages: only {self._count} are free")
         head = self._head
+        if out is not None and k == 1:
+            # One page (a short prompt or a decode step): scalar work, no fancy indexing.
+            p = int(self._ring[head])
+            self._head = head + 1 if head + 1 < self.num_pages else 0
+            self._count -= 1
+            self._is_free[p] = False
+            if ps == 1:
+                out[0] = p
+            elif self._rows is not None:
+                out[:] = self._rows[p, :n]
+            else:
+                out[:] = p * ps + self._offsets[:n]
+            return out
         # A view of the ring where the pages do not wrap (no copy: they are read once, below).
         pages = self._ring[head : head + k] if head + k <= self.num_pages else self._take(head, k)
         self._head = (head + k) % self.num_pages
         self._count -= k
         self._is_free[pages] = False
-        if self.page_size == 1:
+        if ps == 1:
             slots = pages
         elif self._rows is not None:
             slots = self._rows.take(pages, axis=0).reshape(-1)[:n]
         else:
-            slots = (pages[:, None] * self.page_size + self._offsets).reshape(-1)[:n]
+            slots = (pages[:, None] * ps + self._offsets).reshape(-1)[:n]
         if out is None:
             return slots.astype(np.int32)
         out[:] = slots
@@ -174,9 +192,13 @@ class PageAllocator:
         already = self._is_free[arr]
         if np.count_nonzero(already):  # count_nonzero: cheaper than any() on small arrays
             raise RuntimeError(f"double free: pages {arr[already].tolist()} are already free")
-        ordered = np.sort(arr)
-        if np.count_nonzero(ordered[1:] == ordered[:-1]):
-            raise ValueError(f"pages listed more than once: {arr.tolist()}")
+        if n <= 64:  # a set of a few dozen Python ints is cheaper than a sort
+            if len(set(arr.tolist())) != n:
+                raise ValueError(f"pages listed more than once: {arr.tolist()}")
+        else:
+            ordered = np.sort(arr)
+            if np.count_nonzero(ordered[1:] == ordered[:-1]):
+                raise ValueError(f"pages listed more than once: {arr.tolist()}")
         self._is_free[arr] = True
         # Pages not free are handed out, so the ring has room for them: no overflow possible.
         tail = (self._head + self._count) % self.num_pages

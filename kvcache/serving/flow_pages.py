@@ -28,6 +28,7 @@ class FlowPages:
         self.page_size = allocator.page_size
         self.stats = stats
         self.trace = trace
+        self._steps = np.arange(1, self.page_size, dtype=np.int32)
 
     def available(self) -> int:
         """Pages that could be handed out now: free ones plus those eviction could free."""
@@ -80,8 +81,8 @@ class FlowPages:
         h.reserve(k)  # the new slots are written past ``length``: invisible until it moves
         take = min(k, -length % self.page_size)  # free slots left in the last page
         if take:
-            last = int(h.slots[length - 1])
-            h.slots[length : length + take] = np.arange(last + 1, last + 1 + take, dtype=np.int32)
+            # The last page's next slots: one ufunc into the copy, no temporary arrays.
+            np.add(self._steps[:take], h.slots[length - 1], out=h.slots[length : length + take])
         if k > take:
             self.allocate(req.rid, k - take, h.slots[length + take : length + k])
         h.ids[length : length + k] = new_ids

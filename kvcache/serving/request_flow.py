@@ -212,7 +212,8 @@ class RequestFlow:
         ``num_tokens``: an integer in ``[req.num_computed, len(req)]`` (``TypeError`` for bool,
         float and other non-integers, ``ValueError`` out of range).
         """
-        self._get(req)
+        if type(req) is not Request or req.finished or self.running.get(req.rid) is not req:
+            self._get(req)  # raises, saying why
         length = req.host.length
         n = (
             length
@@ -233,7 +234,8 @@ class RequestFlow:
 
         ``RuntimeError`` (nothing changed) when the pool cannot take the new pages.
         """
-        self._get(req)
+        if type(req) is not Request or req.finished or self.running.get(req.rid) is not req:
+            self._get(req)  # raises, saying why
         check_token_ids(new_ids, "new_ids")
         return self._extend(req, new_ids)
 
@@ -341,7 +343,8 @@ class RequestFlow:
 
         Returns the length that was already cached. Requires every token to be computed.
         """
-        self._get(req)
+        if type(req) is not Request or req.finished or self.running.get(req.rid) is not req:
+            self._get(req)  # raises, saying why
         length = req.host.length
         if req.num_computed != length:
             raise RuntimeError(
