@@ -212,8 +212,7 @@ class RequestFlow:
         ``num_tokens``: an integer in ``[req.num_computed, len(req)]`` (``TypeError`` for bool,
         float and other non-integers, ``ValueError`` out of range).
         """
-        if type(req) is not Request or req.finished or self.running.get(req.rid) is not req:
-            self._get(req)  # raises, saying why
+        self._get(req)
         length = req.host.length
         n = (
             length
@@ -234,8 +233,7 @@ class RequestFlow:
 
         ``RuntimeError`` (nothing changed) when the pool cannot take the new pages.
         """
-        if type(req) is not Request or req.finished or self.running.get(req.rid) is not req:
-            self._get(req)  # raises, saying why
+        self._get(req)
         check_token_ids(new_ids, "new_ids")
         return self._extend(req, new_ids)
 
@@ -343,8 +341,7 @@ class RequestFlow:
 
         Returns the length that was already cached. Requires every token to be computed.
         """
-        if type(req) is not Request or req.finished or self.running.get(req.rid) is not req:
-            self._get(req)  # raises, saying why
+        self._get(req)
         length = req.host.length
         if req.num_computed != length:
             raise RuntimeError(
