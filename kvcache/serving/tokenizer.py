@@ -20,6 +20,17 @@ __all__ = ["ByteTokenizer", "WordTokenizer"]
 _ESCAPES = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
 
 
+def _token_values(ids: torch.Tensor | Iterable[int]) -> list[int]:
+    """``ids`` (a 1-D integer tensor or an iterable of integers) as Python ints; ``TypeError``
+    for text or non-integers (``65.9`` is not ``65``)."""
+    if isinstance(ids, torch.Tensor):
+        values: list[int] = check_token_ids(ids, "ids").tolist()
+        return values
+    if isinstance(ids, (str, bytes, bytearray)):
+        raise TypeError(f"ids must be token ids (a tensor or integers), got {type(ids).__name__}")
+    return [as_int(v, f"ids[{i}]") for i, v in enumerate(ids)]
+
+
 class ByteTokenizer:
     """UTF-8 bytes as token ids (vocabulary of 256).
 
@@ -42,14 +53,7 @@ class ByteTokenizer:
         ``ids``: a 1-D integer CPU tensor or an iterable of integers (Python, NumPy or 0-d torch
         integers); ``TypeError`` for anything else (``65.9`` is not ``65``), ``ValueError`` out of range.
         """
-        if isinstance(ids, torch.Tensor):
-            values = check_token_ids(ids, "ids").tolist()
-        elif isinstance(ids, (str, bytes, bytearray)):
-            raise TypeError(
-                f"ids must be token ids (a tensor or integers), got {type(ids).__name__}"
-            )
-        else:
-            values = [as_int(v, f"ids[{i}]") for i, v in enumerate(ids)]
+        values = _token_values(ids)
         bad = [v for v in values if not 0 <= v <= 255]
         if bad:
             raise ValueError(f"byte token ids must be in [0, 255], got {bad[:4]}")
@@ -103,14 +107,7 @@ class WordTokenizer:
 
     def decode(self, ids: torch.Tensor | Iterable[int]) -> str:
         """The words of ``ids``, joined by single spaces."""
-        if isinstance(ids, torch.Tensor):
-            values = check_token_ids(ids, "ids").tolist()
-        elif isinstance(ids, (str, bytes, bytearray)):
-            raise TypeError(
-                f"ids must be token ids (a tensor or integers), got {type(ids).__name__}"
-            )
-        else:
-            values = [as_int(v, f"ids[{i}]") for i, v in enumerate(ids)]
+        values = _token_values(ids)
         bad = [v for v in values if not 0 <= v < len(self.words)]
         if bad:
             raise ValueError(f"word ids must be in [0, {len(self.words) - 1}], got {bad[:4]}")
