@@ -216,7 +216,7 @@ class SglangStandIn(BaseCacheManager):
         ps = self.page_size
         child_key = key.child_key(ps)
         values = []
-        while len(key) > 0 and child_key in node.children.keys():
+        while len(key) > 0 and child_key in node.children.keys():  # noqa: SIM118 (as SGLang probes)
             child = node.children[child_key]
             prefix_len = child.key.match(key, page_size=ps)
             if prefix_len < len(child.key):
@@ -280,7 +280,7 @@ class SglangStandIn(BaseCacheManager):
         ps = self.page_size
         child_key = key.child_key(ps)
         total = 0
-        while len(key) > 0 and child_key in node.children.keys():
+        while len(key) > 0 and child_key in node.children.keys():  # noqa: SIM118 (as SGLang probes)
             node = node.children[child_key]
             prefix_len = node.key.match(key, page_size=ps)
             total += prefix_len
