@@ -384,14 +384,14 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         f"page size {ps} ({ours['evictions']} evict calls, {ours['evicted_tokens']} tokens evicted, "
         f"{ours['reused_tokens']} reused)"
     )
-    print(f"  {'':18s} {'whole flow':>14s} {'manager calls only':>20s}")
+    print(f"  {'':21s} {'whole flow':>14s} {'manager calls only':>20s}")
     for name, r in tp.items():
         print(
-            f"  {name:18s} {r['requests_per_s']:8.0f} req/s {r['manager_requests_per_s']:14.0f} req/s"
+            f"  {name:21s} {r['requests_per_s']:8.0f} req/s {r['manager_requests_per_s']:14.0f} req/s"
         )
     ratio = ours["requests_per_s"] / base["requests_per_s"]
     manager_ratio = ours["manager_requests_per_s"] / base["manager_requests_per_s"]
-    print(f"  {'speed-up':18s} {ratio:12.1f}x {manager_ratio:18.1f}x")
+    print(f"  {'speed-up':21s} {ratio:12.1f}x {manager_ratio:18.1f}x")
     print(
         f"  RadixCacheManager whole flow / manager calls: {ours['flow_seconds'] / ours['manager_seconds']:.2f}x"
         f" (manager calls: {ours['manager_seconds_with_replay'] * 1e3:.1f} ms replayed, less the "
@@ -400,7 +400,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     block_hash = block_hash_rows(args.requests, args.pages, args.repeats)
     for key, r in block_hash.items():
         print(
-            f"  {'BlockHash ' + key.replace('page_size_', 'ps='):18s} {r['requests_per_s']:8.0f} req/s "
+            f"  {'BlockHash ' + key.replace('page_size_', 'ps='):21s} {r['requests_per_s']:8.0f} req/s "
             f"{r['manager_requests_per_s']:14.0f} req/s  (flow / manager calls "
             f"{r['flow_seconds'] / r['manager_seconds']:.2f}x, {r['reused_tokens']} reused)"
         )

@@ -174,6 +174,8 @@ class SglangStandIn(BaseCacheManager):
         self.device = torch.device(device)
         self.page_size = page_size
         self.is_eagle = False
+        self.enable_kv_cache_events = False
+        self.metrics_collector = None
         self.eviction_strategy = LRUStrategy()
         self.evictable_leaves: set[SglNode] = set()
         self.reset()
@@ -264,8 +266,11 @@ class SglangStandIn(BaseCacheManager):
     def _insert(
         self, input_ids: torch.Tensor, indices: torch.Tensor, extra_key: Hashable
     ) -> tuple[int, SglNode, int]:
+        # SGLang's cache_finished_req: the aligned key, its slots copied to int64; then insert().
         key = self._key(input_ids, extra_key).page_aligned(self.page_size)
         value = indices[: len(key)].to(dtype=torch.int64, copy=True)
+        key = key.page_aligned(self.page_size)  # insert() aligns (and cuts the value) again
+        value = value[: len(key)]
         prefix_len, node = self._insert_helper(self.root_node, key, value)
         return prefix_len, node, len(key)
 
@@ -302,6 +307,7 @@ class SglangStandIn(BaseCacheManager):
             self.evictable_size_ += len(key)
             self._update_leaf_status(node)
             self._update_leaf_status(new_node)
+            self._record_store_event(new_node)
             node = new_node
         return total, node
 
@@ -357,6 +363,7 @@ class SglangStandIn(BaseCacheManager):
         """A heap of every evictable leaf, built anew; pop until ``size`` tokens are freed."""
         if size <= 0:
             return self._empty
+        start_time = time.perf_counter()
         get_priority = self.eviction_strategy.get_priority
         heap = [(get_priority(node), node) for node in list(self.evictable_leaves)]
         heapq.heapify(heap)
@@ -370,7 +377,22 @@ class SglangStandIn(BaseCacheManager):
             parent = x.parent
             if len(parent.children) == 0 and parent.lock_ref == 0:  # type: ignore[union-attr]
                 heapq.heappush(heap, (get_priority(parent), parent))  # type: ignore[arg-type]
+            self._record_remove_event(x)
+        self.update_eviction_metrics(num_evicted, start_time)
         return torch.cat(freed) if freed else self._empty
+
+    # KV events and metrics are off, as in a default server: one test each per call, as in SGLang.
+    def _record_store_event(self, node: SglNode) -> None:
+        if self.enable_kv_cache_events:
+            raise NotImplementedError("KV events are not part of the stand-in")
+
+    def _record_remove_event(self, node: SglNode) -> None:
+        if self.enable_kv_cache_events:
+            raise NotImplementedError("KV events are not part of the stand-in")
+
+    def update_eviction_metrics(self, num_evicted: int, start_time: float) -> None:
+        if self.metrics_collector is not None:
+            raise NotImplementedError("metrics are not part of the stand-in")
 
     def _delete_leaf(self, node: SglNode) -> None:
         key = node.key.child_key(self.page_size)
