@@ -24,7 +24,7 @@ from collections.abc import Callable, Hashable, Sequence
 import numpy as np
 import torch
 
-from .._validate import aligned_run_pages, check_int_in, check_token_ids, reject_one_tensor
+from .._validate import check_int_in, check_token_ids, reject_one_tensor
 from ..managers.base import BaseCacheHandle, BaseCacheManager, fused_calls_safe
 from ..managers.cache_events import check_extra_key
 from .allocator import PageAllocator
@@ -137,7 +137,10 @@ class RequestFlow:
         host.length = n
         req = Request.from_host(rid, host, handle, m, self._device, key)
         self.running[rid] = req
-        self.stats.count_request(n, m)
+        stats = self.stats  # FlowStats.count_request, inline: once a request
+        stats.requests += 1
+        stats.prompt_tokens += n
+        stats.reused_tokens += m
         return req
 
     def begin(
@@ -155,14 +158,16 @@ class RequestFlow:
         check_token_ids(input_ids)
         if extra_key is not None:
             check_extra_key(extra_key)
-        n = input_ids.shape[0]
-        if n == 0:
+        if input_ids.shape[0] == 0:
             raise ValueError("input_ids must hold at least one token")
-        ids = input_ids.numpy()
         rid = next(self._rids)
-        handle, prefix = self._match_lock(rid, input_ids, compute_last, extra_key)
+        handle, prefix = (
+            self.manager.match_and_lock(input_ids[:-1] if compute_last else input_ids, extra_key)
+            if self._fused
+            else self._match_lock(rid, input_ids, compute_last, extra_key)
+        )
         try:
-            return self._start(rid, ids, handle, prefix, extra_key)
+            return self._start(rid, input_ids.numpy(), handle, prefix, extra_key)
         except BaseException:
             self.manager.lock_handle(handle, unlock=True)
             raise
@@ -214,6 +219,9 @@ class RequestFlow:
         """
         self._get(req)
         length = req.host.length
+        if num_tokens is None and self._trace is None:
+            req.num_computed = length
+            return
         n = (
             length
             if num_tokens is None
@@ -292,36 +300,22 @@ class RequestFlow:
         if self._trace is not None:
             self._trace(req.rid, 4, "insert_prefix", f"{n} tokens, {already} already cached")
         if not keep_running:
-            to_free = h.finished_pages(lo, already, n, self.page_size)
-            if to_free.shape[0]:
-                self.allocator.free(to_free)
+            freed = self._pages.free_finished(h.slots, lo, already, n, length)
             if self._trace is not None:
-                self._trace(req.rid, 5, "free", f"pages {to_free.tolist()}")
+                self._trace(req.rid, 5, "free", f"pages {freed}")
             if not fused:
                 self.manager.lock_handle(req.handle, unlock=True)
             return already
         hi = min(already, res.handle.cached_len)  # a manager caching nothing holds none of them
         if hi > lo:
-            dup = h.slots[lo:hi].copy()
-            self.allocator.free_slots(dup)
-            if self._trace is not None:
-                pages = self.allocator.slots_to_pages(dup).tolist()
-                self._trace(req.rid, 5, "free", f"duplicate pages {pages}")
-            # A new copy: tensors handed out before keep their values.
-            slots = h.slots[:length].copy()
-            slots[:hi] = self.manager.handle_indices(res.handle)[:hi].cpu().numpy()
-            req.host = HostCopy(h.ids[:length], slots)
+            self._pages.share_tree_pages(req, res.handle, lo, hi)
         if not fused:
             self.manager.lock_handle(res.handle)
             self.manager.lock_handle(req.handle, unlock=True)
         req.handle = res.handle
         if self._trace is not None:
-            self._trace(
-                req.rid,
-                2,
-                "lock_handle",
-                f"lock moved to the cached prefix, tree_len={req.tree_len}",
-            )
+            moved = f"lock moved to the cached prefix, tree_len={req.tree_len}"
+            self._trace(req.rid, 2, "lock_handle", moved)
         return already
 
     def cache(self, req: Request) -> int:
@@ -348,7 +342,7 @@ class RequestFlow:
                 f"request {req.rid} has {length - req.num_computed} tokens without stored K/V; "
                 "call mark_computed first"
             )
-        already = self._insert(req, length // self.page_size * self.page_size, keep_running=False)
+        already = self._insert(req, length - length % self.page_size, keep_running=False)
         if self._trace is not None:
             self._trace(req.rid, 7, "unlock", f"protected={self.manager.size_info.protected_size}")
         self._end(req)
@@ -357,9 +351,7 @@ class RequestFlow:
     def abort(self, req: Request) -> None:
         """Drop a request without caching it: free its own pages and unlock its prefix."""
         self._get(req)
-        own = aligned_run_pages(req.host.slots[req.tree_len : len(req)], self.page_size)
-        if own.shape[0]:
-            self.allocator.free(own)
+        self.allocator.free_page_runs(req.host.slots[req.tree_len : len(req)])
         self.manager.lock_handle(req.handle, unlock=True)
         self._end(req)
 
