@@ -197,6 +197,22 @@ class PageAllocator:
         for a page already free, ``ValueError`` for one listed twice); nothing changes on a raise.
         """
         ps = self.page_size
+        if (
+            type(slots) is np.ndarray
+            and slots.ndim == 1
+            and 0 < slots.shape[0] <= ps
+            and slots.dtype.kind in "iu"
+        ):
+            # One page (a request's partial last one): scalar work; anything amiss falls through
+            # to the checks below, which raise.
+            s = int(slots[0])
+            p = s // ps
+            if 0 <= s < self.num_slots and p * ps == s and not self._free_bytes[p]:
+                self._free_bytes[p] = 1
+                tail = self._head + self._count
+                self._ring[tail - self.num_pages if tail >= self.num_pages else tail] = p
+                self._count += 1
+                return
         if type(slots) is not np.ndarray:
             if not isinstance(slots, torch.Tensor) or slots.dtype not in _INT_DTYPES:
                 check_id_array(slots, "slots", self.num_slots)  # raises naming what it got
@@ -214,6 +230,15 @@ class PageAllocator:
                 return
         if k == 0:
             return
+        if starts.dtype == np.int32 and self._pow2:  # what managers evict: fewest array ops
+            pages = starts >> self._shift if ps > 1 else starts
+            try:  # the gather checks the range: a negative page is huge seen as unsigned
+                already = self._is_free.take(pages.view(np.uint32))
+            except IndexError:
+                already = None  # out of range: raised below, naming the slot
+            if already is not None and (ps == 1 or not np.count_nonzero(starts & (ps - 1))):
+                self._push_new(pages, already)
+                return
         starts = check_id_array(starts, "slots", self.num_slots)  # range, on the starts only
         if ps == 1:
             self._push(starts)
@@ -267,8 +292,11 @@ class PageAllocator:
             if n:
                 self._push_list(pages.tolist())
             return
-        arr = pages if pages.dtype == np.int64 else pages.astype(np.int64)
-        already = self._is_free[arr]
+        self._push_new(pages, self._is_free[pages])
+
+    def _push_new(self, arr: np.ndarray, already: np.ndarray) -> None:
+        """`_push` of pages ``arr`` (in range) whose free flags are ``already``."""
+        n = arr.shape[0]
         if np.count_nonzero(already):  # count_nonzero: cheaper than any() on small arrays
             raise RuntimeError(f"double free: pages {arr[already].tolist()} are already free")
         ordered = np.sort(arr)

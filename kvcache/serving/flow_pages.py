@@ -1,13 +1,17 @@
-"""`FlowPages`: the page budget of a `RequestFlow`, and taking pages from it (evicting first)."""
+"""`FlowPages`: the page budget of a `RequestFlow`, taking pages from it (evicting first) and
+giving them back, and the flow's steps one manager call at a time (traced or unfused)."""
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import numpy as np
+import torch
 
 from .._validate import aligned_run_pages
 from ..managers.base import BaseCacheHandle, BaseCacheManager
 from .allocator import PageAllocator
-from .request import FlowStats, HostCopy, Request, Tracer
+from .request import FlowStats, HostCopy, Request, Tracer, keyed
 
 __all__ = ["FlowPages"]
 
@@ -30,6 +34,36 @@ class FlowPages:
         self.stats = stats
         self.trace = trace
         self._steps = np.arange(1, self.page_size, dtype=np.int32)
+
+    def match_lock(
+        self, rid: int, ids: torch.Tensor, compute_last: bool, key: Hashable
+    ) -> tuple[BaseCacheHandle, torch.Tensor]:
+        """Steps 1 and 2 one call at a time (traced, or a manager without fused calls)."""
+        handle, prefix = keyed(self.manager.match_prefix, key, ids[:-1] if compute_last else ids)
+        m = handle.cached_len
+        if self.trace is not None:
+            self.trace(rid, 1, "match_prefix", f"cached_len={m} indices={prefix.tolist()}")
+        self.manager.lock_handle(handle)
+        if self.trace is not None:
+            self.trace(rid, 2, "lock_handle", f"protected={self.manager.size_info.protected_size}")
+        return handle, prefix
+
+    def reset_cache(self, running: list[int]) -> int:
+        """`RequestFlow.reset_prefix_cache` (``running``: the rids still running)."""
+        if running:
+            raise RuntimeError(
+                f"cannot reset the prefix cache while {len(running)} requests are running "
+                f"(rids {running[:8]}); finish or abort them first"
+            )
+        locked = self.manager.size_info.protected_size
+        if locked:
+            raise RuntimeError(
+                f"cannot reset the prefix cache while {locked} cached tokens are locked"
+            )
+        cached = self.manager.cached_indices()
+        self.allocator.free_slots(cached)  # validates every page first: raises changing nothing
+        self.manager.reset()
+        return int(cached.shape[0])
 
     def available(self) -> int:
         """Pages that could be handed out now: free ones plus those eviction could free."""
@@ -93,7 +127,10 @@ class FlowPages:
             # The last page's next slots: one ufunc into the copy, no temporary arrays.
             np.add(self._steps[:take], h.slots[length - 1], out=h.slots[length : length + take])
         if k > take:
-            self.allocate(req.rid, k - take, h.slots[length + take : end])
+            if self.trace is None and k - take <= self.allocator.num_free_pages * self.page_size:
+                self.allocator.allocate_host_slots(k - take, h.slots[length + take : end])
+            else:
+                self.allocate(req.rid, k - take, h.slots[length + take : end])
         h.ids[length:end] = new_ids
         h.length = end
         self.stats.decoded_tokens += k
