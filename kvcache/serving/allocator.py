@@ -213,27 +213,29 @@ class PageAllocator:
                 self._ring[tail - self.num_pages if tail >= self.num_pages else tail] = p
                 self._count += 1
                 return
-        if type(slots) is not np.ndarray:
+        if isinstance(slots, np.ndarray):
+            arr = slots
+            if arr.dtype.kind not in "iu":
+                check_id_array(arr, "slots", self.num_slots)  # raises naming the dtype
+        else:
             if not isinstance(slots, torch.Tensor) or slots.dtype not in _INT_DTYPES:
                 check_id_array(slots, "slots", self.num_slots)  # raises naming what it got
-            slots = slots.numpy() if slots.is_cpu else slots.cpu().numpy()
-        elif slots.dtype.kind not in "iu":
-            check_id_array(slots, "slots", self.num_slots)  # raises naming the dtype
-        if slots.ndim != 1:
-            raise ValueError(f"slots must be 1-D, got shape {tuple(slots.shape)}")
-        starts = slots[::ps] if ps > 1 else slots
+            arr = slots.numpy() if slots.is_cpu else slots.cpu().numpy()
+        if arr.ndim != 1:
+            raise ValueError(f"slots must be 1-D, got shape {tuple(arr.shape)}")
+        starts = arr[::ps] if ps > 1 else arr
         k = starts.shape[0]
         if k <= _FEW:  # a few dozen Python ints cost less than the dozen array ops below
-            pages = self._start_pages(starts.tolist())
-            if pages is not None:
-                self._push_list(pages)
+            listed = self._start_pages(starts.tolist())
+            if listed is not None:
+                self._push_list(listed)
                 return
         if k == 0:
             return
         if starts.dtype == np.int32 and self._pow2:  # what managers evict: fewest array ops
             pages = starts >> self._shift if ps > 1 else starts
             try:  # the gather checks the range: a negative page is huge seen as unsigned
-                already = self._is_free.take(pages.view(np.uint32))
+                already: np.ndarray | None = self._is_free.take(pages.view(np.uint32))
             except IndexError:
                 already = None  # out of range: raised below, naming the slot
             if already is not None and (ps == 1 or not np.count_nonzero(starts & (ps - 1))):
