@@ -10,7 +10,9 @@ For each trace and page size, per request (CPU time of the thread):
 
 Both flows take every job in turn, in alternating order: the flow that goes second finds the
 job's tensors in cache, worth ~10 µs a request on a few-thousand-token prompt, so a fixed order
-would favour one side. Runs are repeated and the fastest kept (the machine is shared).
+would favour one side. Runs are repeated and the fastest kept (the machine is shared). Taking
+turns also leaves each flow's data colder than a flow running alone (each evicts the other's),
+so the ratios here run above `radix_ops`'s: compare the two sides, not these ratios with its.
 
 Run: ``python benchmarks/flow_own.py --baseline /path/to/other/checkout [--traces chat agent]
 [--page-sizes 1 16] [--repeats 3]``. Without ``--baseline`` only this checkout is timed.
