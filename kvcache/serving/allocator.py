@@ -24,6 +24,12 @@ from .._validate import (
 
 __all__ = ["PageAllocator"]
 
+#: Up to this many pages, a free runs in plain Python on a list: measured, list work costs less
+#: than the fixed cost of the dozen NumPy calls it replaces up to 32-48 pages.
+_FEW = 32
+
+_INT_DTYPES = frozenset((torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8))
+
 
 class PageAllocator:
     """Free list of ``num_pages`` pages, handed out in FIFO order as int32 tensors on ``device``.
@@ -50,6 +56,9 @@ class PageAllocator:
         self.num_pages, self.page_size = num_pages, page_size
         self._on_cpu = self.device.type == "cpu"
         self._offsets = np.arange(page_size, dtype=np.int64)
+        # Power-of-two pages (the usual case): page of a slot by shift, page start by mask.
+        self._pow2 = page_size & (page_size - 1) == 0
+        self._shift = page_size.bit_length() - 1
         # Each page's slots as a row, so a page's slots are one row gather, not two broadcast
         # ops; kept for pools up to 4M slots (16 MiB), larger ones compute them.
         self._rows = (
@@ -79,7 +88,9 @@ class PageAllocator:
         self._ring = np.arange(self.num_pages, dtype=np.int64)
         self._head = 0
         self._count = self.num_pages
-        self._is_free = np.ones(self.num_pages, dtype=np.bool_)
+        # The free mask, for Python (one page: a bytearray index) and NumPy (a view of it) alike.
+        self._free_bytes = bytearray(b"\x01") * self.num_pages
+        self._is_free = np.frombuffer(self._free_bytes, dtype=np.bool_)
 
     def _out(self, arr: np.ndarray) -> torch.Tensor:
         out = torch.from_numpy(arr)
@@ -135,7 +146,7 @@ class PageAllocator:
             p = int(self._ring[head])
             self._head = head + 1 if head + 1 < self.num_pages else 0
             self._count -= 1
-            self._is_free[p] = False
+            self._free_bytes[p] = 0
             if ps == 1:
                 out[0] = p
             elif self._rows is not None:
@@ -165,7 +176,7 @@ class PageAllocator:
             p = int(pages[0])  # one page (a request's partial last one): checked in Python
             if not 0 <= p < self.num_pages:
                 raise ValueError(f"pages: {p} is outside [0, {self.num_pages})")
-            self._push(pages)
+            self._push_list([p])
             return
         self._push(check_id_array(pages, "pages", self.num_pages))
 
@@ -175,30 +186,124 @@ class PageAllocator:
         arr = check_id_array(slots, "slots", self.num_slots)
         self._push(slots_to_pages(arr, self.page_size))
 
+    def free_page_runs(self, slots: torch.Tensor | np.ndarray) -> None:
+        """Return the pages of ``slots`` laid out page after page from a page start, the last
+        page possibly partial: what a manager evicts, or a request's own slots from a page
+        boundary on. Their pages are ``slots[::page_size] // page_size``.
+
+        Only those first slots are read (a page's other slots are its own by layout), so this
+        costs O(pages), where `free_slots` reads every slot. ``ValueError`` when one of them is
+        outside ``[0, num_slots)`` or not a page start, and as `free` otherwise (``RuntimeError``
+        for a page already free, ``ValueError`` for one listed twice); nothing changes on a raise.
+        """
+        ps = self.page_size
+        if (
+            type(slots) is np.ndarray
+            and slots.ndim == 1
+            and 0 < slots.shape[0] <= ps
+            and slots.dtype.kind in "iu"
+        ):
+            # One page (a request's partial last one): scalar work; anything amiss falls through
+            # to the checks below, which raise.
+            s = int(slots[0])
+            p = s // ps
+            if 0 <= s < self.num_slots and p * ps == s and not self._free_bytes[p]:
+                self._free_bytes[p] = 1
+                tail = self._head + self._count
+                self._ring[tail - self.num_pages if tail >= self.num_pages else tail] = p
+                self._count += 1
+                return
+        if isinstance(slots, np.ndarray):
+            arr = slots
+            if arr.dtype.kind not in "iu":
+                check_id_array(arr, "slots", self.num_slots)  # raises naming the dtype
+        else:
+            if not isinstance(slots, torch.Tensor) or slots.dtype not in _INT_DTYPES:
+                check_id_array(slots, "slots", self.num_slots)  # raises naming what it got
+            arr = slots.numpy() if slots.is_cpu else slots.cpu().numpy()
+        if arr.ndim != 1:
+            raise ValueError(f"slots must be 1-D, got shape {tuple(arr.shape)}")
+        starts = arr[::ps] if ps > 1 else arr
+        k = starts.shape[0]
+        if k <= _FEW:  # a few dozen Python ints cost less than the dozen array ops below
+            listed = self._start_pages(starts.tolist())
+            if listed is not None:
+                self._push_list(listed)
+                return
+        if k == 0:
+            return
+        if starts.dtype == np.int32 and self._pow2:  # what managers evict: fewest array ops
+            pages = starts >> self._shift if ps > 1 else starts
+            try:  # the gather checks the range: a negative page is huge seen as unsigned
+                already: np.ndarray | None = self._is_free.take(pages.view(np.uint32))
+            except IndexError:
+                already = None  # out of range: raised below, naming the slot
+            if already is not None and (ps == 1 or not np.count_nonzero(starts & (ps - 1))):
+                self._push_new(pages, already)
+                return
+        starts = check_id_array(starts, "slots", self.num_slots)  # range, on the starts only
+        if ps == 1:
+            self._push(starts)
+            return
+        off = starts & (ps - 1) if self._pow2 else starts % ps
+        if np.count_nonzero(off):
+            bad = int(starts[np.flatnonzero(off)[0]])
+            raise ValueError(f"slots: {bad} does not start a page of {ps} slots")
+        self._push(starts >> self._shift if self._pow2 else starts // ps)
+
+    def _start_pages(self, starts: list[int]) -> list[int] | None:
+        """The pages of page-start slots ``starts``; None if one is out of range or not a start."""
+        limit, ps = self.num_slots, self.page_size
+        if ps == 1:
+            pages = [s for s in starts if 0 <= s < limit]
+        elif self._pow2:
+            mask, shift = ps - 1, self._shift
+            pages = [s >> shift for s in starts if 0 <= s < limit and not s & mask]
+        else:
+            pages = [s // ps for s in starts if 0 <= s < limit and not s % ps]
+        return pages if len(pages) == len(starts) else None
+
+    def _push_list(self, pages: list[int]) -> None:
+        """`_push` of a short Python list of pages in range: no array ops but the ring write."""
+        free = self._free_bytes
+        already = [p for p in pages if free[p]]
+        if already:
+            raise RuntimeError(f"double free: pages {already} are already free")
+        n = len(pages)
+        if n > 1 and len(set(pages)) != n:
+            raise ValueError(f"pages listed more than once: {pages}")
+        for p in pages:
+            free[p] = 1
+        tail, size = self._head + self._count, self.num_pages
+        if tail >= size:
+            tail -= size
+        if n == 1:
+            self._ring[tail] = pages[0]
+        elif tail + n <= size:
+            self._ring[tail : tail + n] = pages
+        else:
+            first = size - tail
+            self._ring[tail:] = pages[:first]
+            self._ring[: n - first] = pages[first:]
+        self._count += n
+
     def _push(self, pages: np.ndarray) -> None:
         """Free ``pages`` (page ids already known to be in range), or change nothing and raise."""
         n = pages.shape[0]
-        if n == 0:
+        if n <= _FEW:
+            if n:
+                self._push_list(pages.tolist())
             return
-        if n == 1:  # the common case of a request's partial last page: plain Python, no array ops
-            p = int(pages[0])
-            if self._is_free[p]:
-                raise RuntimeError(f"double free: pages [{p}] are already free")
-            self._is_free[p] = True
-            self._ring[(self._head + self._count) % self.num_pages] = p
-            self._count += 1
-            return
-        arr = pages.astype(np.int64)
-        already = self._is_free[arr]
+        self._push_new(pages, self._is_free[pages])
+
+    def _push_new(self, arr: np.ndarray, already: np.ndarray) -> None:
+        """`_push` of pages ``arr`` (in range) whose free flags are ``already``."""
+        n = arr.shape[0]
         if np.count_nonzero(already):  # count_nonzero: cheaper than any() on small arrays
             raise RuntimeError(f"double free: pages {arr[already].tolist()} are already free")
-        if n <= 64:  # a set of a few dozen Python ints is cheaper than a sort
-            if len(set(arr.tolist())) != n:
-                raise ValueError(f"pages listed more than once: {arr.tolist()}")
-        else:
-            ordered = np.sort(arr)
-            if np.count_nonzero(ordered[1:] == ordered[:-1]):
-                raise ValueError(f"pages listed more than once: {arr.tolist()}")
+        ordered = np.sort(arr)
+        if np.count_nonzero(ordered[1:] == ordered[:-1]):
+            raise ValueError(f"pages listed more than once: {arr.tolist()}")
         self._is_free[arr] = True
         # Pages not free are handed out, so the ring has room for them: no overflow possible.
         tail = (self._head + self._count) % self.num_pages

@@ -1,12 +1,17 @@
-"""`FlowPages`: the page budget of a `RequestFlow`, and taking pages from it (evicting first)."""
+"""`FlowPages`: the page budget of a `RequestFlow`, taking pages from it (evicting first) and
+giving them back, and the flow's steps one manager call at a time (traced or unfused)."""
 
 from __future__ import annotations
 
-import numpy as np
+from collections.abc import Hashable
 
-from ..managers.base import BaseCacheManager
+import numpy as np
+import torch
+
+from .._validate import aligned_run_pages
+from ..managers.base import BaseCacheHandle, BaseCacheManager
 from .allocator import PageAllocator
-from .request import FlowStats, Request, Tracer
+from .request import FlowStats, HostCopy, Request, Tracer, keyed
 
 __all__ = ["FlowPages"]
 
@@ -29,6 +34,36 @@ class FlowPages:
         self.stats = stats
         self.trace = trace
         self._steps = np.arange(1, self.page_size, dtype=np.int32)
+
+    def match_lock(
+        self, rid: int, ids: torch.Tensor, compute_last: bool, key: Hashable
+    ) -> tuple[BaseCacheHandle, torch.Tensor]:
+        """Steps 1 and 2 one call at a time (traced, or a manager without fused calls)."""
+        handle, prefix = keyed(self.manager.match_prefix, key, ids[:-1] if compute_last else ids)
+        m = handle.cached_len
+        if self.trace is not None:
+            self.trace(rid, 1, "match_prefix", f"cached_len={m} indices={prefix.tolist()}")
+        self.manager.lock_handle(handle)
+        if self.trace is not None:
+            self.trace(rid, 2, "lock_handle", f"protected={self.manager.size_info.protected_size}")
+        return handle, prefix
+
+    def reset_cache(self, running: list[int]) -> int:
+        """`RequestFlow.reset_prefix_cache` (``running``: the rids still running)."""
+        if running:
+            raise RuntimeError(
+                f"cannot reset the prefix cache while {len(running)} requests are running "
+                f"(rids {running[:8]}); finish or abort them first"
+            )
+        locked = self.manager.size_info.protected_size
+        if locked:
+            raise RuntimeError(
+                f"cannot reset the prefix cache while {locked} cached tokens are locked"
+            )
+        cached = self.manager.cached_indices()
+        self.allocator.free_slots(cached)  # validates every page first: raises changing nothing
+        self.manager.reset()
+        return int(cached.shape[0])
 
     def available(self) -> int:
         """Pages that could be handed out now: free ones plus those eviction could free."""
@@ -53,9 +88,15 @@ class FlowPages:
                 f"out of KV pages: need {num_pages}, {self.allocator.num_free_pages} free and {evictable} evictable"
             )
         slots = self.manager.evict(short * self.page_size)
-        self.allocator.free_slots(slots)
-        self.stats.evicted_tokens += slots.shape[0]
-        self.stats.evictions += 1
+        # A manager evicts what the flow inserted: whole pages, page after page, so their pages
+        # are every page_size-th slot (O(pages) to check); anything else takes the full check.
+        if slots.shape[0] % self.page_size:
+            self.allocator.free_slots(slots)
+        else:
+            self.allocator.free_page_runs(slots)
+        stats = self.stats
+        stats.evicted_tokens += slots.shape[0]
+        stats.evictions += 1
         if self.trace is not None:
             self.trace(
                 rid, 3, "evict", f"evicted {slots.shape[0]} cached tokens to free {short} pages"
@@ -64,9 +105,8 @@ class FlowPages:
     def allocate(self, rid: int, num_tokens: int, out: np.ndarray | None = None) -> np.ndarray:
         """Host slots for ``num_tokens`` on new pages (into ``out`` if given), evicting first when
         the free list is short; ``RuntimeError`` changing nothing when the pool cannot hold them."""
-        need = -(-num_tokens // self.page_size)
-        if need > self.allocator.num_free_pages:
-            self.make_room(rid, need)
+        if num_tokens > self.allocator.num_free_pages * self.page_size:  # more pages than free
+            self.make_room(rid, -(-num_tokens // self.page_size))
         slots = self.allocator.allocate_host_slots(num_tokens, out)
         if self.trace is not None:
             self.trace(rid, 3, "allocate", f"pages {self.allocator.slots_to_pages(slots).tolist()}")
@@ -78,14 +118,56 @@ class FlowPages:
         ``RuntimeError`` changing nothing when the pool cannot take the new pages."""
         h = req.host
         k, length = new_ids.shape[0], h.length
-        h.reserve(k)  # the new slots are written past ``length``: invisible until it moves
-        take = min(k, -length % self.page_size)  # free slots left in the last page
+        end = length + k
+        if end > h.ids.shape[0]:
+            h.reserve(k)  # the new slots are written past ``length``: invisible until it moves
+        take = -length % self.page_size  # free slots left in the last page
         if take:
+            take = min(k, take)
             # The last page's next slots: one ufunc into the copy, no temporary arrays.
             np.add(self._steps[:take], h.slots[length - 1], out=h.slots[length : length + take])
         if k > take:
-            self.allocate(req.rid, k - take, h.slots[length + take : length + k])
-        h.ids[length : length + k] = new_ids
-        h.length = length + k
+            if self.trace is None and k - take <= self.allocator.num_free_pages * self.page_size:
+                self.allocator.allocate_host_slots(k - take, h.slots[length + take : end])
+            else:
+                self.allocate(req.rid, k - take, h.slots[length + take : end])
+        h.ids[length:end] = new_ids
+        h.length = end
         self.stats.decoded_tokens += k
-        return h.slots[length : length + k]
+        return h.slots[length:end]
+
+    def free_finished(
+        self, slots: np.ndarray, lo: int, already: int, n: int, length: int
+    ) -> list[int]:
+        """Free what a request with host ``slots`` frees on finishing after inserting its first
+        ``n`` of ``length`` tokens: its own pages in ``[lo, already)`` (the tree had them first)
+        and those past ``n``. Both runs start on a page, so each page is named by its first slot
+        (`PageAllocator.free_page_runs`): one call, all or nothing. Returns the pages freed
+        when the flow is traced (``[]`` otherwise)."""
+        if already > lo:
+            run = (
+                slots[lo:already]
+                if n == length
+                else np.concatenate([slots[lo:already], slots[n:length]])
+            )
+        elif n < length:
+            run = slots[n:length]
+        else:
+            return []
+        self.allocator.free_page_runs(run)
+        return aligned_run_pages(run, self.page_size).tolist() if self.trace is not None else []
+
+    def share_tree_pages(self, req: Request, handle: BaseCacheHandle, lo: int, hi: int) -> None:
+        """After the insert of a request that keeps running: its own pages in ``[lo, hi)``
+        duplicate the tree's (another request inserted those tokens first). Frees them and points
+        the request's slots there at the tree's (``handle``'s), in a new host copy, so tensors
+        handed out before keep their values."""
+        h = req.host
+        dup = h.slots[lo:hi].copy()
+        self.allocator.free_page_runs(dup)  # own pages from a page start: whole pages
+        if self.trace is not None:
+            pages = aligned_run_pages(dup, self.page_size).tolist()
+            self.trace(req.rid, 5, "free", f"duplicate pages {pages}")
+        slots = h.slots[: h.length].copy()
+        slots[:hi] = self.manager.handle_indices(handle)[:hi].cpu().numpy()
+        req.host = HostCopy(h.ids[: h.length], slots)

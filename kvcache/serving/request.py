@@ -9,7 +9,6 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from .._validate import aligned_run_pages
 from ..managers.base import BaseCacheHandle
 
 __all__ = ["Request", "FlowStats", "FlowEvent", "Tracer", "HostCopy", "keyed"]
@@ -255,16 +254,6 @@ class HostCopy:
             grown_ids, grown_slots = np.empty(cap, dtype=np.int64), np.empty(cap, dtype=np.int32)
             grown_ids[:n], grown_slots[:n] = self.ids[:n], self.slots[:n]
             self.ids, self.slots = grown_ids, grown_slots
-
-    def finished_pages(self, lo: int, already: int, n: int, page_size: int) -> np.ndarray:
-        """The pages a finishing request frees after inserting its first ``n`` tokens: its own
-        pages in ``[lo, already)`` (the tree had them first) and those past ``n``. Both runs start
-        page-aligned, so their pages are every ``page_size``-th slot."""
-        tail = aligned_run_pages(self.slots[n : self.length], page_size)
-        if already <= lo:
-            return tail
-        dup = aligned_run_pages(self.slots[lo:already], page_size)
-        return np.concatenate([dup, tail]) if n < self.length else dup
 
     def append(self, ids: np.ndarray, slots: np.ndarray) -> None:
         """Append ``ids`` and their ``slots`` (same length)."""

@@ -24,7 +24,7 @@ from collections.abc import Callable, Hashable, Sequence
 import numpy as np
 import torch
 
-from .._validate import aligned_run_pages, check_int_in, check_token_ids, reject_one_tensor
+from .._validate import check_int_in, check_token_ids, reject_one_tensor
 from ..managers.base import BaseCacheHandle, BaseCacheManager, fused_calls_safe
 from ..managers.cache_events import check_extra_key
 from .allocator import PageAllocator
@@ -103,20 +103,6 @@ class RequestFlow:
         return isinstance(req, Request) and not req.finished and self.running.get(req.rid) is req
 
     # ------------------------------------------------------------ steps
-    def _match_lock(
-        self, rid: int, ids: torch.Tensor, compute_last: bool, key: Hashable
-    ) -> tuple[BaseCacheHandle, torch.Tensor]:
-        if self._fused:
-            return self.manager.match_and_lock(ids[:-1] if compute_last else ids, key)
-        handle, prefix = keyed(self.manager.match_prefix, key, ids[:-1] if compute_last else ids)
-        m = handle.cached_len
-        if self._trace is not None:
-            self._trace(rid, 1, "match_prefix", f"cached_len={m} indices={prefix.tolist()}")
-        self.manager.lock_handle(handle)
-        if self._trace is not None:
-            self._trace(rid, 2, "lock_handle", f"protected={self.manager.size_info.protected_size}")
-        return handle, prefix
-
     def _start(
         self,
         rid: int,
@@ -129,15 +115,21 @@ class RequestFlow:
         nothing taken)."""
         n, m = ids.shape[0], handle.cached_len
         host = HostCopy.with_room(n)
-        if n > m:
-            self._pages.allocate(rid, n - m, host.slots[m:n])  # in place: the new slots, no copy
+        if n > m:  # the new slots are written in place
+            if self._trace is None and n - m <= self.allocator.num_free_pages * self.page_size:
+                self.allocator.allocate_host_slots(n - m, host.slots[m:n])  # no eviction needed
+            else:
+                self._pages.allocate(rid, n - m, host.slots[m:n])
         host.ids[:n] = ids
         if m:
             host.slots[:m] = prefix.numpy() if prefix.is_cpu else prefix.cpu().numpy()
         host.length = n
         req = Request.from_host(rid, host, handle, m, self._device, key)
         self.running[rid] = req
-        self.stats.count_request(n, m)
+        stats = self.stats  # FlowStats.count_request, inline: once a request
+        stats.requests += 1
+        stats.prompt_tokens += n
+        stats.reused_tokens += m
         return req
 
     def begin(
@@ -155,14 +147,16 @@ class RequestFlow:
         check_token_ids(input_ids)
         if extra_key is not None:
             check_extra_key(extra_key)
-        n = input_ids.shape[0]
-        if n == 0:
+        if input_ids.shape[0] == 0:
             raise ValueError("input_ids must hold at least one token")
-        ids = input_ids.numpy()
         rid = next(self._rids)
-        handle, prefix = self._match_lock(rid, input_ids, compute_last, extra_key)
+        handle, prefix = (
+            self.manager.match_and_lock(input_ids[:-1] if compute_last else input_ids, extra_key)
+            if self._fused
+            else self._pages.match_lock(rid, input_ids, compute_last, extra_key)
+        )
         try:
-            return self._start(rid, ids, handle, prefix, extra_key)
+            return self._start(rid, input_ids.numpy(), handle, prefix, extra_key)
         except BaseException:
             self.manager.lock_handle(handle, unlock=True)
             raise
@@ -194,7 +188,12 @@ class RequestFlow:
         matched: list[tuple[BaseCacheHandle, torch.Tensor]] = []
         try:
             for rid, p in zip(rids, prompts, strict=True):
-                matched.append(self._match_lock(rid, p, compute_last, extra_key))
+                ids = p[:-1] if compute_last else p
+                matched.append(
+                    self.manager.match_and_lock(ids, extra_key)
+                    if self._fused
+                    else self._pages.match_lock(rid, p, compute_last, extra_key)
+                )
             new = [p.shape[0] - h.cached_len for p, (h, _) in zip(prompts, matched, strict=True)]
             self._pages.make_room(rids[0], sum(-(-n // self.page_size) for n in new))
         except BaseException:
@@ -212,8 +211,12 @@ class RequestFlow:
         ``num_tokens``: an integer in ``[req.num_computed, len(req)]`` (``TypeError`` for bool,
         float and other non-integers, ``ValueError`` out of range).
         """
-        self._get(req)
+        if type(req) is not Request or req.finished or self.running.get(req.rid) is not req:
+            self._get(req)  # raises
         length = req.host.length
+        if num_tokens is None and self._trace is None:
+            req.num_computed = length
+            return
         n = (
             length
             if num_tokens is None
@@ -233,9 +236,13 @@ class RequestFlow:
 
         ``RuntimeError`` (nothing changed) when the pool cannot take the new pages.
         """
-        self._get(req)
+        if type(req) is not Request or req.finished or self.running.get(req.rid) is not req:
+            self._get(req)
         check_token_ids(new_ids, "new_ids")
-        return self._extend(req, new_ids)
+        if new_ids.shape[0] == 0:
+            return req.indices[:0]
+        out = torch.from_numpy(self._pages.append(req, new_ids.numpy()))
+        return out if self._on_cpu else out.to(self._device)
 
     def extend_batch(
         self, reqs: Sequence[Request], new_ids: Sequence[torch.Tensor]
@@ -292,36 +299,22 @@ class RequestFlow:
         if self._trace is not None:
             self._trace(req.rid, 4, "insert_prefix", f"{n} tokens, {already} already cached")
         if not keep_running:
-            to_free = h.finished_pages(lo, already, n, self.page_size)
-            if to_free.shape[0]:
-                self.allocator.free(to_free)
+            freed = self._pages.free_finished(h.slots, lo, already, n, length)
             if self._trace is not None:
-                self._trace(req.rid, 5, "free", f"pages {to_free.tolist()}")
+                self._trace(req.rid, 5, "free", f"pages {freed}")
             if not fused:
                 self.manager.lock_handle(req.handle, unlock=True)
             return already
         hi = min(already, res.handle.cached_len)  # a manager caching nothing holds none of them
         if hi > lo:
-            dup = h.slots[lo:hi].copy()
-            self.allocator.free_slots(dup)
-            if self._trace is not None:
-                pages = self.allocator.slots_to_pages(dup).tolist()
-                self._trace(req.rid, 5, "free", f"duplicate pages {pages}")
-            # A new copy: tensors handed out before keep their values.
-            slots = h.slots[:length].copy()
-            slots[:hi] = self.manager.handle_indices(res.handle)[:hi].cpu().numpy()
-            req.host = HostCopy(h.ids[:length], slots)
+            self._pages.share_tree_pages(req, res.handle, lo, hi)
         if not fused:
             self.manager.lock_handle(res.handle)
             self.manager.lock_handle(req.handle, unlock=True)
         req.handle = res.handle
         if self._trace is not None:
-            self._trace(
-                req.rid,
-                2,
-                "lock_handle",
-                f"lock moved to the cached prefix, tree_len={req.tree_len}",
-            )
+            moved = f"lock moved to the cached prefix, tree_len={req.tree_len}"
+            self._trace(req.rid, 2, "lock_handle", moved)
         return already
 
     def cache(self, req: Request) -> int:
@@ -341,14 +334,29 @@ class RequestFlow:
 
         Returns the length that was already cached. Requires every token to be computed.
         """
-        self._get(req)
-        length = req.host.length
+        if type(req) is not Request or req.finished or self.running.get(req.rid) is not req:
+            self._get(req)  # raises
+        h = req.host
+        length = h.length
         if req.num_computed != length:
             raise RuntimeError(
                 f"request {req.rid} has {length - req.num_computed} tokens without stored K/V; "
                 "call mark_computed first"
             )
-        already = self._insert(req, length // self.page_size * self.page_size, keep_running=False)
+        n = length - length % self.page_size
+        if self._fused:  # untraced: `_insert`'s steps with nothing to record
+            handle = req.handle
+            idx = torch.from_numpy(h.slots[:n]) if self._on_cpu else req.indices[:n]
+            res = self.manager.insert_and_unlock(
+                handle, torch.from_numpy(h.ids[:n]), idx, req.extra_key
+            )
+            already = res.cached_len
+            if already > handle.cached_len or n < length:
+                self._pages.free_finished(h.slots, handle.cached_len, already, n, length)
+            req.finished = True
+            del self.running[req.rid]
+            return already
+        already = self._insert(req, n, keep_running=False)
         if self._trace is not None:
             self._trace(req.rid, 7, "unlock", f"protected={self.manager.size_info.protected_size}")
         self._end(req)
@@ -357,9 +365,7 @@ class RequestFlow:
     def abort(self, req: Request) -> None:
         """Drop a request without caching it: free its own pages and unlock its prefix."""
         self._get(req)
-        own = aligned_run_pages(req.host.slots[req.tree_len : len(req)], self.page_size)
-        if own.shape[0]:
-            self.allocator.free(own)
+        self.allocator.free_page_runs(req.host.slots[req.tree_len : len(req)])
         self.manager.lock_handle(req.handle, unlock=True)
         self._end(req)
 
@@ -374,20 +380,7 @@ class RequestFlow:
         any request is running (its prefix is locked and its K/V in use) or anything else holds
         a lock on the manager.
         """
-        if self.running:
-            raise RuntimeError(
-                f"cannot reset the prefix cache while {len(self.running)} requests are running "
-                f"(rids {sorted(self.running)[:8]}); finish or abort them first"
-            )
-        locked = self.manager.size_info.protected_size
-        if locked:
-            raise RuntimeError(
-                f"cannot reset the prefix cache while {locked} cached tokens are locked"
-            )
-        cached = self.manager.cached_indices()
-        self.allocator.free_slots(cached)  # validates every page first: raises changing nothing
-        self.manager.reset()
-        return cached.shape[0]
+        return self._pages.reset_cache(sorted(self.running))
 
     # --------------------------------------------------------- integrity
     def check_integrity(self) -> None:
