@@ -7,7 +7,8 @@ eviction all happen at page boundaries.
 
 Costs (measured in ``benchmarks/radix_ops.py``): a few C calls per node on the path, never
 Python work per token. Keys are int64 bytes: a node matches with one ``bytes.startswith`` and
-the next child is one unpack and one dict probe away. Slots live on the host as NumPy int32. An
+the next child is one dict probe away (filed under its first token, or its first page's bytes).
+Slots live on the host as NumPy int32, with their page numbers beside them for eviction. An
 insert walks without changing anything, checks only the *new* slots (`SlotOwners`), then changes
 the tree, so a refused call leaves no trace. Evictable leaves sit in a lazy heap of flat integer
 priorities (`LeafHeap`): a match never touches it, evicting ``k`` leaves costs ``O(k log n)``.
@@ -18,7 +19,6 @@ the locked handle's node after one compare of the prefix bytes the lock recorded
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Hashable
 from typing import Any
 
@@ -94,7 +94,6 @@ class RadixCacheManager(RadixLocks):
         self.empty_tensor = torch.empty(0, dtype=torch.int32, device=self.device)
         self._on_cpu = self.device.type == "cpu"
         self._key_of = key_reader(page_size)
-        self._unpack = struct.Struct(f"={page_size}q").unpack_from
         self._owners = SlotOwners(page_size)
         self._uuid = self._clock = 0
         self._events = EventLog() if events else None
@@ -113,20 +112,17 @@ class RadixCacheManager(RadixLocks):
         self._owners.clear()
 
     def _new_root(self) -> RadixTreeNode:
-        root = self._node(b"", np.empty(0, dtype=np.int32), self._clock, self._clock)
+        empty = np.empty(0, dtype=np.int32)
+        root = self._node(b"", empty, empty.astype(np.intp), self._clock, self._clock)
         root.ref_count = 1  # a root is never evicted
         return root
 
     def _node(
-        self, kb: bytes, value: np.ndarray, timestamp: int, insert_time: int
+        self, kb: bytes, value: np.ndarray, pages: np.ndarray, timestamp: int, insert_time: int
     ) -> RadixTreeNode:
         """A new node of this tree under the next uuid."""
-        self._uuid += 1
-        return RadixTreeNode(self._uuid - 1, kb, value, timestamp, insert_time, self._tree)
-
-    def _tick(self) -> int:
-        self._clock += 1
-        return self._clock
+        self._uuid = uuid = self._uuid + 1
+        return RadixTreeNode(uuid - 1, kb, value, pages, timestamp, insert_time, self._tree)
 
     def _is_evictable_leaf(self, node: RadixTreeNode) -> bool:
         """`evictable_leaf` through the slots (it is the eviction loop's test)."""
@@ -158,49 +154,49 @@ class RadixCacheManager(RadixLocks):
         The new node inherits ``ref_count`` (every lock through ``node`` also ran through its
         first part), ``timestamp`` and ``insert_time``. Sizes do not change.
         """
-        parent = node._parent
-        cut = pos * ITEM
-        new = self._node(node._kb[:cut], node._value[:pos], node.timestamp, node.insert_time)
+        parent, kb, cut, pcut = node._parent, node._kb, pos * ITEM, pos // self.page_size
+        new = self._node(
+            kb[:cut], node._value[:pos], node._pages[:pcut], node.timestamp, node.insert_time
+        )
         new.ref_count = node.ref_count
         new._parent = parent
-        parent.children[self._key_of(node._kb, 0)] = new  # type: ignore[union-attr]
-        node._kb = node._kb[cut:]
+        key_of = self._key_of
+        parent.children[key_of(kb, 0)] = new  # type: ignore[union-attr]
+        node._kb = kb = kb[cut:]
         node._value = node._value[pos:]
+        node._pages = node._pages[pcut:]
         node._parent = new
-        new.children[self._key_of(node._kb, 0)] = node
+        new.children[key_of(kb, 0)] = node
         self._num_nodes += 1
         return new
 
-    def _walk(
-        self, ids_b: bytes, ids: np.ndarray, root: RadixTreeNode | None = None, pos: int = 0
-    ) -> _Walk:
-        """Follow ``ids_b`` (whole pages of int64 token bytes) down the tree from ``root`` (a
+    def _walk(self, ids_b: bytes, ids: np.ndarray, node: RadixTreeNode, pos: int = 0) -> _Walk:
+        """Follow ``ids_b`` (whole pages of int64 token bytes) down the tree from ``node`` (a
         namespace's root, or a node whose path spells ``ids_b[:pos]``); change nothing.
 
-        Returns ``(path, matched_bytes, partial, cut)``: the nodes matched whole (root excluded),
-        and the node after them matching only its first ``cut`` tokens (whole pages), or ``None``.
+        Returns ``(path, matched_bytes, partial, cut)``: the nodes matched whole (``node``
+        excluded), and the node after them matching only its first ``cut`` tokens (whole
+        pages), or ``None``. Per node: one dict probe (its filing key is one slice of
+        ``ids_b``, or one ``ids.item`` at page size 1) and one memcmp.
         """
-        node, n = root or self.root_node, len(ids_b)  # default: the None namespace
-        path: list[RadixTreeNode] = []
-        append, startswith = path.append, ids_b.startswith  # bound once: this loop is the hot path
-        # The filing key of the page at byte ``pos``: the token (``ids.item``) or a tuple of them.
-        one, item, unpack = self.page_size == 1, ids.item, self._unpack
+        n, ps, path = len(ids_b), self.page_size, []
+        pb = ps * ITEM
         while pos < n:
-            child = node.children.get(item(pos >> 3) if one else unpack(ids_b, pos))
+            child = node.children.get(ids.item(pos >> 3) if ps == 1 else ids_b[pos : pos + pb])
             if child is None:
                 break
             kb = child._kb
-            if not startswith(kb, pos):  # the whole node matches: one memcmp
-                ps = self.page_size
-                cut = common_tokens(kb, ids, pos // ITEM) // ps * ps
+            if not ids_b.startswith(kb, pos):  # not the whole node: it matches in part
+                cut = common_tokens(kb, ids, pos >> 3) // ps * ps
                 return path, pos + cut * ITEM, child, cut
-            append(child)
+            path.append(child)
             pos += len(kb)
             node = child
         return path, pos, None, 0
 
-    def _commit(self, walk: _Walk, tic: int, root: RadixTreeNode | None = None) -> RadixTreeNode:
-        """Apply a walk: stamp the matched path with ``tic``, split the partial node; return the end."""
+    def _commit(self, walk: _Walk, tic: int, end: RadixTreeNode) -> RadixTreeNode:
+        """Apply a walk from ``end``: stamp the matched path with ``tic``, split the partial
+        node; return the node the walk ended at."""
         path, _, partial, cut = walk
         for node in path:
             node.timestamp = tic
@@ -208,7 +204,7 @@ class RadixCacheManager(RadixLocks):
             end = self._split_at(partial, cut)
             end.timestamp = tic
             return end
-        return path[-1] if path else root or self.root_node
+        return path[-1] if path else end
 
     # ------------------------------------------------------------- public
     def match_prefix(
@@ -227,21 +223,30 @@ class RadixCacheManager(RadixLocks):
     ) -> tuple[RadixCacheHandle, torch.Tensor, bytes, RadixTreeNode | None]:
         """`match_prefix`'s handle and slots, the token bytes it walked, and the namespace root."""
         ids = token_array(input_ids)
-        root = self.root_node if extra_key is None else self._roots.get(check_extra_key(extra_key))
-        if root is None:  # a namespace never inserted into: nothing to match
-            self._tick()
-            return RadixCacheHandle(0, self.root_node), self.empty_tensor, b"", None
-        n = len(ids) // self.page_size * self.page_size
-        ids_b = ids[:n].tobytes()
-        walk = self._walk(ids_b, ids, root)
-        node = self._commit(walk, self._tick(), root)
-        if walk[1] == 0:
+        if extra_key is None:
+            root = self.root_node
+        else:
+            root = self._roots.get(check_extra_key(extra_key))
+            if root is None:  # a namespace never inserted into: nothing to match
+                self._clock += 1
+                return RadixCacheHandle(0, self.root_node), self.empty_tensor, b"", None
+        ps, n = self.page_size, len(ids)
+        ids_b = (ids if ps == 1 else ids[: n - n % ps]).tobytes()
+        path, pos, partial, cut = self._walk(ids_b, ids, root)
+        self._clock = tic = self._clock + 1
+        if not pos:
             return RadixCacheHandle(0, self.root_node), self.empty_tensor, ids_b, root
-        values = [p._value for p in walk[0]]
-        if walk[2] is not None:
+        values = []
+        for node in path:
+            node.timestamp = tic
+            values.append(node._value)
+        if partial is not None:
+            node = self._split_at(partial, cut)
+            node.timestamp = tic
             values.append(node._value)
         out = values[0].copy() if len(values) == 1 else np.concatenate(values)
-        return RadixCacheHandle(walk[1] // ITEM, node), self._out(out), ids_b, root
+        out_t = torch.from_numpy(out) if self._on_cpu else torch.from_numpy(out).to(self.device)
+        return RadixCacheHandle(pos >> 3, node), out_t, ids_b, root
 
     def insert_prefix(
         self, input_ids: torch.Tensor, indices: torch.Tensor, extra_key: Hashable = None
@@ -278,8 +283,10 @@ class RadixCacheManager(RadixLocks):
             raise ValueError(
                 f"len(indices) ({len(all_slots)}) must equal len(input_ids) ({len(ids)})"
             )
-        n = len(ids) // self.page_size * self.page_size
-        ids_b = ids[:n].tobytes()
+        ps, n = self.page_size, len(ids)
+        if ps != 1:
+            n -= n % ps
+        ids_b = (ids if ps == 1 else ids[:n]).tobytes()
         start = None
         if lock is not None and len(lock) > 2 and lock[3] is root is not None:
             held = lock[0].cached_len * ITEM
@@ -289,22 +296,22 @@ class RadixCacheManager(RadixLocks):
         if start is None:
             walk = self._walk(ids_b, ids, root) if root is not None else ([], 0, None, 0)
         pos = walk[1]
-        prefix_len = pos // ITEM
+        prefix_len = pos >> 3
         if prefix_len < n:  # check what would enter before anything changes
             slots = all_slots[prefix_len:n]
-            self._owners.claim_new(slots)  # the last check: it holds the pages when it passes
+            pages = self._owners.claim_new(slots)  # the last check: holds the pages if it passes
         if root is None:  # the namespace's first insert: its root, now that nothing can raise
             root = self._roots[extra_key] = self._new_root()
             self._root_keys[root.uuid] = extra_key
-        tic = self._tick()
+        self._clock = tic = self._clock + 1
         node = self._commit(walk, tic, start or root)
         if start is not None:  # the path above the resumed walk is stamped as a walk would
             stamp_path(start, tic)
         if prefix_len == n:
             return InsertResult(prefix_len, RadixCacheHandle(n, node)), ids_b, root
-        new = self._node(ids_b[pos:], slots.copy(), tic, tic)
+        new = self._node(ids_b[pos:], slots.copy(), pages, tic, tic)
         new._parent = node
-        node.children[self._key_of(ids_b, pos)] = new
+        node.children[ids.item(prefix_len) if ps == 1 else ids_b[pos : pos + ps * ITEM]] = new
         self._num_nodes += 1
         self._evictable_size += n - prefix_len
         self._leaves.file(new)
@@ -322,7 +329,8 @@ class RadixCacheManager(RadixLocks):
         A parent left childless and unlocked becomes a candidate at once. Raises ``RuntimeError``
         (evicting nothing) when fewer than ``size`` tokens are evictable.
         """
-        check_size(size)
+        if type(size) is not int or size < 0:  # the common case costs one type() call
+            size = check_size(size)
         if size == 0:
             return self.empty_tensor
         if size > self._evictable_size:
@@ -330,22 +338,29 @@ class RadixCacheManager(RadixLocks):
                 f"cannot evict {size} tokens: only {self._evictable_size} are evictable "
                 f"({self._protected_size} are locked)"
             )
-        evicted: list[np.ndarray] = []
-        freed, key_of = 0, self._key_of
+        values: list[np.ndarray] = []
+        pages: list[np.ndarray] = []
+        freed, key_of, pop, events = 0, self._key_of, self._leaves.pop, self._events
+        evictable, file = self._is_evictable_leaf, self._leaves.file
         while freed < size:
-            node = self._leaves.pop(self._is_evictable_leaf)
-            if self._events is not None:
+            node = pop(evictable)
+            if events is not None:
                 tokens, root = path_tokens(node)
-                self._events.removed(self._root_keys[root.uuid], tokens, node._value.tolist())
-            evicted.append(node._value)
+                events.removed(self._root_keys[root.uuid], tokens, node._value.tolist())
+            values.append(node._value)
+            pages.append(node._pages)
             freed += len(node._value)
             parent = node._parent
             del parent.children[key_of(node._kb, 0)]  # type: ignore[union-attr]
             node._in_tree = False
-            self._num_nodes -= 1
             if not parent.children and parent.ref_count == 0 and parent._parent is not None:  # type: ignore[union-attr]
-                self._leaves.file(parent)  # type: ignore[arg-type]
+                file(parent)  # type: ignore[arg-type]
+        self._num_nodes -= len(values)
         self._evictable_size -= freed
-        out = evicted[0] if len(evicted) == 1 else np.concatenate(evicted)
-        self._owners.release(out)
-        return self._out(out)
+        if len(values) == 1:
+            out = values[0]
+            self._owners.release_pages(pages[0])
+        else:
+            out = np.concatenate(values)
+            self._owners.release_pages(np.concatenate(pages))
+        return torch.from_numpy(out) if self._on_cpu else torch.from_numpy(out).to(self.device)

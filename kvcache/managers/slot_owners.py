@@ -2,9 +2,12 @@
 
 A stamp per page in a NumPy array that grows to the largest page seen (0: free). Checking and
 holding the new pages of an insert is a handful of array operations over those pages only,
-never over the pool or the tree: an ``argmin`` for negative slots, one gather to find pages
-already held, and a scatter of each page's position read back to find a page listed twice (it
-keeps only one of its positions). The choices are measured: ``intp`` indices, ``count_nonzero``
+never over the pool or the tree: a gather that fails for a negative slot (read as unsigned at
+page size 1; at larger sizes the one gather of each page's row that proves whole aligned pages
+cannot match one), one gather to find pages already held, and a scatter of each page's position
+read back to find a page listed twice (it keeps only one of its positions). Only a refused call
+works out which rule failed. The pages are returned, so that a node keeps them and eviction
+frees them without recomputing them. The choices are measured: ``intp`` indices, ``count_nonzero``
 and comparing arrays as bytes are each several times cheaper than an ``int32`` gather, ``any()``
 or ``(a != b).any()`` on arrays of a few hundred entries.
 """
@@ -27,7 +30,6 @@ class SlotOwners:
         self._owner = np.zeros(1024, dtype=np.int32)  # per page: 0 free, else held
         self._rows = self._page_rows(1024)
         self._stamps = np.arange(1, 1025, dtype=np.int32)
-        self._zeros = np.zeros(1024, dtype=np.int32)
         self._count = 0
 
     @property
@@ -42,34 +44,37 @@ class SlotOwners:
         out[inside] = self._owner[pages[inside]] != 0
         return out
 
-    def claim_new(self, slots: np.ndarray, name: str = "indices") -> None:
-        """Hold the pages of ``slots`` (1-D int32, a multiple of ``page_size`` long), or refuse.
+    def claim_new(self, slots: np.ndarray, name: str = "indices") -> np.ndarray:
+        """Hold the pages of ``slots`` (1-D int32, a multiple of ``page_size`` long), or refuse;
+        return those pages (``intp``, one per page: what `release_pages` takes back).
 
         Raises ``ValueError`` naming the value, holding nothing, when a slot is negative, a page
         is not ``page_size`` consecutive slots starting at a multiple of ``page_size``, a page is
         already held, or a page appears twice.
         """
         ps = self.page_size
-        first = slots if ps == 1 else slots[::ps] // ps
-        n = len(first)
-        if n == 0:
-            return
-        if first[first.argmin()] < 0:  # a negative index would wrap around below
-            raise ValueError(f"{name} must be >= 0, got {int(slots.min())}")
-        pages = first.astype(np.intp)  # intp indices: gathers and scatters skip a cast
         owner = self._owner
-        try:
+        if ps == 1:
+            # Read as unsigned, a negative slot is a page past any table: it fails the gather.
+            pages = slots.view(np.uint32).astype(np.intp)
+            try:
+                before = owner[pages]
+            except IndexError:
+                before = self._outside(slots, pages, name)
+                owner = self._owner
+        else:
+            pages = slots[::ps].astype(np.intp)
+            pages //= ps
+            # One gather and one memcmp prove whole aligned pages, and no negative slot: a
+            # negative page wraps to a row of non-negative slots, which cannot compare equal.
+            try:
+                aligned = self._rows.take(pages, axis=0).tobytes() == slots.tobytes()
+            except IndexError:  # past the rows kept (or far below 0): the slow path decides
+                aligned = self._outside(slots, pages, name) is not None
+                owner = self._owner
+            if not aligned:
+                self._refuse_alignment(slots, name)
             before = owner[pages]
-        except IndexError:  # a page past the end: grow (rare), then look again
-            self._grow(int(pages.max()) + 1)
-            owner = self._owner
-            before = owner[pages]
-        # Whole aligned pages: each run of ps slots is its page's row (one gather, one memcmp).
-        if ps > 1 and self._rows_of(pages).tobytes() != slots.tobytes():
-            raise ValueError(
-                f"with page_size={ps} every {ps} {name} must be the consecutive slots of one "
-                f"page (first slot a multiple of {ps}); got {slots.tolist()}"
-            )
         if np.count_nonzero(before):
             bad = pages[before != 0]
             raise ValueError(
@@ -77,6 +82,7 @@ class SlotOwners:
                 f"{(bad * ps).tolist()[:8]}); a slot can hold one token's K/V only"
             )
         # Stamp each page with its position (from 1): a page listed twice keeps one stamp only.
+        n = len(pages)
         if len(self._stamps) < n:
             self._stamps = np.arange(1, 2 * n + 1, dtype=np.int32)
         stamps = self._stamps[:n]
@@ -88,6 +94,29 @@ class SlotOwners:
                 f"{name} lists the same slot more than once: {(pages[twice] * ps).tolist()[:8]}"
             )
         self._count += n
+        return pages
+
+    def _outside(self, slots: np.ndarray, pages: np.ndarray, name: str) -> np.ndarray | None:
+        """The slow path for ``pages`` past the tables: refuse a negative slot, grow the tables
+        to hold every page, and return the pages' owners (``None`` for misaligned ``page_size >
+        1`` slots, which the caller refuses)."""
+        if len(slots) and slots[slots.argmin()] < 0:
+            raise ValueError(f"{name} must be >= 0, got {int(slots.min())}")
+        if int(pages.max()) >= len(self._owner):
+            self._grow(int(pages.max()) + 1)
+        if self.page_size > 1 and self._rows_of(pages).tobytes() != slots.tobytes():
+            return None
+        return self._owner[pages]
+
+    def _refuse_alignment(self, slots: np.ndarray, name: str) -> None:
+        """The error for ``slots`` that are not whole aligned pages (a negative one named first)."""
+        if slots[slots.argmin()] < 0:
+            raise ValueError(f"{name} must be >= 0, got {int(slots.min())}")
+        ps = self.page_size
+        raise ValueError(
+            f"with page_size={ps} every {ps} {name} must be the consecutive slots of one "
+            f"page (first slot a multiple of {ps}); got {slots.tolist()}"
+        )
 
     def _rows_of(self, pages: np.ndarray) -> np.ndarray:
         """The slots of ``pages`` (non-negative), row after row."""
@@ -105,7 +134,9 @@ class SlotOwners:
         return np.arange(n * ps, dtype=np.int32).reshape(n, ps)
 
     def _grow(self, size: int) -> None:
-        owner = np.zeros(max(size, 2 * len(self._owner)), dtype=np.int32)
+        # Never past 2**31 pages (int32 slots have fewer): a negative slot read as unsigned, as
+        # `claim_new` reads it at page size 1, is then always past the end.
+        owner = np.zeros(min(max(size, 2 * len(self._owner)), 1 << 31), dtype=np.int32)
         owner[: len(self._owner)] = self._owner
         self._owner = owner
         self._rows = self._page_rows(len(owner))
@@ -113,6 +144,9 @@ class SlotOwners:
     def release(self, slots: np.ndarray) -> None:
         """Mark the pages of ``slots`` (whole pages the tree held) as free again."""
         pages = slots[:: self.page_size] // self.page_size if self.page_size > 1 else slots
-        pages = pages.astype(np.intp)
-        self._owner[pages] = self._zeros[: len(pages)] if len(pages) <= len(self._zeros) else 0
+        self.release_pages(pages.astype(np.intp))
+
+    def release_pages(self, pages: np.ndarray) -> None:
+        """Mark ``pages`` (``intp``, as `claim_new` returned them) as free again."""
+        self._owner[pages] = 0
         self._count -= len(pages)
