@@ -170,9 +170,12 @@ class RadixCacheManager(RadixLocks):
         self._num_nodes += 1
         return new
 
-    def _walk(self, ids_b: bytes, ids: np.ndarray, node: RadixTreeNode, pos: int = 0) -> _Walk:
+    def _walk(
+        self, ids_b: bytes, ids: np.ndarray, node: RadixTreeNode | None = None, pos: int = 0
+    ) -> _Walk:
         """Follow ``ids_b`` (whole pages of int64 token bytes) down the tree from ``node`` (a
-        namespace's root, or a node whose path spells ``ids_b[:pos]``); change nothing.
+        namespace's root, default ``None``'s, or a node whose path spells ``ids_b[:pos]``);
+        change nothing.
 
         Returns ``(path, matched_bytes, partial, cut)``: the nodes matched whole (``node``
         excluded), and the node after them matching only its first ``cut`` tokens (whole
@@ -180,7 +183,7 @@ class RadixCacheManager(RadixLocks):
         ``ids_b``, or one ``ids.item`` at page size 1) and one memcmp.
         """
         n, ps, path = len(ids_b), self.page_size, []
-        pb = ps * ITEM
+        pb, node = ps * ITEM, node or self.root_node
         while pos < n:
             child = node.children.get(ids.item(pos >> 3) if ps == 1 else ids_b[pos : pos + pb])
             if child is None:
@@ -194,9 +197,9 @@ class RadixCacheManager(RadixLocks):
             node = child
         return path, pos, None, 0
 
-    def _commit(self, walk: _Walk, tic: int, end: RadixTreeNode) -> RadixTreeNode:
-        """Apply a walk from ``end``: stamp the matched path with ``tic``, split the partial
-        node; return the node the walk ended at."""
+    def _commit(self, walk: _Walk, tic: int, end: RadixTreeNode | None = None) -> RadixTreeNode:
+        """Apply a walk from ``end`` (default: ``None``'s root): stamp the matched path with
+        ``tic``, split the partial node; return the node the walk ended at."""
         path, _, partial, cut = walk
         for node in path:
             node.timestamp = tic
@@ -204,7 +207,11 @@ class RadixCacheManager(RadixLocks):
             end = self._split_at(partial, cut)
             end.timestamp = tic
             return end
-        return path[-1] if path else end
+        return path[-1] if path else end or self.root_node
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
 
     # ------------------------------------------------------------- public
     def match_prefix(
@@ -259,7 +266,7 @@ class RadixCacheManager(RadixLocks):
         (changing nothing) when a slot that would enter is negative, already held by the tree,
         listed twice, or (``page_size > 1``) not part of a whole aligned page.
         """
-        return self._insert(input_ids, indices, extra_key)[0].cached_len
+        return self._insert(input_ids, indices, extra_key)[0][0]
 
     def insert_and_match(
         self, input_ids: torch.Tensor, indices: torch.Tensor, extra_key: Hashable = None
@@ -273,9 +280,13 @@ class RadixCacheManager(RadixLocks):
         indices: torch.Tensor,
         extra_key: Hashable,
         lock: list[Any] | None = None,
-    ) -> tuple[InsertResult, bytes, RadixTreeNode]:
+        relock: bool = False,
+    ) -> tuple[InsertResult, bytes, RadixTreeNode, bool]:
         """The insert, resumed at the node of ``lock`` (a `_locks` entry) where it names a prefix
-        of ``input_ids`` in this namespace; also the token bytes and the namespace root."""
+        of ``input_ids`` in this namespace; also the token bytes, the namespace root, and
+        whether the lock moved: with ``relock`` and a resumed walk, the nodes below the lock's
+        node down to the returned handle's are locked once more (the path above keeps its
+        counts: one lock leaves it, one arrives), and the caller only moves the `_locks` entry."""
         ids = token_array(input_ids)
         root = self.root_node if extra_key is None else self._roots.get(check_extra_key(extra_key))
         all_slots = slot_array(indices, self.device)
@@ -286,11 +297,14 @@ class RadixCacheManager(RadixLocks):
         ps, n = self.page_size, len(ids)
         if ps != 1:
             n -= n % ps
-        ids_b = (ids if ps == 1 else ids[:n]).tobytes()
+        ids_b = (ids if n == len(ids) else ids[:n]).tobytes()
         start = None
         if lock is not None and len(lock) > 2 and lock[3] is root is not None:
             held = lock[0].cached_len * ITEM
-            if held and ids_b.startswith(memoryview(lock[2])[:held]):
+            # The lock's bytes are usually a prefix of these whole: one memcmp, no view.
+            if held and (
+                ids_b.startswith(lock[2]) or ids_b.startswith(memoryview(lock[2])[:held])
+            ):
                 start = lock[0].node  # its path spells ids_b[:held]: walk on from there
                 walk = self._walk(ids_b, ids, start, held)
         if start is None:
@@ -304,20 +318,31 @@ class RadixCacheManager(RadixLocks):
             root = self._roots[extra_key] = self._new_root()
             self._root_keys[root.uuid] = extra_key
         self._clock = tic = self._clock + 1
-        node = self._commit(walk, tic, start or root)
+        end = self._commit(walk, tic, start or root)
+        moved = relock and start is not None
         if start is not None:  # the path above the resumed walk is stamped as a walk would
             stamp_path(start, tic)
-        if prefix_len == n:
-            return InsertResult(prefix_len, RadixCacheHandle(n, node)), ids_b, root
-        new = self._node(ids_b[pos:], slots.copy(), pages, tic, tic)
-        new._parent = node
-        node.children[ids.item(prefix_len) if ps == 1 else ids_b[pos : pos + ps * ITEM]] = new
-        self._num_nodes += 1
-        self._evictable_size += n - prefix_len
-        self._leaves.file(new)
-        if self._events is not None:
-            self._events.stored(extra_key, ids[:n].tolist(), slots.tolist())
-        return InsertResult(prefix_len, RadixCacheHandle(n, new)), ids_b, root
+        if prefix_len < n:
+            new = self._node(ids_b[pos:], slots.copy(), pages, tic, tic)
+            new._parent = end
+            end.children[ids.item(prefix_len) if ps == 1 else ids_b[pos : pos + ps * ITEM]] = new
+            end = new
+            self._num_nodes += 1
+            self._evictable_size += n - prefix_len
+            if not moved:  # a node locked at once is filed when it is unlocked
+                self._leaves.file(new)
+            if self._events is not None:
+                self._events.stored(extra_key, ids[:n].tolist(), slots.tolist())
+        if moved:
+            taken, node = 0, end
+            while node is not start:
+                if not node.ref_count:
+                    taken += len(node._value)
+                node.ref_count += 1
+                node = node._parent  # type: ignore[assignment]
+            self._evictable_size -= taken
+            self._protected_size += taken
+        return InsertResult(prefix_len, RadixCacheHandle(n, end)), ids_b, root, moved
 
     def eviction_priority(self, node: RadixTreeNode) -> tuple[int, ...]:
         """``node``'s key under this manager's policy: the evictable leaf with the smallest goes first."""

@@ -46,8 +46,8 @@ class RadixLocks(RadixRoots):
         [torch.Tensor, Hashable], tuple[RadixCacheHandle, torch.Tensor, bytes, RadixTreeNode | None]
     ]
     _insert: Callable[
-        [torch.Tensor, torch.Tensor, Hashable, list[Any] | None],
-        tuple[InsertResult, bytes, RadixTreeNode],
+        [torch.Tensor, torch.Tensor, Hashable, list[Any] | None, bool],
+        tuple[InsertResult, bytes, RadixTreeNode, bool],
     ]
 
     def match_and_lock(
@@ -79,9 +79,16 @@ class RadixLocks(RadixRoots):
         entry = self._locks.get(id(handle))
         if entry is None:
             self._refuse_unlock(handle)
-        if not isinstance(relock, bool):
+        if relock is not False and relock is not True:
             raise TypeError(f"relock must be a bool, got {type(relock).__name__}")
-        res, ids_b, root = self._insert(input_ids, indices, extra_key, entry)
+        res, ids_b, root, moved = self._insert(input_ids, indices, extra_key, entry, relock)
+        if moved:  # the tree's counts moved already: move the entry
+            if entry[1] == 1:
+                del self._locks[id(handle)]
+            else:
+                entry[1] -= 1
+            self._locks[id(res.handle)] = [res.handle, 1, ids_b, root]
+            return res
         if relock:
             self._lock_new(res.handle, ids_b, root)  # type: ignore[arg-type]
         self._unlock(handle, entry)  # type: ignore[arg-type]
