@@ -222,13 +222,19 @@ class RadixCacheManager(RadixLocks):
         Not read-only: a node matched only in part is split so that the handle can point at the
         end of the match, and the matched path's timestamps are refreshed.
         """
-        handle, out, _, _ = self._match(input_ids, extra_key)
-        return handle, out
+        return self._match(input_ids, extra_key)[:2]  # type: ignore[return-value]
 
     def _match(
-        self, input_ids: torch.Tensor, extra_key: Hashable
-    ) -> tuple[RadixCacheHandle, torch.Tensor, bytes, RadixTreeNode | None]:
-        """`match_prefix`'s handle and slots, the token bytes it walked, and the namespace root."""
+        self, input_ids: torch.Tensor, extra_key: Hashable, lock: bool = False
+    ) -> tuple[RadixCacheHandle, torch.Tensor, bytes, RadixTreeNode | None, int]:
+        """`match_prefix`'s handle and slots, the token bytes it walked, the namespace root, and
+        (``lock``: the handle's path is locked on the way down, the caller records the lock)
+        the tokens that the lock took from the evictable ones.
+
+        The walk changes the tree as it goes (nothing after the token check can raise): each
+        node matched is stamped (and locked), one matched in part is split at the last whole
+        page they share and the walk stops there.
+        """
         ids = token_array(input_ids)
         if extra_key is None:
             root = self.root_node
@@ -236,24 +242,36 @@ class RadixCacheManager(RadixLocks):
             root = self._roots.get(check_extra_key(extra_key))
             if root is None:  # a namespace never inserted into: nothing to match
                 self._clock += 1
-                return RadixCacheHandle(0, self.root_node), self.empty_tensor, b"", None
+                return RadixCacheHandle(0, self.root_node), self.empty_tensor, b"", None, 0
         ps, n = self.page_size, len(ids)
-        ids_b = (ids if ps == 1 else ids[: n - n % ps]).tobytes()
-        path, pos, partial, cut = self._walk(ids_b, ids, root)
+        ids_b = (ids if n % ps == 0 else ids[: n - n % ps]).tobytes()
         self._clock = tic = self._clock + 1
+        node, pos, end, pb = root, 0, len(ids_b), ps * ITEM
+        values: list[np.ndarray] = []
+        taken = 0
+        while pos < end:
+            child = node.children.get(ids.item(pos >> 3) if ps == 1 else ids_b[pos : pos + pb])
+            if child is None:
+                break
+            kb = child._kb
+            if ids_b.startswith(kb, pos):  # the whole node matches: one memcmp
+                pos += len(kb)
+            else:  # at least its first page matches: split it after the pages it shares
+                cut = common_tokens(kb, ids, pos >> 3) // ps * ps
+                child = self._split_at(child, cut)
+                pos = end = pos + cut * ITEM
+            child.timestamp = tic
+            values.append(child._value)
+            if lock:
+                if not child.ref_count:
+                    taken += len(child._value)
+                child.ref_count += 1
+            node = child
         if not pos:
-            return RadixCacheHandle(0, self.root_node), self.empty_tensor, ids_b, root
-        values = []
-        for node in path:
-            node.timestamp = tic
-            values.append(node._value)
-        if partial is not None:
-            node = self._split_at(partial, cut)
-            node.timestamp = tic
-            values.append(node._value)
+            return RadixCacheHandle(0, self.root_node), self.empty_tensor, ids_b, root, 0
         out = values[0].copy() if len(values) == 1 else np.concatenate(values)
         out_t = torch.from_numpy(out) if self._on_cpu else torch.from_numpy(out).to(self.device)
-        return RadixCacheHandle(pos >> 3, node), out_t, ids_b, root
+        return RadixCacheHandle(pos >> 3, node), out_t, ids_b, root, taken
 
     def insert_prefix(
         self, input_ids: torch.Tensor, indices: torch.Tensor, extra_key: Hashable = None
@@ -289,7 +307,7 @@ class RadixCacheManager(RadixLocks):
         counts: one lock leaves it, one arrives), and the caller only moves the `_locks` entry."""
         ids = token_array(input_ids)
         root = self.root_node if extra_key is None else self._roots.get(check_extra_key(extra_key))
-        all_slots = slot_array(indices, self.device)
+        all_slots = slot_array(indices, self.device, self._on_cpu)
         if len(all_slots) != len(ids):
             raise ValueError(
                 f"len(indices) ({len(all_slots)}) must equal len(input_ids) ({len(ids)})"
@@ -302,9 +320,7 @@ class RadixCacheManager(RadixLocks):
         if lock is not None and len(lock) > 2 and lock[3] is root is not None:
             held = lock[0].cached_len * ITEM
             # The lock's bytes are usually a prefix of these whole: one memcmp, no view.
-            if held and (
-                ids_b.startswith(lock[2]) or ids_b.startswith(memoryview(lock[2])[:held])
-            ):
+            if held and (ids_b.startswith(lock[2]) or ids_b.startswith(memoryview(lock[2])[:held])):
                 start = lock[0].node  # its path spells ids_b[:held]: walk on from there
                 walk = self._walk(ids_b, ids, start, held)
         if start is None:
@@ -318,7 +334,7 @@ class RadixCacheManager(RadixLocks):
             root = self._roots[extra_key] = self._new_root()
             self._root_keys[root.uuid] = extra_key
         self._clock = tic = self._clock + 1
-        end = self._commit(walk, tic, start or root)
+        end = self._commit(walk, tic, start or root) if walk[0] or walk[2] else start or root
         moved = relock and start is not None
         if start is not None:  # the path above the resumed walk is stamped as a walk would
             stamp_path(start, tic)
@@ -366,7 +382,7 @@ class RadixCacheManager(RadixLocks):
         values: list[np.ndarray] = []
         pages: list[np.ndarray] = []
         freed, key_of, pop, events = 0, self._key_of, self._leaves.pop, self._events
-        evictable, file = self._is_evictable_leaf, self._leaves.file
+        evictable, file, pb = self._is_evictable_leaf, self._leaves.file, self.page_size * ITEM
         while freed < size:
             node = pop(evictable)
             if events is not None:
@@ -376,7 +392,7 @@ class RadixCacheManager(RadixLocks):
             pages.append(node._pages)
             freed += len(node._value)
             parent = node._parent
-            del parent.children[key_of(node._kb, 0)]  # type: ignore[union-attr]
+            del parent.children[key_of(node._kb, 0) if pb == ITEM else node._kb[:pb]]  # type: ignore[union-attr]
             node._in_tree = False
             if not parent.children and parent.ref_count == 0 and parent._parent is not None:  # type: ignore[union-attr]
                 file(parent)  # type: ignore[arg-type]

@@ -43,7 +43,8 @@ class RadixLocks(RadixRoots):
     # Defined by `RadixCacheManager` (radix.py).
     _out: Callable[[np.ndarray], torch.Tensor]
     _match: Callable[
-        [torch.Tensor, Hashable], tuple[RadixCacheHandle, torch.Tensor, bytes, RadixTreeNode | None]
+        [torch.Tensor, Hashable, bool],
+        tuple[RadixCacheHandle, torch.Tensor, bytes, RadixTreeNode | None, int],
     ]
     _insert: Callable[
         [torch.Tensor, torch.Tensor, Hashable, list[Any] | None, bool],
@@ -56,8 +57,10 @@ class RadixLocks(RadixRoots):
         """`match_prefix`, then `lock_handle` of its handle. The lock remembers the matched token
         bytes, so that `insert_and_unlock` of this handle resumes at its node (one compare of
         the prefix instead of a walk from the root)."""
-        handle, out, ids_b, root = self._match(input_ids, extra_key)
-        self._lock_new(handle, ids_b, root)
+        handle, out, ids_b, root, taken = self._match(input_ids, extra_key, True)
+        self._locks[id(handle)] = [handle, 1, ids_b, root]
+        self._evictable_size -= taken
+        self._protected_size += taken
         return handle, out
 
     def insert_and_unlock(

@@ -64,9 +64,13 @@ def token_array(input_ids: torch.Tensor) -> np.ndarray:
     return ids if ids.dtype == np.int64 else ids.astype(np.int64)
 
 
-def slot_array(indices: torch.Tensor, device: torch.device) -> np.ndarray:
-    """``indices`` as int32 NumPy on the host, checked as `check_indices` checks."""
-    if device.type != "cpu":
+def slot_array(
+    indices: torch.Tensor, device: torch.device, on_cpu: bool | None = None
+) -> np.ndarray:
+    """``indices`` as int32 NumPy on the host, checked as `check_indices` checks. ``on_cpu``:
+    whether ``device`` is the CPU, when the caller knows (reading ``device.type`` costs more
+    than the rest of the common case)."""
+    if not (device.type == "cpu" if on_cpu is None else on_cpu):
         return check_indices(indices, device).cpu().numpy()
     try:
         slots = indices.numpy()
