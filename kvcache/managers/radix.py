@@ -38,6 +38,7 @@ from .radix_node import (
     common_tokens,
     key_reader,
     slot_array,
+    spells,
     stamp_path,
     token_array,
 )
@@ -171,29 +172,37 @@ class RadixCacheManager(RadixLocks):
         return new
 
     def _walk(
-        self, ids_b: bytes, ids: np.ndarray, node: RadixTreeNode | None = None, pos: int = 0
+        self,
+        ids_b: bytes | memoryview,
+        ids: np.ndarray,
+        node: RadixTreeNode | None = None,
+        pos: int = 0,
     ) -> _Walk:
-        """Follow ``ids_b`` (whole pages of int64 token bytes) down the tree from ``node`` (a
-        namespace's root, default ``None``'s, or a node whose path spells ``ids_b[:pos]``);
-        change nothing.
+        """Follow ``ids_b`` (the bytes of ``ids``' whole pages, or a byte view of them) down the
+        tree from ``node`` (a namespace's root, default ``None``'s, or a node whose path spells
+        ``ids_b[:pos]``); change nothing.
 
         Returns ``(path, matched_bytes, partial, cut)``: the nodes matched whole (``node``
         excluded), and the node after them matching only its first ``cut`` tokens (whole
-        pages), or ``None``. Per node: one dict probe (its filing key is one slice of
-        ``ids_b``, or one ``ids.item`` at page size 1) and one memcmp.
+        pages), or ``None``. Per node: one dict probe (its filing key is one page of
+        ``ids_b``, or one ``ids.item`` at page size 1) and one memcmp against a view.
         """
-        n, ps, path = len(ids_b), self.page_size, []
+        mv = memoryview(ids_b)
+        n, ps, path = len(mv), self.page_size, []
         pb, node = ps * ITEM, node or self.root_node
         while pos < n:
-            child = node.children.get(ids.item(pos >> 3) if ps == 1 else ids_b[pos : pos + pb])
+            child = node.children.get(
+                ids.item(pos >> 3) if ps == 1 else mv[pos : pos + pb].tobytes()
+            )
             if child is None:
                 break
             kb = child._kb
-            if not ids_b.startswith(kb, pos):  # not the whole node: it matches in part
+            stop = pos + len(kb)
+            if stop > n or not kb.startswith(mv[pos:stop]):  # it matches in part
                 cut = common_tokens(kb, ids, pos >> 3) // ps * ps
                 return path, pos + cut * ITEM, child, cut
             path.append(child)
-            pos += len(kb)
+            pos = stop
             node = child
         return path, pos, None, 0
 
@@ -226,8 +235,8 @@ class RadixCacheManager(RadixLocks):
 
     def _match(
         self, input_ids: torch.Tensor, extra_key: Hashable, lock: bool = False
-    ) -> tuple[RadixCacheHandle, torch.Tensor, bytes, RadixTreeNode | None, int]:
-        """`match_prefix`'s handle and slots, the token bytes it walked, the namespace root, and
+    ) -> tuple[RadixCacheHandle, torch.Tensor, RadixTreeNode | None, int]:
+        """`match_prefix`'s handle and slots, the namespace root, and
         (``lock``: the handle's path is locked on the way down, the caller records the lock)
         the tokens that the lock took from the evictable ones.
 
@@ -242,20 +251,23 @@ class RadixCacheManager(RadixLocks):
             root = self._roots.get(check_extra_key(extra_key))
             if root is None:  # a namespace never inserted into: nothing to match
                 self._clock += 1
-                return RadixCacheHandle(0, self.root_node), self.empty_tensor, b"", None, 0
+                return RadixCacheHandle(0, self.root_node), self.empty_tensor, None, 0
         ps, n = self.page_size, len(ids)
-        ids_b = (ids if n % ps == 0 else ids[: n - n % ps]).tobytes()
+        mv = memoryview(ids).cast("B")  # the ids' own bytes: compared in place, never copied
         self._clock = tic = self._clock + 1
-        node, pos, end, pb = root, 0, len(ids_b), ps * ITEM
+        node, pos, end, pb = root, 0, (n - n % ps) * ITEM, ps * ITEM
         values: list[np.ndarray] = []
         taken = 0
         while pos < end:
-            child = node.children.get(ids.item(pos >> 3) if ps == 1 else ids_b[pos : pos + pb])
+            child = node.children.get(
+                ids.item(pos >> 3) if ps == 1 else mv[pos : pos + pb].tobytes()
+            )
             if child is None:
                 break
             kb = child._kb
-            if ids_b.startswith(kb, pos):  # the whole node matches: one memcmp
-                pos += len(kb)
+            stop = pos + len(kb)
+            if stop <= end and kb.startswith(mv[pos:stop]):  # the whole node matches: one memcmp
+                pos = stop
             else:  # at least its first page matches: split it after the pages it shares
                 cut = common_tokens(kb, ids, pos >> 3) // ps * ps
                 child = self._split_at(child, cut)
@@ -268,10 +280,10 @@ class RadixCacheManager(RadixLocks):
                 child.ref_count += 1
             node = child
         if not pos:
-            return RadixCacheHandle(0, self.root_node), self.empty_tensor, ids_b, root, 0
+            return RadixCacheHandle(0, self.root_node), self.empty_tensor, root, 0
         out = values[0].copy() if len(values) == 1 else np.concatenate(values)
         out_t = torch.from_numpy(out) if self._on_cpu else torch.from_numpy(out).to(self.device)
-        return RadixCacheHandle(pos >> 3, node), out_t, ids_b, root, taken
+        return RadixCacheHandle(pos >> 3, node), out_t, root, taken
 
     def insert_prefix(
         self, input_ids: torch.Tensor, indices: torch.Tensor, extra_key: Hashable = None
@@ -299,9 +311,10 @@ class RadixCacheManager(RadixLocks):
         extra_key: Hashable,
         lock: list[Any] | None = None,
         relock: bool = False,
-    ) -> tuple[InsertResult, bytes, RadixTreeNode, bool]:
+    ) -> tuple[InsertResult, RadixTreeNode, bool]:
         """The insert, resumed at the node of ``lock`` (a `_locks` entry) where it names a prefix
-        of ``input_ids`` in this namespace; also the token bytes, the namespace root, and
+        of ``input_ids`` in this namespace (checked against the keys on its path); also the
+        namespace root, and
         whether the lock moved: with ``relock`` and a resumed walk, the nodes below the lock's
         node down to the returned handle's are locked once more (the path above keeps its
         counts: one lock leaves it, one arrives), and the caller only moves the `_locks` entry."""
@@ -315,16 +328,15 @@ class RadixCacheManager(RadixLocks):
         ps, n = self.page_size, len(ids)
         if ps != 1:
             n -= n % ps
-        ids_b = (ids if n == len(ids) else ids[:n]).tobytes()
+        mv = memoryview(ids).cast("B")[: n * ITEM]  # the ids' own bytes, never copied whole
         start = None
-        if lock is not None and len(lock) > 2 and lock[3] is root is not None:
+        if lock is not None and len(lock) > 2 and lock[2] is root is not None:
             held = lock[0].cached_len * ITEM
-            # The lock's bytes are usually a prefix of these whole: one memcmp, no view.
-            if held and (ids_b.startswith(lock[2]) or ids_b.startswith(memoryview(lock[2])[:held])):
-                start = lock[0].node  # its path spells ids_b[:held]: walk on from there
-                walk = self._walk(ids_b, ids, start, held)
+            if 0 < held <= len(mv) and spells(lock[0].node, mv, held):
+                start = lock[0].node  # its path spells mv[:held]: walk on from there
+                walk = self._walk(mv, ids, start, held)
         if start is None:
-            walk = self._walk(ids_b, ids, root) if root is not None else ([], 0, None, 0)
+            walk = self._walk(mv, ids, root) if root is not None else ([], 0, None, 0)
         pos = walk[1]
         prefix_len = pos >> 3
         if prefix_len < n:  # check what would enter before anything changes
@@ -339,9 +351,9 @@ class RadixCacheManager(RadixLocks):
         if start is not None:  # the path above the resumed walk is stamped as a walk would
             stamp_path(start, tic)
         if prefix_len < n:
-            new = self._node(ids_b[pos:], slots.copy(), pages, tic, tic)
+            new = self._node(mv[pos:].tobytes(), slots.copy(), pages, tic, tic)
             new._parent = end
-            end.children[ids.item(prefix_len) if ps == 1 else ids_b[pos : pos + ps * ITEM]] = new
+            end.children[ids.item(prefix_len) if ps == 1 else new._kb[: ps * ITEM]] = new
             end = new
             self._num_nodes += 1
             self._evictable_size += n - prefix_len
@@ -358,7 +370,7 @@ class RadixCacheManager(RadixLocks):
                 node = node._parent  # type: ignore[assignment]
             self._evictable_size -= taken
             self._protected_size += taken
-        return InsertResult(prefix_len, RadixCacheHandle(n, end)), ids_b, root, moved
+        return InsertResult(prefix_len, RadixCacheHandle(n, end)), root, moved
 
     def eviction_priority(self, node: RadixTreeNode) -> tuple[int, ...]:
         """``node``'s key under this manager's policy: the evictable leaf with the smallest goes first."""

@@ -34,6 +34,7 @@ __all__ = [
     "lock_path",
     "unlock_path",
     "path_slots",
+    "spells",
     "stamp_path",
     "ITEM",
 ]
@@ -49,19 +50,19 @@ _TOKEN_DTYPES = frozenset(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.
 
 
 def token_array(input_ids: torch.Tensor) -> np.ndarray:
-    """``input_ids`` as int64 NumPy (a view when it is int64 already), checked as
+    """``input_ids`` as C-contiguous int64 NumPy (a view when it is that already), checked as
     `check_token_ids` checks, through the cheapest route for the common case."""
     try:
         ids = input_ids.numpy()  # only a CPU tensor gets past here
     except (AttributeError, TypeError, RuntimeError):
         ids = None
     else:
-        if ids.dtype is _I64 and ids.ndim == 1:
+        if ids.dtype is _I64 and ids.ndim == 1 and ids.flags.c_contiguous:
             return ids
     if ids is None or ids.ndim != 1 or ids.dtype not in _TOKEN_DTYPES:
         check_token_ids(input_ids)  # raises with the standard message
         raise TypeError(f"input_ids must be a 1-D integer tensor on the CPU, got {input_ids!r}")
-    return ids if ids.dtype == np.int64 else ids.astype(np.int64)
+    return np.ascontiguousarray(ids, dtype=np.int64)
 
 
 def slot_array(
@@ -352,6 +353,19 @@ def path_slots(node: RadixTreeNode) -> list[np.ndarray]:
         node = node._parent
     values.reverse()
     return values
+
+
+def spells(node: RadixTreeNode, mv: memoryview, held: int) -> bool:
+    """Whether the keys from the root down to ``node``, ``held`` bytes in all, equal
+    ``mv[:held]`` (a byte view of int64 token ids): one memcmp a node, from ``node`` up."""
+    hi = held
+    while node._parent is not None:
+        kb = node._kb
+        lo = hi - len(kb)
+        if lo < 0 or not kb.startswith(mv[lo:hi]):
+            return False
+        hi, node = lo, node._parent
+    return hi == 0
 
 
 def stamp_path(node: RadixTreeNode, tic: int) -> None:
