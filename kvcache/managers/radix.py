@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._validate import check_positive_int, check_size
+from .._validate import check_positive_int
 from .base import InsertResult
 from .cache_events import EventLog, check_extra_key
 from .eviction import EVICTION_POLICIES, EvictionPolicy, LeafHeap
@@ -42,7 +42,6 @@ from .radix_node import (
     stamp_path,
     token_array,
 )
-from .radix_roots import path_tokens
 from .slot_owners import SlotOwners
 
 __all__ = ["RadixTreeNode", "RadixCacheHandle", "RadixCacheManager"]
@@ -188,7 +187,7 @@ class RadixCacheManager(RadixLocks):
         ``ids_b``, or one ``ids.item`` at page size 1) and one memcmp against a view.
         """
         mv = memoryview(ids_b)
-        n, ps, path = len(mv), self.page_size, []
+        n, ps, path = len(mv), self.page_size, list[RadixTreeNode]()
         pb, node = ps * ITEM, node or self.root_node
         while pos < n:
             child = node.children.get(
@@ -231,7 +230,7 @@ class RadixCacheManager(RadixLocks):
         Not read-only: a node matched only in part is split so that the handle can point at the
         end of the match, and the matched path's timestamps are refreshed.
         """
-        return self._match(input_ids, extra_key)[:2]  # type: ignore[return-value]
+        return self._match(input_ids, extra_key)[:2]
 
     def _match(
         self, input_ids: torch.Tensor, extra_key: Hashable, lock: bool = False
@@ -245,6 +244,7 @@ class RadixCacheManager(RadixLocks):
         page they share and the walk stops there.
         """
         ids = token_array(input_ids)
+        root: RadixTreeNode | None
         if extra_key is None:
             root = self.root_node
         else:
@@ -253,7 +253,7 @@ class RadixCacheManager(RadixLocks):
                 self._clock += 1
                 return RadixCacheHandle(0, self.root_node), self.empty_tensor, None, 0
         ps, n = self.page_size, len(ids)
-        mv = memoryview(ids).cast("B")  # the ids' own bytes: compared in place, never copied
+        mv = ids.data.cast("B")  # the ids' own bytes: compared in place, never copied
         self._clock = tic = self._clock + 1
         node, pos, end, pb = root, 0, (n - n % ps) * ITEM, ps * ITEM
         values: list[np.ndarray] = []
@@ -328,7 +328,7 @@ class RadixCacheManager(RadixLocks):
         ps, n = self.page_size, len(ids)
         if ps != 1:
             n -= n % ps
-        mv = memoryview(ids).cast("B")[: n * ITEM]  # the ids' own bytes, never copied whole
+        mv = ids.data.cast("B")[: n * ITEM]  # the ids' own bytes, never copied whole
         start = None
         if lock is not None and len(lock) > 2 and lock[2] is root is not None:
             held = lock[0].cached_len * ITEM
@@ -367,53 +367,7 @@ class RadixCacheManager(RadixLocks):
                 if not node.ref_count:
                     taken += len(node._value)
                 node.ref_count += 1
-                node = node._parent  # type: ignore[assignment]
+                node = node._parent
             self._evictable_size -= taken
             self._protected_size += taken
         return InsertResult(prefix_len, RadixCacheHandle(n, end)), root, moved
-
-    def eviction_priority(self, node: RadixTreeNode) -> tuple[int, ...]:
-        """``node``'s key under this manager's policy: the evictable leaf with the smallest goes first."""
-        return tuple(self._policy.priority(node))
-
-    def evict(self, size: int) -> torch.Tensor:
-        """Evict unlocked leaves in policy order until at least ``size`` tokens are freed.
-
-        A parent left childless and unlocked becomes a candidate at once. Raises ``RuntimeError``
-        (evicting nothing) when fewer than ``size`` tokens are evictable.
-        """
-        if type(size) is not int or size < 0:  # the common case costs one type() call
-            size = check_size(size)
-        if size == 0:
-            return self.empty_tensor
-        if size > self._evictable_size:
-            raise RuntimeError(
-                f"cannot evict {size} tokens: only {self._evictable_size} are evictable "
-                f"({self._protected_size} are locked)"
-            )
-        values: list[np.ndarray] = []
-        pages: list[np.ndarray] = []
-        freed, key_of, pop, events = 0, self._key_of, self._leaves.pop, self._events
-        evictable, file, pb = self._is_evictable_leaf, self._leaves.file, self.page_size * ITEM
-        while freed < size:
-            node = pop(evictable)
-            if events is not None:
-                tokens, root = path_tokens(node)
-                events.removed(self._root_keys[root.uuid], tokens, node._value.tolist())
-            values.append(node._value)
-            pages.append(node._pages)
-            freed += len(node._value)
-            parent = node._parent
-            del parent.children[key_of(node._kb, 0) if pb == ITEM else node._kb[:pb]]  # type: ignore[union-attr]
-            node._in_tree = False
-            if not parent.children and parent.ref_count == 0 and parent._parent is not None:  # type: ignore[union-attr]
-                file(parent)  # type: ignore[arg-type]
-        self._num_nodes -= len(values)
-        self._evictable_size -= freed
-        if len(values) == 1:
-            out = values[0]
-            self._owners.release_pages(pages[0])
-        else:
-            out = np.concatenate(values)
-            self._owners.release_pages(np.concatenate(pages))
-        return torch.from_numpy(out) if self._on_cpu else torch.from_numpy(out).to(self.device)

@@ -86,10 +86,10 @@ class RadixLocks(RadixRoots):
             raise TypeError(f"relock must be a bool, got {type(relock).__name__}")
         res, root, moved = self._insert(input_ids, indices, extra_key, entry, relock)
         if moved:  # the tree's counts moved already: move the entry
-            if entry[1] == 1:
+            if entry[1] == 1:  # type: ignore[index]
                 del self._locks[id(handle)]
             else:
-                entry[1] -= 1
+                entry[1] -= 1  # type: ignore[index]
             self._locks[id(res.handle)] = [res.handle, 1, root]
             return res
         if relock:

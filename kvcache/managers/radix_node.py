@@ -34,6 +34,7 @@ __all__ = [
     "lock_path",
     "unlock_path",
     "path_slots",
+    "detach_leaf",
     "spells",
     "stamp_path",
     "ITEM",
@@ -52,13 +53,13 @@ _TOKEN_DTYPES = frozenset(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.
 def token_array(input_ids: torch.Tensor) -> np.ndarray:
     """``input_ids`` as C-contiguous int64 NumPy (a view when it is that already), checked as
     `check_token_ids` checks, through the cheapest route for the common case."""
+    ids: np.ndarray | None
     try:
         ids = input_ids.numpy()  # only a CPU tensor gets past here
     except (AttributeError, TypeError, RuntimeError):
         ids = None
-    else:
-        if ids.dtype is _I64 and ids.ndim == 1 and ids.flags.c_contiguous:
-            return ids
+    if ids is not None and ids.dtype is _I64 and ids.ndim == 1 and ids.flags.c_contiguous:
+        return ids
     if ids is None or ids.ndim != 1 or ids.dtype not in _TOKEN_DTYPES:
         check_token_ids(input_ids)  # raises with the standard message
         raise TypeError(f"input_ids must be a 1-D integer tensor on the CPU, got {input_ids!r}")
@@ -73,13 +74,13 @@ def slot_array(
     than the rest of the common case)."""
     if not (device.type == "cpu" if on_cpu is None else on_cpu):
         return check_indices(indices, device).cpu().numpy()
+    slots: np.ndarray | None
     try:
         slots = indices.numpy()
     except (AttributeError, TypeError, RuntimeError):
         slots = None
-    else:
-        if slots.dtype is _I32 and slots.ndim == 1:
-            return slots
+    if slots is not None and slots.dtype is _I32 and slots.ndim == 1:
+        return slots
     if slots is None or slots.ndim != 1 or slots.dtype != np.int32:
         check_indices(indices, device)
         raise TypeError(f"indices must be a 1-D torch.int32 tensor on {device}, got {indices!r}")
@@ -196,6 +197,11 @@ class RadixTreeNode:
     def value_array(self) -> np.ndarray:
         """The KV slots as the host array the tree keeps (read-only use)."""
         return self._value
+
+    @property
+    def page_array(self) -> np.ndarray:
+        """The page numbers of the slots (``intp``, one per page), as eviction frees them."""
+        return self._pages
 
     @property
     def length(self) -> int:
@@ -353,6 +359,19 @@ def path_slots(node: RadixTreeNode) -> list[np.ndarray]:
         node = node._parent
     values.reverse()
     return values
+
+
+_FIRST_TOKEN = struct.Struct("=q").unpack_from
+
+
+def detach_leaf(node: RadixTreeNode, page_bytes: int) -> RadixTreeNode:
+    """Take the leaf ``node`` out of its parent's children (it is filed under its first page of
+    ``page_bytes`` key bytes) and mark it evicted; return the parent. Its ``value_array`` and
+    ``page_array`` stay readable."""
+    parent, kb = node._parent, node._kb
+    del parent.children[_FIRST_TOKEN(kb)[0] if page_bytes == ITEM else kb[:page_bytes]]  # type: ignore[union-attr]
+    node._in_tree = False
+    return parent  # type: ignore[return-value]
 
 
 def spells(node: RadixTreeNode, mv: memoryview, held: int) -> bool:

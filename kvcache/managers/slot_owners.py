@@ -60,8 +60,9 @@ class SlotOwners:
             try:
                 before = owner[pages]
             except IndexError:
-                before = self._outside(slots, pages, name)
+                self._outside(slots, pages, name)
                 owner = self._owner
+                before = owner[pages]
         else:
             pages = slots[::ps].astype(np.intp)
             pages //= ps
@@ -70,7 +71,7 @@ class SlotOwners:
             try:
                 aligned = self._rows.take(pages, axis=0).tobytes() == slots.tobytes()
             except IndexError:  # past the rows kept (or far below 0): the slow path decides
-                aligned = self._outside(slots, pages, name) is not None
+                aligned = self._outside(slots, pages, name)
                 owner = self._owner
             if not aligned:
                 self._refuse_alignment(slots, name)
@@ -96,17 +97,15 @@ class SlotOwners:
         self._count += n
         return pages
 
-    def _outside(self, slots: np.ndarray, pages: np.ndarray, name: str) -> np.ndarray | None:
+    def _outside(self, slots: np.ndarray, pages: np.ndarray, name: str) -> bool:
         """The slow path for ``pages`` past the tables: refuse a negative slot, grow the tables
-        to hold every page, and return the pages' owners (``None`` for misaligned ``page_size >
-        1`` slots, which the caller refuses)."""
+        to hold every page, and say whether ``slots`` are whole aligned pages (the caller
+        refuses them if not)."""
         if len(slots) and slots[slots.argmin()] < 0:
             raise ValueError(f"{name} must be >= 0, got {int(slots.min())}")
         if int(pages.max()) >= len(self._owner):
             self._grow(int(pages.max()) + 1)
-        if self.page_size > 1 and self._rows_of(pages).tobytes() != slots.tobytes():
-            return None
-        return self._owner[pages]
+        return self.page_size == 1 or self._rows_of(pages).tobytes() == slots.tobytes()
 
     def _refuse_alignment(self, slots: np.ndarray, name: str) -> None:
         """The error for ``slots`` that are not whole aligned pages (a negative one named first)."""
