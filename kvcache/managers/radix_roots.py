@@ -175,9 +175,9 @@ class RadixRoots(BaseCacheManager):
             pages.append(node.page_array)
             freed += len(value)
             parent = detach_leaf(node, pb)
+            self._num_nodes -= 1
             if not parent.children and parent.ref_count == 0 and parent.parent is not None:
                 file(parent)
-        self._num_nodes -= len(values)
         self._evictable_size -= freed
         if len(values) == 1:
             out = values[0]
