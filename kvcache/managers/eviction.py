@@ -128,7 +128,11 @@ class LeafHeap(Generic[N]):
         if uuid not in self._filed:
             priority = self._key(node)
             self._filed[uuid] = priority
-            self._push((priority, uuid, node))
+            entry, run = (priority, uuid, node), self._run
+            if not run or run[-1] < entry:  # `_push`, inlined: this is every insert's path
+                run.append(entry)
+            else:
+                heapq.heappush(self._heap, entry)
 
     def _push(self, entry: tuple[object, int, N]) -> None:
         run = self._run

@@ -47,6 +47,7 @@ from .slot_owners import SlotOwners
 __all__ = ["RadixTreeNode", "RadixCacheHandle", "RadixCacheManager"]
 
 _Walk = tuple[list[RadixTreeNode], int, RadixTreeNode | None, int]
+_NO_WALK: _Walk = ([], 0, None, 0)  # read only: what a walk from a missing root finds
 
 
 class RadixCacheManager(RadixLocks):
@@ -187,7 +188,8 @@ class RadixCacheManager(RadixLocks):
         ``ids_b``, or one ``ids.item`` at page size 1) and one memcmp against a view.
         """
         mv = memoryview(ids_b)
-        n, ps, path = len(mv), self.page_size, list[RadixTreeNode]()
+        path: list[RadixTreeNode] = []
+        n, ps = len(mv), self.page_size
         pb, node = ps * ITEM, node or self.root_node
         while pos < n:
             child = node.children.get(
@@ -329,14 +331,17 @@ class RadixCacheManager(RadixLocks):
         if ps != 1:
             n -= n % ps
         mv = ids.data.cast("B")[: n * ITEM]  # the ids' own bytes, never copied whole
-        start = None
+        start, walk = None, _NO_WALK
         if lock is not None and len(lock) > 2 and lock[2] is root is not None:
             held = lock[0].cached_len * ITEM
             if 0 < held <= len(mv) and spells(lock[0].node, mv, held):
                 start = lock[0].node  # its path spells mv[:held]: walk on from there
-                walk = self._walk(mv, ids, start, held)
-        if start is None:
-            walk = self._walk(mv, ids, root) if root is not None else ([], 0, None, 0)
+                if held < len(mv) and start.children:  # else nothing below it to follow
+                    walk = self._walk(mv, ids, start, held)
+                else:
+                    walk = ([], held, None, 0)
+        if start is None and root is not None:
+            walk = self._walk(mv, ids, root)
         pos = walk[1]
         prefix_len = pos >> 3
         if prefix_len < n:  # check what would enter before anything changes

@@ -24,6 +24,7 @@ class SlotOwners:
 
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
+        self._ps = np.intp(page_size)
         self.clear()
 
     def clear(self) -> None:
@@ -65,7 +66,7 @@ class SlotOwners:
                 before = owner[pages]
         else:
             pages = slots[::ps].astype(np.intp)
-            pages //= ps
+            pages //= self._ps  # by a NumPy scalar: no conversion of a Python int per call
             # One gather and one memcmp prove whole aligned pages, and no negative slot: a
             # negative page wraps to a row of non-negative slots, which cannot compare equal.
             try:
