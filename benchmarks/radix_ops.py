@@ -13,9 +13,12 @@
 2. Traces (``--traces``): three request shapes a server sees, each at page sizes 1 and 16 —
    chat (880 requests, 110 conversations of 8 turns), few-shot (800 requests on 2-8k-token
    shared prefixes) and agent (800 branching multi-turn requests) — the time inside manager
-   calls for `RadixCacheManager`, the source design (page size 1 only) and its page-aware
-   variant, and the whole flow against the manager calls. Every manager must make the same
-   cache decisions (reused and evicted tokens), or the comparison is void.
+   calls for `RadixCacheManager`, the source design (page size 1 only), its page-aware
+   variant and a stand-in for SGLang's 2026 radix cache (``sglang_standin.py``), and the whole
+   flow against the manager calls. Every manager must make the same cache decisions (reused and
+   evicted tokens), or the comparison is void. Prints, per trace and page size,
+   ``RadixCacheManager vs SGLang-style stand-in: N.Nx`` (the stand-in's time over ours; also
+   under ``sglang_ratio`` in the JSON).
 3. Evict scaling: the time of ``evict`` of one leaf on trees of 1,000 and 100,000 leaves.
 
 Run: ``python benchmarks/radix_ops.py [--page-size P] [--requests N] [--traces] [--json PATH]``.
@@ -39,6 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from sglang_standin import SglangStandIn
 from source_radix import SourceRadixCacheManager
 from source_radix_paged import PagedSourceRadixCacheManager
 
@@ -57,8 +61,11 @@ from kvcache.serving.workloads import Job, agent, long_few_shot, mixed, multi_tu
 MANAGERS: dict[str, Callable[[int], BaseCacheManager | None]] = {
     "source design": lambda ps: SourceRadixCacheManager() if ps == 1 else None,
     "page-aware source": lambda ps: PagedSourceRadixCacheManager(page_size=ps),
+    "SGLang-style stand-in": lambda ps: SglangStandIn(page_size=ps),
     "RadixCacheManager": lambda ps: RadixCacheManager(page_size=ps),
 }
+
+SGLANG = "SGLang-style stand-in"
 
 # name -> (jobs, pool size in tokens: small enough that every trace evicts)
 TRACES: dict[str, Callable[[], tuple]] = {
@@ -329,6 +336,23 @@ def print_traces(tr: dict[str, dict[str, dict[str, dict[str, float]]]]) -> None:
             )
 
 
+def sglang_ratios(
+    tr: dict[str, dict[str, dict[str, dict[str, float]]]],
+) -> dict[str, dict[str, float]]:
+    """``result[trace][page_size]``: the SGLang-style stand-in's time inside manager calls over
+    `RadixCacheManager`'s (above 1: ours is faster), where both ran; printed one line each."""
+    out: dict[str, dict[str, float]] = {}
+    for trace, by_ps in tr.items():
+        for ps, res in by_ps.items():
+            if SGLANG in res:
+                ratio = res[SGLANG]["manager_seconds"] / res["RadixCacheManager"]["manager_seconds"]
+                out.setdefault(trace, {})[ps] = ratio
+                print(
+                    f"  {trace:9s} page {ps:>2s}: RadixCacheManager vs SGLang-style stand-in: {ratio:.1f}x"
+                )
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, object]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=3000)
@@ -360,14 +384,14 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         f"page size {ps} ({ours['evictions']} evict calls, {ours['evicted_tokens']} tokens evicted, "
         f"{ours['reused_tokens']} reused)"
     )
-    print(f"  {'':18s} {'whole flow':>14s} {'manager calls only':>20s}")
+    print(f"  {'':21s} {'whole flow':>14s} {'manager calls only':>20s}")
     for name, r in tp.items():
         print(
-            f"  {name:18s} {r['requests_per_s']:8.0f} req/s {r['manager_requests_per_s']:14.0f} req/s"
+            f"  {name:21s} {r['requests_per_s']:8.0f} req/s {r['manager_requests_per_s']:14.0f} req/s"
         )
     ratio = ours["requests_per_s"] / base["requests_per_s"]
     manager_ratio = ours["manager_requests_per_s"] / base["manager_requests_per_s"]
-    print(f"  {'speed-up':18s} {ratio:12.1f}x {manager_ratio:18.1f}x")
+    print(f"  {'speed-up':21s} {ratio:12.1f}x {manager_ratio:18.1f}x")
     print(
         f"  RadixCacheManager whole flow / manager calls: {ours['flow_seconds'] / ours['manager_seconds']:.2f}x"
         f" (manager calls: {ours['manager_seconds_with_replay'] * 1e3:.1f} ms replayed, less the "
@@ -376,7 +400,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     block_hash = block_hash_rows(args.requests, args.pages, args.repeats)
     for key, r in block_hash.items():
         print(
-            f"  {'BlockHash ' + key.replace('page_size_', 'ps='):18s} {r['requests_per_s']:8.0f} req/s "
+            f"  {'BlockHash ' + key.replace('page_size_', 'ps='):21s} {r['requests_per_s']:8.0f} req/s "
             f"{r['manager_requests_per_s']:14.0f} req/s  (flow / manager calls "
             f"{r['flow_seconds'] / r['manager_seconds']:.2f}x, {r['reused_tokens']} reused)"
         )
@@ -394,6 +418,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         tr = traces(args.trace_page_sizes, args.repeats)
         print_traces(tr)
         result["traces"] = tr
+        result["sglang_ratio"] = sglang_ratios(tr)
 
     ev = {n: evict_one_leaf(n, RadixCacheManager, 400) for n in (1_000, 100_000)}
     ev_base = {
