@@ -29,7 +29,7 @@ class SlotOwners:
 
     def clear(self) -> None:
         self._owner = np.zeros(1024, dtype=np.int32)  # per page: 0 free, else held
-        self._rows = self._page_rows(1024)
+        self._rows, self._page_of = self._page_rows(1024)
         self._stamps = np.arange(1, 1025, dtype=np.int32)
         self._count = 0
 
@@ -65,13 +65,15 @@ class SlotOwners:
                 owner = self._owner
                 before = owner[pages]
         else:
-            pages = slots[::ps].astype(np.intp)
-            pages //= self._ps  # by a NumPy scalar: no conversion of a Python int per call
-            # One gather and one memcmp prove whole aligned pages, and no negative slot: a
-            # negative page wraps to a row of non-negative slots, which cannot compare equal.
+            # Each page's first slot looks its page up (-1: not a page's first slot), then one
+            # gather of those pages' rows and one memcmp prove whole aligned pages, and no
+            # negative slot: a negative index wraps to a row of non-negative slots, unequal.
             try:
+                pages = self._page_of.take(slots[::ps])
                 aligned = self._rows.take(pages, axis=0).tobytes() == slots.tobytes()
-            except IndexError:  # past the rows kept (or far below 0): the slow path decides
+            except IndexError:  # past the tables kept (or far below 0): the slow path decides
+                pages = slots[::ps].astype(np.intp)
+                pages //= self._ps
                 aligned = self._outside(slots, pages, name)
                 owner = self._owner
             if not aligned:
@@ -126,12 +128,16 @@ class SlotOwners:
             ps = self.page_size
             return (pages[:, None] * ps + np.arange(ps)).astype(np.int32)
 
-    def _page_rows(self, num_pages: int) -> np.ndarray:
-        """Row ``p``: the slots of page ``p`` (int32, ``(num_pages, page_size)``; none needed, and
-        none kept, for ``page_size == 1``), for the pages the tree has seen, up to 4M slots."""
+    def _page_rows(self, num_pages: int) -> tuple[np.ndarray, np.ndarray]:
+        """Row ``p``: the slots of page ``p`` (int32, ``(num_pages, page_size)``), and per slot
+        its page if it is a page's first slot, else -1 (``intp``: a gather there is cheaper
+        than dividing), for the pages the tree has seen, up to 2M slots (none needed, and none
+        kept, for ``page_size == 1``)."""
         ps = self.page_size
-        n = min(num_pages, (1 << 22) // ps) if ps > 1 else 0  # at most 16 MiB
-        return np.arange(n * ps, dtype=np.int32).reshape(n, ps)
+        n = min(num_pages, (1 << 21) // ps) if ps > 1 else 0  # at most 8 + 16 MiB
+        page_of = np.full(n * ps, -1, dtype=np.intp)
+        page_of[::ps] = np.arange(n)
+        return np.arange(n * ps, dtype=np.int32).reshape(n, ps), page_of
 
     def _grow(self, size: int) -> None:
         # Never past 2**31 pages (int32 slots have fewer): a negative slot read as unsigned, as
@@ -139,7 +145,7 @@ class SlotOwners:
         owner = np.zeros(min(max(size, 2 * len(self._owner)), 1 << 31), dtype=np.int32)
         owner[: len(self._owner)] = self._owner
         self._owner = owner
-        self._rows = self._page_rows(len(owner))
+        self._rows, self._page_of = self._page_rows(len(owner))
 
     def release(self, slots: np.ndarray) -> None:
         """Mark the pages of ``slots`` (whole pages the tree held) as free again."""
