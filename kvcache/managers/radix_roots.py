@@ -162,8 +162,7 @@ class RadixRoots(BaseCacheManager):
                 f"({self._protected_size} are locked)"
             )
         values: list[np.ndarray] = []
-        pages: list[np.ndarray] = []
-        freed, pop, events = 0, self._leaves.pop, self._events
+        freed, pop, events, release = 0, self._leaves.pop, self._events, self._owners.release_pages
         evictable, file, pb = self._is_evictable_leaf, self._leaves.file, self.page_size * ITEM
         while freed < size:
             node = pop(evictable)
@@ -172,17 +171,12 @@ class RadixRoots(BaseCacheManager):
                 tokens, root = path_tokens(node)
                 events.removed(self._root_keys[root.uuid], tokens, value.tolist())
             values.append(value)
-            pages.append(node.page_array)
+            release(node.page_array)  # a scatter per leaf costs less than joining the pages
             freed += len(value)
             parent = detach_leaf(node, pb)
             self._num_nodes -= 1
             if not parent.children and parent.ref_count == 0 and parent.parent is not None:
                 file(parent)
         self._evictable_size -= freed
-        if len(values) == 1:
-            out = values[0]
-            self._owners.release_pages(pages[0])
-        else:
-            out = np.concatenate(values)
-            self._owners.release_pages(np.concatenate(pages))
+        out = values[0] if len(values) == 1 else np.concatenate(values)
         return torch.from_numpy(out) if self._on_cpu else torch.from_numpy(out).to(self.device)
