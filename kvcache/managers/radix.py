@@ -6,15 +6,17 @@ whole number of pages and children are filed under their first page, so matching
 eviction all happen at page boundaries.
 
 Costs (measured in ``benchmarks/radix_ops.py``): a few C calls per node on the path, never
-Python work per token. Keys are int64 bytes: a node matches with one ``bytes.startswith`` and
-the next child is one dict probe away (filed under its first token, or its first page's bytes).
-Slots live on the host as NumPy int32, with their page numbers beside them for eviction. An
-insert walks without changing anything, checks only the *new* slots (`SlotOwners`), then changes
-the tree, so a refused call leaves no trace. Evictable leaves sit in a lazy heap of flat integer
-priorities (`LeafHeap`): a match never touches it, evicting ``k`` leaves costs ``O(k log n)``.
-No method recurses over the tree's depth. The flow's fused calls (`match_and_lock`,
-`insert_and_unlock`, in radix_locks.py) lock the path the match walked, and resume the insert at
-the locked handle's node after one compare of the prefix bytes the lock recorded.
+Python work per token, and no copy of the caller's ids. Keys are int64 bytes: a node matches
+with one ``bytes.startswith`` against a byte view of the ids, and the next child is one dict
+probe away (filed under its first token, or its first page's bytes). Slots live on the host as
+NumPy int32, with their page numbers beside them for eviction. An insert walks without changing
+anything, checks only the *new* slots (`SlotOwners`), then changes the tree, so a refused call
+leaves no trace. Evictable leaves sit in a lazy heap of flat integer priorities (`LeafHeap`): a
+match never touches it, a new leaf is appended to a sorted run beside it, and evicting ``k``
+leaves costs ``O(k)`` to ``O(k log n)``. No method recurses over the tree's depth. The flow's
+fused calls (`match_and_lock`, `insert_and_unlock`, in radix_locks.py) lock the path as the
+match walks it, and resume the insert at the locked handle's node once the keys on its path
+compare equal to the new ids (one memcmp a node); with ``relock`` the lock moves in that walk.
 """
 
 from __future__ import annotations
