@@ -69,9 +69,9 @@ def test_page_aligned_match_and_insert():
     assert [n.length for n in m.nodes()] == [0, 4, 4]
     # A mismatch in the first page matches nothing.
     assert m.match_prefix(t(0, 1, 2, 99))[0].cached_len == 0
-    # Children are filed under their first page.
+    # Children are filed under their first page, as the bytes of its int64 token ids.
     (child,) = m.root_node.children
-    assert child == (0, 1, 2, 3)
+    assert np.frombuffer(child, dtype=np.int64).tolist() == [0, 1, 2, 3]
     m.check_integrity()
 
 

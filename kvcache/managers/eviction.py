@@ -12,6 +12,7 @@ heap then compares plain ints (the built-in policies pack ``(time, uuid)`` as
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
@@ -98,6 +99,11 @@ class LeafHeap(Generic[N]):
     true minimum as long as priorities only grow while a node is in the tree (as the times of
     the built-in policies do). A node with no entry must be filed (`file`) when it becomes an
     evictable leaf; an entry for a node that is no longer one is dropped when popped.
+
+    Filing and popping cost ``O(1)`` for an entry larger than every entry filed before it (a
+    new leaf under either built-in policy), ``O(log n)`` otherwise: such entries form a sorted
+    run beside the heap, so evicting from a tree of 100k leaves touches hardly more memory
+    than from one of 1k.
     """
 
     def __init__(self, key: Callable[[N], object]) -> None:
@@ -105,27 +111,47 @@ class LeafHeap(Generic[N]):
         self.clear()
 
     def clear(self) -> None:
+        # Entries ``(priority, uuid, node)``, in two places: a run in increasing order (an entry
+        # larger than the run's last is appended there: what a new leaf is, its time being the
+        # clock's) and a heap for the rest. The smaller of the two heads is the minimum; popping
+        # from the run touches its head only, where a heap pop walks a path down the heap.
+        self._run: deque[tuple[object, int, N]] = deque()
         self._heap: list[tuple[object, int, N]] = []
         self._filed: dict[int, object] = {}  # uuid -> priority of the node's entry
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return len(self._heap) + len(self._run)
 
     def file(self, node: N) -> None:
         """Give ``node`` an entry under its current priority, unless it has one."""
-        if node.uuid not in self._filed:
+        uuid = node.uuid
+        if uuid not in self._filed:
             priority = self._key(node)
-            self._filed[node.uuid] = priority
-            heapq.heappush(self._heap, (priority, node.uuid, node))
+            self._filed[uuid] = priority
+            entry, run = (priority, uuid, node), self._run
+            if not run or run[-1] < entry:  # `_push`, inlined: this is every insert's path
+                run.append(entry)
+            else:
+                heapq.heappush(self._heap, entry)
+
+    def _push(self, entry: tuple[object, int, N]) -> None:
+        run = self._run
+        if not run or run[-1] < entry:
+            run.append(entry)
+        else:
+            heapq.heappush(self._heap, entry)
 
     def pop(self, evictable: Callable[[N], bool]) -> N:
         """Remove and return the evictable node with the smallest current priority.
 
         Raises ``RuntimeError`` when no filed node is evictable (the caller's sizes are wrong).
         """
-        heap, filed, key = self._heap, self._filed, self._key
-        while heap:
-            priority, uuid, node = heapq.heappop(heap)
+        heap, run, filed, key = self._heap, self._run, self._filed, self._key
+        while heap or run:
+            if run and (not heap or run[0] < heap[0]):
+                priority, uuid, node = run.popleft()
+            else:
+                priority, uuid, node = heapq.heappop(heap)
             del filed[uuid]
             if not evictable(node):
                 continue  # it gained a child or a lock since: filed again when a leaf again
@@ -133,7 +159,7 @@ class LeafHeap(Generic[N]):
             if current == priority:
                 return node
             filed[uuid] = current  # used since it was filed: file it under its new priority
-            heapq.heappush(heap, (current, uuid, node))
+            self._push((current, uuid, node))
         raise RuntimeError("internal error: no evictable leaf is filed")
 
     def is_filed(self, node: N) -> bool:

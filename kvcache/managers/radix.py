@@ -6,26 +6,28 @@ whole number of pages and children are filed under their first page, so matching
 eviction all happen at page boundaries.
 
 Costs (measured in ``benchmarks/radix_ops.py``): a few C calls per node on the path, never
-Python work per token. Keys are int64 bytes: a node matches with one ``bytes.startswith`` and
-the next child is one unpack and one dict probe away. Slots live on the host as NumPy int32. An
-insert walks without changing anything, checks only the *new* slots (`SlotOwners`), then changes
-the tree, so a refused call leaves no trace. Evictable leaves sit in a lazy heap of flat integer
-priorities (`LeafHeap`): a match never touches it, evicting ``k`` leaves costs ``O(k log n)``.
-No method recurses over the tree's depth. The flow's fused calls (`match_and_lock`,
-`insert_and_unlock`, in radix_locks.py) lock the path the match walked, and resume the insert at
-the locked handle's node after one compare of the prefix bytes the lock recorded.
+Python work per token, and no copy of the caller's ids. Keys are int64 bytes: a node matches
+with one ``bytes.startswith`` against a byte view of the ids, and the next child is one dict
+probe away (filed under its first token, or its first page's bytes). Slots live on the host as
+NumPy int32, with their page numbers beside them for eviction. An insert walks without changing
+anything, checks only the *new* slots (`SlotOwners`), then changes the tree, so a refused call
+leaves no trace. Evictable leaves sit in a lazy heap of flat integer priorities (`LeafHeap`): a
+match never touches it, a new leaf is appended to a sorted run beside it, and evicting ``k``
+leaves costs ``O(k)`` to ``O(k log n)``. No method recurses over the tree's depth. The flow's
+fused calls (`match_and_lock`, `insert_and_unlock`, in radix_locks.py) lock the path as the
+match walks it, and resume the insert at the locked handle's node once the keys on its path
+compare equal to the new ids (one memcmp a node); with ``relock`` the lock moves in that walk.
 """
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Hashable
 from typing import Any
 
 import numpy as np
 import torch
 
-from .._validate import check_positive_int, check_size
+from .._validate import check_positive_int
 from .base import InsertResult
 from .cache_events import EventLog, check_extra_key
 from .eviction import EVICTION_POLICIES, EvictionPolicy, LeafHeap
@@ -38,15 +40,16 @@ from .radix_node import (
     common_tokens,
     key_reader,
     slot_array,
+    spells,
     stamp_path,
     token_array,
 )
-from .radix_roots import path_tokens
 from .slot_owners import SlotOwners
 
 __all__ = ["RadixTreeNode", "RadixCacheHandle", "RadixCacheManager"]
 
 _Walk = tuple[list[RadixTreeNode], int, RadixTreeNode | None, int]
+_NO_WALK: _Walk = ([], 0, None, 0)  # read only: what a walk from a missing root finds
 
 
 class RadixCacheManager(RadixLocks):
@@ -94,7 +97,6 @@ class RadixCacheManager(RadixLocks):
         self.empty_tensor = torch.empty(0, dtype=torch.int32, device=self.device)
         self._on_cpu = self.device.type == "cpu"
         self._key_of = key_reader(page_size)
-        self._unpack = struct.Struct(f"={page_size}q").unpack_from
         self._owners = SlotOwners(page_size)
         self._uuid = self._clock = 0
         self._events = EventLog() if events else None
@@ -113,20 +115,17 @@ class RadixCacheManager(RadixLocks):
         self._owners.clear()
 
     def _new_root(self) -> RadixTreeNode:
-        root = self._node(b"", np.empty(0, dtype=np.int32), self._clock, self._clock)
+        empty = np.empty(0, dtype=np.int32)
+        root = self._node(b"", empty, empty.astype(np.intp), self._clock, self._clock)
         root.ref_count = 1  # a root is never evicted
         return root
 
     def _node(
-        self, kb: bytes, value: np.ndarray, timestamp: int, insert_time: int
+        self, kb: bytes, value: np.ndarray, pages: np.ndarray, timestamp: int, insert_time: int
     ) -> RadixTreeNode:
         """A new node of this tree under the next uuid."""
-        self._uuid += 1
-        return RadixTreeNode(self._uuid - 1, kb, value, timestamp, insert_time, self._tree)
-
-    def _tick(self) -> int:
-        self._clock += 1
-        return self._clock
+        self._uuid = uuid = self._uuid + 1
+        return RadixTreeNode(uuid - 1, kb, value, pages, timestamp, insert_time, self._tree)
 
     def _is_evictable_leaf(self, node: RadixTreeNode) -> bool:
         """`evictable_leaf` through the slots (it is the eviction loop's test)."""
@@ -158,49 +157,61 @@ class RadixCacheManager(RadixLocks):
         The new node inherits ``ref_count`` (every lock through ``node`` also ran through its
         first part), ``timestamp`` and ``insert_time``. Sizes do not change.
         """
-        parent = node._parent
-        cut = pos * ITEM
-        new = self._node(node._kb[:cut], node._value[:pos], node.timestamp, node.insert_time)
+        parent, kb, cut, pcut = node._parent, node._kb, pos * ITEM, pos // self.page_size
+        new = self._node(
+            kb[:cut], node._value[:pos], node._pages[:pcut], node.timestamp, node.insert_time
+        )
         new.ref_count = node.ref_count
         new._parent = parent
-        parent.children[self._key_of(node._kb, 0)] = new  # type: ignore[union-attr]
-        node._kb = node._kb[cut:]
+        key_of = self._key_of
+        parent.children[key_of(kb, 0)] = new  # type: ignore[union-attr]
+        node._kb = kb = kb[cut:]
         node._value = node._value[pos:]
+        node._pages = node._pages[pcut:]
         node._parent = new
-        new.children[self._key_of(node._kb, 0)] = node
+        new.children[key_of(kb, 0)] = node
         self._num_nodes += 1
         return new
 
     def _walk(
-        self, ids_b: bytes, ids: np.ndarray, root: RadixTreeNode | None = None, pos: int = 0
+        self,
+        ids_b: bytes | memoryview,
+        ids: np.ndarray,
+        node: RadixTreeNode | None = None,
+        pos: int = 0,
     ) -> _Walk:
-        """Follow ``ids_b`` (whole pages of int64 token bytes) down the tree from ``root`` (a
-        namespace's root, or a node whose path spells ``ids_b[:pos]``); change nothing.
+        """Follow ``ids_b`` (the bytes of ``ids``' whole pages, or a byte view of them) down the
+        tree from ``node`` (a namespace's root, default ``None``'s, or a node whose path spells
+        ``ids_b[:pos]``); change nothing.
 
-        Returns ``(path, matched_bytes, partial, cut)``: the nodes matched whole (root excluded),
-        and the node after them matching only its first ``cut`` tokens (whole pages), or ``None``.
+        Returns ``(path, matched_bytes, partial, cut)``: the nodes matched whole (``node``
+        excluded), and the node after them matching only its first ``cut`` tokens (whole
+        pages), or ``None``. Per node: one dict probe (its filing key is one page of
+        ``ids_b``, or one ``ids.item`` at page size 1) and one memcmp against a view.
         """
-        node, n = root or self.root_node, len(ids_b)  # default: the None namespace
+        mv = memoryview(ids_b)
         path: list[RadixTreeNode] = []
-        append, startswith = path.append, ids_b.startswith  # bound once: this loop is the hot path
-        # The filing key of the page at byte ``pos``: the token (``ids.item``) or a tuple of them.
-        one, item, unpack = self.page_size == 1, ids.item, self._unpack
+        n, ps = len(mv), self.page_size
+        pb, node = ps * ITEM, node or self.root_node
         while pos < n:
-            child = node.children.get(item(pos >> 3) if one else unpack(ids_b, pos))
+            child = node.children.get(
+                ids.item(pos >> 3) if ps == 1 else mv[pos : pos + pb].tobytes()
+            )
             if child is None:
                 break
             kb = child._kb
-            if not startswith(kb, pos):  # the whole node matches: one memcmp
-                ps = self.page_size
-                cut = common_tokens(kb, ids, pos // ITEM) // ps * ps
+            stop = pos + len(kb)
+            if stop > n or not kb.startswith(mv[pos:stop]):  # it matches in part
+                cut = common_tokens(kb, ids, pos >> 3) // ps * ps
                 return path, pos + cut * ITEM, child, cut
-            append(child)
-            pos += len(kb)
+            path.append(child)
+            pos = stop
             node = child
         return path, pos, None, 0
 
-    def _commit(self, walk: _Walk, tic: int, root: RadixTreeNode | None = None) -> RadixTreeNode:
-        """Apply a walk: stamp the matched path with ``tic``, split the partial node; return the end."""
+    def _commit(self, walk: _Walk, tic: int, end: RadixTreeNode | None = None) -> RadixTreeNode:
+        """Apply a walk from ``end`` (default: ``None``'s root): stamp the matched path with
+        ``tic``, split the partial node; return the node the walk ended at."""
         path, _, partial, cut = walk
         for node in path:
             node.timestamp = tic
@@ -208,7 +219,11 @@ class RadixCacheManager(RadixLocks):
             end = self._split_at(partial, cut)
             end.timestamp = tic
             return end
-        return path[-1] if path else root or self.root_node
+        return path[-1] if path else end or self.root_node
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
 
     # ------------------------------------------------------------- public
     def match_prefix(
@@ -219,29 +234,60 @@ class RadixCacheManager(RadixLocks):
         Not read-only: a node matched only in part is split so that the handle can point at the
         end of the match, and the matched path's timestamps are refreshed.
         """
-        handle, out, _, _ = self._match(input_ids, extra_key)
-        return handle, out
+        return self._match(input_ids, extra_key)[:2]
 
     def _match(
-        self, input_ids: torch.Tensor, extra_key: Hashable
-    ) -> tuple[RadixCacheHandle, torch.Tensor, bytes, RadixTreeNode | None]:
-        """`match_prefix`'s handle and slots, the token bytes it walked, and the namespace root."""
+        self, input_ids: torch.Tensor, extra_key: Hashable, lock: bool = False
+    ) -> tuple[RadixCacheHandle, torch.Tensor, RadixTreeNode | None, int]:
+        """`match_prefix`'s handle and slots, the namespace root, and
+        (``lock``: the handle's path is locked on the way down, the caller records the lock)
+        the tokens that the lock took from the evictable ones.
+
+        The walk changes the tree as it goes (nothing after the token check can raise): each
+        node matched is stamped (and locked), one matched in part is split at the last whole
+        page they share and the walk stops there.
+        """
         ids = token_array(input_ids)
-        root = self.root_node if extra_key is None else self._roots.get(check_extra_key(extra_key))
-        if root is None:  # a namespace never inserted into: nothing to match
-            self._tick()
-            return RadixCacheHandle(0, self.root_node), self.empty_tensor, b"", None
-        n = len(ids) // self.page_size * self.page_size
-        ids_b = ids[:n].tobytes()
-        walk = self._walk(ids_b, ids, root)
-        node = self._commit(walk, self._tick(), root)
-        if walk[1] == 0:
-            return RadixCacheHandle(0, self.root_node), self.empty_tensor, ids_b, root
-        values = [p._value for p in walk[0]]
-        if walk[2] is not None:
-            values.append(node._value)
+        root: RadixTreeNode | None
+        if extra_key is None:
+            root = self.root_node
+        else:
+            root = self._roots.get(check_extra_key(extra_key))
+            if root is None:  # a namespace never inserted into: nothing to match
+                self._clock += 1
+                return RadixCacheHandle(0, self.root_node), self.empty_tensor, None, 0
+        ps, n = self.page_size, len(ids)
+        mv = ids.data.cast("B")  # the ids' own bytes: compared in place, never copied
+        self._clock = tic = self._clock + 1
+        node, pos, end, pb = root, 0, (n - n % ps) * ITEM, ps * ITEM
+        values: list[np.ndarray] = []
+        taken = 0
+        while pos < end:
+            child = node.children.get(
+                ids.item(pos >> 3) if ps == 1 else mv[pos : pos + pb].tobytes()
+            )
+            if child is None:
+                break
+            kb = child._kb
+            stop = pos + len(kb)
+            if stop <= end and kb.startswith(mv[pos:stop]):  # the whole node matches: one memcmp
+                pos = stop
+            else:  # at least its first page matches: split it after the pages it shares
+                cut = common_tokens(kb, ids, pos >> 3) // ps * ps
+                child = self._split_at(child, cut)
+                pos = end = pos + cut * ITEM
+            child.timestamp = tic
+            values.append(child._value)
+            if lock:
+                if not child.ref_count:
+                    taken += len(child._value)
+                child.ref_count += 1
+            node = child
+        if not pos:
+            return RadixCacheHandle(0, self.root_node), self.empty_tensor, root, 0
         out = values[0].copy() if len(values) == 1 else np.concatenate(values)
-        return RadixCacheHandle(walk[1] // ITEM, node), self._out(out), ids_b, root
+        out_t = torch.from_numpy(out) if self._on_cpu else torch.from_numpy(out).to(self.device)
+        return RadixCacheHandle(pos >> 3, node), out_t, root, taken
 
     def insert_prefix(
         self, input_ids: torch.Tensor, indices: torch.Tensor, extra_key: Hashable = None
@@ -254,7 +300,7 @@ class RadixCacheManager(RadixLocks):
         (changing nothing) when a slot that would enter is negative, already held by the tree,
         listed twice, or (``page_size > 1``) not part of a whole aligned page.
         """
-        return self._insert(input_ids, indices, extra_key)[0].cached_len
+        return self._insert(input_ids, indices, extra_key)[0][0]
 
     def insert_and_match(
         self, input_ids: torch.Tensor, indices: torch.Tensor, extra_key: Hashable = None
@@ -268,84 +314,67 @@ class RadixCacheManager(RadixLocks):
         indices: torch.Tensor,
         extra_key: Hashable,
         lock: list[Any] | None = None,
-    ) -> tuple[InsertResult, bytes, RadixTreeNode]:
+        relock: bool = False,
+    ) -> tuple[InsertResult, RadixTreeNode, bool]:
         """The insert, resumed at the node of ``lock`` (a `_locks` entry) where it names a prefix
-        of ``input_ids`` in this namespace; also the token bytes and the namespace root."""
+        of ``input_ids`` in this namespace (checked against the keys on its path); also the
+        namespace root, and
+        whether the lock moved: with ``relock`` and a resumed walk, the nodes below the lock's
+        node down to the returned handle's are locked once more (the path above keeps its
+        counts: one lock leaves it, one arrives), and the caller only moves the `_locks` entry."""
         ids = token_array(input_ids)
         root = self.root_node if extra_key is None else self._roots.get(check_extra_key(extra_key))
-        all_slots = slot_array(indices, self.device)
+        all_slots = slot_array(indices, self.device, self._on_cpu)
         if len(all_slots) != len(ids):
             raise ValueError(
                 f"len(indices) ({len(all_slots)}) must equal len(input_ids) ({len(ids)})"
             )
-        n = len(ids) // self.page_size * self.page_size
-        ids_b = ids[:n].tobytes()
-        start = None
-        if lock is not None and len(lock) > 2 and lock[3] is root is not None:
+        ps, n = self.page_size, len(ids)
+        if ps != 1:
+            n -= n % ps
+        mv = ids.data.cast("B")[: n * ITEM]  # the ids' own bytes, never copied whole
+        start, walk = None, _NO_WALK
+        if lock is not None and len(lock) > 2 and lock[2] is root is not None:
             held = lock[0].cached_len * ITEM
-            if held and ids_b.startswith(memoryview(lock[2])[:held]):
-                start = lock[0].node  # its path spells ids_b[:held]: walk on from there
-                walk = self._walk(ids_b, ids, start, held)
-        if start is None:
-            walk = self._walk(ids_b, ids, root) if root is not None else ([], 0, None, 0)
+            if 0 < held <= len(mv) and spells(lock[0].node, mv, held):
+                start = lock[0].node  # its path spells mv[:held]: walk on from there
+                if held < len(mv) and start.children:  # else nothing below it to follow
+                    walk = self._walk(mv, ids, start, held)
+                else:
+                    walk = ([], held, None, 0)
+        if start is None and root is not None:
+            walk = self._walk(mv, ids, root)
         pos = walk[1]
-        prefix_len = pos // ITEM
+        prefix_len = pos >> 3
         if prefix_len < n:  # check what would enter before anything changes
             slots = all_slots[prefix_len:n]
-            self._owners.claim_new(slots)  # the last check: it holds the pages when it passes
+            pages = self._owners.claim_new(slots)  # the last check: holds the pages if it passes
         if root is None:  # the namespace's first insert: its root, now that nothing can raise
             root = self._roots[extra_key] = self._new_root()
             self._root_keys[root.uuid] = extra_key
-        tic = self._tick()
-        node = self._commit(walk, tic, start or root)
+        self._clock = tic = self._clock + 1
+        end = self._commit(walk, tic, start or root) if walk[0] or walk[2] else start or root
+        moved = relock and start is not None
         if start is not None:  # the path above the resumed walk is stamped as a walk would
             stamp_path(start, tic)
-        if prefix_len == n:
-            return InsertResult(prefix_len, RadixCacheHandle(n, node)), ids_b, root
-        new = self._node(ids_b[pos:], slots.copy(), tic, tic)
-        new._parent = node
-        node.children[self._key_of(ids_b, pos)] = new
-        self._num_nodes += 1
-        self._evictable_size += n - prefix_len
-        self._leaves.file(new)
-        if self._events is not None:
-            self._events.stored(extra_key, ids[:n].tolist(), slots.tolist())
-        return InsertResult(prefix_len, RadixCacheHandle(n, new)), ids_b, root
-
-    def eviction_priority(self, node: RadixTreeNode) -> tuple[int, ...]:
-        """``node``'s key under this manager's policy: the evictable leaf with the smallest goes first."""
-        return tuple(self._policy.priority(node))
-
-    def evict(self, size: int) -> torch.Tensor:
-        """Evict unlocked leaves in policy order until at least ``size`` tokens are freed.
-
-        A parent left childless and unlocked becomes a candidate at once. Raises ``RuntimeError``
-        (evicting nothing) when fewer than ``size`` tokens are evictable.
-        """
-        check_size(size)
-        if size == 0:
-            return self.empty_tensor
-        if size > self._evictable_size:
-            raise RuntimeError(
-                f"cannot evict {size} tokens: only {self._evictable_size} are evictable "
-                f"({self._protected_size} are locked)"
-            )
-        evicted: list[np.ndarray] = []
-        freed, key_of = 0, self._key_of
-        while freed < size:
-            node = self._leaves.pop(self._is_evictable_leaf)
+        if prefix_len < n:
+            new = self._node(mv[pos:].tobytes(), slots.copy(), pages, tic, tic)
+            new._parent = end
+            end.children[ids.item(prefix_len) if ps == 1 else new._kb[: ps * ITEM]] = new
+            end = new
+            self._num_nodes += 1
+            self._evictable_size += n - prefix_len
+            if not moved:  # a node locked at once is filed when it is unlocked
+                self._leaves.file(new)
             if self._events is not None:
-                tokens, root = path_tokens(node)
-                self._events.removed(self._root_keys[root.uuid], tokens, node._value.tolist())
-            evicted.append(node._value)
-            freed += len(node._value)
-            parent = node._parent
-            del parent.children[key_of(node._kb, 0)]  # type: ignore[union-attr]
-            node._in_tree = False
-            self._num_nodes -= 1
-            if not parent.children and parent.ref_count == 0 and parent._parent is not None:  # type: ignore[union-attr]
-                self._leaves.file(parent)  # type: ignore[arg-type]
-        self._evictable_size -= freed
-        out = evicted[0] if len(evicted) == 1 else np.concatenate(evicted)
-        self._owners.release(out)
-        return self._out(out)
+                self._events.stored(extra_key, ids[:n].tolist(), slots.tolist())
+        if moved:
+            taken, node = 0, end
+            while node is not start:
+                if not node.ref_count:
+                    taken += len(node._value)
+                node.ref_count += 1
+                node = node._parent
+            self._evictable_size -= taken
+            self._protected_size += taken
+        return InsertResult(prefix_len, RadixCacheHandle(n, end)), root, moved

@@ -1,10 +1,10 @@
 """`RadixLocks`: how a `RadixCacheManager` locks, unlocks and reads back its handles.
 
 A lock is counted per handle object in ``_locks`` (``id(handle) -> [handle, times locked]``,
-plus, for a lock the manager took itself in `match_and_lock` or a relock, the token bytes the
-handle matched and its namespace root: `insert_and_unlock` resumes its walk at such a handle's
-node after one compare of those bytes). Only bytes the manager recorded are ever trusted: a
-handle made by hand and locked with `lock_handle` has none, and its insert walks from the root.
+plus, for a lock the manager took itself in `match_and_lock` or a relock, the handle's namespace
+root: `insert_and_unlock` resumes its walk at such a handle's node once the keys on its path
+compare equal to the start of the new ids, one memcmp a node, in place). A handle made by hand
+and locked with `lock_handle` has no root recorded, and its insert walks from the root.
 """
 
 from __future__ import annotations
@@ -43,11 +43,12 @@ class RadixLocks(RadixRoots):
     # Defined by `RadixCacheManager` (radix.py).
     _out: Callable[[np.ndarray], torch.Tensor]
     _match: Callable[
-        [torch.Tensor, Hashable], tuple[RadixCacheHandle, torch.Tensor, bytes, RadixTreeNode | None]
+        [torch.Tensor, Hashable, bool],
+        tuple[RadixCacheHandle, torch.Tensor, RadixTreeNode | None, int],
     ]
     _insert: Callable[
-        [torch.Tensor, torch.Tensor, Hashable, list[Any] | None],
-        tuple[InsertResult, bytes, RadixTreeNode],
+        [torch.Tensor, torch.Tensor, Hashable, list[Any] | None, bool],
+        tuple[InsertResult, RadixTreeNode, bool],
     ]
 
     def match_and_lock(
@@ -56,8 +57,10 @@ class RadixLocks(RadixRoots):
         """`match_prefix`, then `lock_handle` of its handle. The lock remembers the matched token
         bytes, so that `insert_and_unlock` of this handle resumes at its node (one compare of
         the prefix instead of a walk from the root)."""
-        handle, out, ids_b, root = self._match(input_ids, extra_key)
-        self._lock_new(handle, ids_b, root)
+        handle, out, root, taken = self._match(input_ids, extra_key, True)
+        self._locks[id(handle)] = [handle, 1, root]
+        self._evictable_size -= taken
+        self._protected_size += taken
         return handle, out
 
     def insert_and_unlock(
@@ -79,11 +82,18 @@ class RadixLocks(RadixRoots):
         entry = self._locks.get(id(handle))
         if entry is None:
             self._refuse_unlock(handle)
-        if not isinstance(relock, bool):
+        if relock is not False and relock is not True:
             raise TypeError(f"relock must be a bool, got {type(relock).__name__}")
-        res, ids_b, root = self._insert(input_ids, indices, extra_key, entry)
+        res, root, moved = self._insert(input_ids, indices, extra_key, entry, relock)
+        if moved:  # the tree's counts moved already: move the entry
+            if entry[1] == 1:  # type: ignore[index]
+                del self._locks[id(handle)]
+            else:
+                entry[1] -= 1  # type: ignore[index]
+            self._locks[id(res.handle)] = [res.handle, 1, root]
+            return res
         if relock:
-            self._lock_new(res.handle, ids_b, root)  # type: ignore[arg-type]
+            self._lock_new(res.handle, root)  # type: ignore[arg-type]
         self._unlock(handle, entry)  # type: ignore[arg-type]
         return res
 
@@ -163,10 +173,10 @@ class RadixLocks(RadixRoots):
         if leaf.ref_count == 0 and not leaf.children and leaf.parent is not None:
             self._leaves.file(leaf)
 
-    def _lock_new(self, handle: RadixCacheHandle, ids_b: bytes, root: RadixTreeNode | None) -> None:
-        """Lock ``handle``, just made by this manager from the token bytes ``ids_b`` in the
-        namespace of ``root``, and remember both for `insert_and_unlock`."""
+    def _lock_new(self, handle: RadixCacheHandle, root: RadixTreeNode | None) -> None:
+        """Lock ``handle``, just made by this manager in the namespace of ``root``, and remember
+        that root for `insert_and_unlock`."""
         _, taken = lock_path(handle.node)
-        self._locks[id(handle)] = [handle, 1, ids_b, root]
+        self._locks[id(handle)] = [handle, 1, root]
         self._evictable_size -= taken
         self._protected_size += taken

@@ -2,9 +2,9 @@
 
 A node's tokens are kept as the bytes of their int64 values (``key_bytes``): a whole-node match
 is then one ``bytes.startswith`` (a memcmp, no Python work per token), and the child a walk
-needs next is found with one ``struct`` unpack and one dict probe per node. Children stay filed
-under what a reader expects (API.md and the book): the first token id (an ``int``) with
-``page_size == 1``, the first page as a tuple of token ids with ``page_size > 1``.
+needs next is one dict probe away. Children are filed under their first token id (an ``int``)
+with ``page_size == 1``, as API.md and the book show them, and under their first page's bytes
+with ``page_size > 1``: a slice of the walked bytes is the key, no unpacking.
 """
 
 from __future__ import annotations
@@ -34,37 +34,53 @@ __all__ = [
     "lock_path",
     "unlock_path",
     "path_slots",
+    "detach_leaf",
+    "spells",
     "stamp_path",
     "ITEM",
 ]
 
 ITEM = np.dtype(np.int64).itemsize  # bytes per token id in a key
+# Compared by identity on the hot path (``is`` costs a pointer compare, ``==`` against a type
+# builds a dtype each time); an equal dtype that is not this object takes the slow path.
+_I64 = np.dtype(np.int64)
+_I32 = np.dtype(np.int32)
 
 # NumPy twins of the integer dtypes `check_token_ids` accepts.
 _TOKEN_DTYPES = frozenset(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64, np.uint8))
 
 
 def token_array(input_ids: torch.Tensor) -> np.ndarray:
-    """``input_ids`` as int64 NumPy (a view when it is int64 already), checked as
+    """``input_ids`` as C-contiguous int64 NumPy (a view when it is that already), checked as
     `check_token_ids` checks, through the cheapest route for the common case."""
+    ids: np.ndarray | None
     try:
         ids = input_ids.numpy()  # only a CPU tensor gets past here
     except (AttributeError, TypeError, RuntimeError):
         ids = None
+    if ids is not None and ids.dtype is _I64 and ids.ndim == 1 and ids.flags.c_contiguous:
+        return ids
     if ids is None or ids.ndim != 1 or ids.dtype not in _TOKEN_DTYPES:
         check_token_ids(input_ids)  # raises with the standard message
         raise TypeError(f"input_ids must be a 1-D integer tensor on the CPU, got {input_ids!r}")
-    return ids if ids.dtype == np.int64 else ids.astype(np.int64)
+    return np.ascontiguousarray(ids, dtype=np.int64)
 
 
-def slot_array(indices: torch.Tensor, device: torch.device) -> np.ndarray:
-    """``indices`` as int32 NumPy on the host, checked as `check_indices` checks."""
-    if device.type != "cpu":
+def slot_array(
+    indices: torch.Tensor, device: torch.device, on_cpu: bool | None = None
+) -> np.ndarray:
+    """``indices`` as int32 NumPy on the host, checked as `check_indices` checks. ``on_cpu``:
+    whether ``device`` is the CPU, when the caller knows (reading ``device.type`` costs more
+    than the rest of the common case)."""
+    if not (device.type == "cpu" if on_cpu is None else on_cpu):
         return check_indices(indices, device).cpu().numpy()
+    slots: np.ndarray | None
     try:
         slots = indices.numpy()
     except (AttributeError, TypeError, RuntimeError):
         slots = None
+    if slots is not None and slots.dtype is _I32 and slots.ndim == 1:
+        return slots
     if slots is None or slots.ndim != 1 or slots.dtype != np.int32:
         check_indices(indices, device)
         raise TypeError(f"indices must be a 1-D torch.int32 tensor on {device}, got {indices!r}")
@@ -82,13 +98,15 @@ def common_tokens(key_bytes: bytes, ids: np.ndarray, pos: int) -> int:
 def key_reader(page_size: int) -> Callable[[bytes, int], Hashable]:
     """``read(buf, offset)``: the filing key of the page that starts at byte ``offset`` of ``buf``.
 
-    ``buf`` holds native-order int64 token ids; the key is an ``int`` for ``page_size == 1`` and a
-    tuple of ``page_size`` ints otherwise (one C call either way).
+    ``buf`` holds native-order int64 token ids; the key is the token id (an ``int``) for
+    ``page_size == 1`` and the page's ``8 * page_size`` bytes otherwise (one slice: hashing it
+    costs a third of building and hashing a tuple of ``page_size`` ints).
     """
     if page_size == 1:
         unpack1 = struct.Struct("=q").unpack_from
         return lambda buf, offset: unpack1(buf, offset)[0]
-    return struct.Struct(f"={page_size}q").unpack_from
+    width = page_size * ITEM
+    return lambda buf, offset: buf[offset : offset + width]
 
 
 class TreeInfo:
@@ -107,8 +125,9 @@ class TreeInfo:
 class RadixTreeNode:
     """One edge of the tree: a run of tokens and the KV slots holding them.
 
-    ``children`` maps a child's first token (``page_size == 1``) or first page, as a tuple of
-    token ids (``page_size > 1``), to the child. ``ref_count`` counts the locked handles whose
+    ``children`` maps a child's first token (``page_size == 1``) or first page, as the bytes of
+    its int64 token ids (``page_size > 1``; ``np.frombuffer(key, np.int64)`` reads them), to the
+    child. ``ref_count`` counts the locked handles whose
     path runs through this node; a node with ``ref_count > 0`` is protected. ``timestamp`` is the
     manager's logical clock at the node's last match or insert; ``insert_time`` when its tokens
     were inserted.
@@ -117,6 +136,7 @@ class RadixTreeNode:
     __slots__ = (
         "_in_tree",
         "_kb",
+        "_pages",
         "_parent",
         "_tree",
         "_value",
@@ -132,6 +152,7 @@ class RadixTreeNode:
         uuid: int,
         key_bytes: bytes,
         value: np.ndarray,
+        pages: np.ndarray,
         timestamp: int,
         insert_time: int,
         tree: TreeInfo,
@@ -144,6 +165,7 @@ class RadixTreeNode:
         self.insert_time = insert_time
         self._kb = key_bytes  # int64 token ids, native byte order
         self._value = value  # int32 slots on the host, one per token
+        self._pages = pages  # intp page numbers of those slots, one per page (for eviction)
         self._in_tree = True
         self._tree = tree
 
@@ -175,6 +197,11 @@ class RadixTreeNode:
     def value_array(self) -> np.ndarray:
         """The KV slots as the host array the tree keeps (read-only use)."""
         return self._value
+
+    @property
+    def page_array(self) -> np.ndarray:
+        """The page numbers of the slots (``intp``, one per page), as eviction frees them."""
+        return self._pages
 
     @property
     def length(self) -> int:
@@ -332,6 +359,32 @@ def path_slots(node: RadixTreeNode) -> list[np.ndarray]:
         node = node._parent
     values.reverse()
     return values
+
+
+_FIRST_TOKEN = struct.Struct("=q").unpack_from
+
+
+def detach_leaf(node: RadixTreeNode, page_bytes: int) -> RadixTreeNode:
+    """Take the leaf ``node`` out of its parent's children (it is filed under its first page of
+    ``page_bytes`` key bytes) and mark it evicted; return the parent. Its ``value_array`` and
+    ``page_array`` stay readable."""
+    parent, kb = node._parent, node._kb
+    del parent.children[_FIRST_TOKEN(kb)[0] if page_bytes == ITEM else kb[:page_bytes]]  # type: ignore[union-attr]
+    node._in_tree = False
+    return parent  # type: ignore[return-value]
+
+
+def spells(node: RadixTreeNode, mv: memoryview, held: int) -> bool:
+    """Whether the keys from the root down to ``node``, ``held`` bytes in all, equal
+    ``mv[:held]`` (a byte view of int64 token ids): one memcmp a node, from ``node`` up."""
+    hi = held
+    while node._parent is not None:
+        kb = node._kb
+        lo = hi - len(kb)
+        if lo < 0 or not kb.startswith(mv[lo:hi]):
+            return False
+        hi, node = lo, node._parent
+    return hi == 0
 
 
 def stamp_path(node: RadixTreeNode, tic: int) -> None:

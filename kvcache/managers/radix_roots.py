@@ -3,7 +3,7 @@
 Each ``extra_key`` has its own root (``None``'s is ``root_node``, made with the tree; any other
 is made by the key's first insert), so prefixes under different keys never share a node. This
 base class holds the parts that see every root at once: the node listings, the cached slots,
-the event log and the integrity check.
+the event log, eviction (one heap of leaves over every namespace) and the integrity check.
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._validate import check_size
 from .base import BaseCacheManager, SizeInfo
 from .cache_events import CacheEvent, EventLog, check_extra_key, events_off
-from .eviction import LeafHeap
-from .radix_node import RadixTreeNode, TreeInfo, census_tree
+from .eviction import EvictionPolicy, LeafHeap
+from .radix_node import ITEM, RadixTreeNode, TreeInfo, census_tree, detach_leaf
 from .slot_owners import SlotOwners
 
 __all__ = ["RadixRoots", "evictable_leaf", "path_tokens"]
@@ -54,6 +55,9 @@ class RadixRoots(BaseCacheManager):
     _clock: int
     _locks: dict[int, list[Any]]  # id(handle) -> [handle, times locked]
     _key_of: Callable[[bytes, int], Hashable]
+    _policy: EvictionPolicy
+    _on_cpu: bool
+    _is_evictable_leaf: Callable[[RadixTreeNode], bool]
 
     @property
     def size_info(self) -> SizeInfo:
@@ -136,3 +140,43 @@ class RadixRoots(BaseCacheManager):
         pages = allv[::ps] // ps if ps > 1 else allv
         if self._owners.count != len(pages) or not self._owners.held(pages.astype(np.int64)).all():
             raise RuntimeError("the record of held slots disagrees with the slots in the tree")
+
+    # ------------------------------------------------------------ eviction
+    def eviction_priority(self, node: RadixTreeNode) -> tuple[int, ...]:
+        """``node``'s key under this manager's policy: the evictable leaf with the smallest goes first."""
+        return tuple(self._policy.priority(node))
+
+    def evict(self, size: int) -> torch.Tensor:
+        """Evict unlocked leaves in policy order until at least ``size`` tokens are freed.
+
+        A parent left childless and unlocked becomes a candidate at once. Raises ``RuntimeError``
+        (evicting nothing) when fewer than ``size`` tokens are evictable.
+        """
+        if type(size) is not int or size < 0:  # the common case costs one type() call
+            size = check_size(size)
+        if size == 0:
+            return self.empty_tensor
+        if size > self._evictable_size:
+            raise RuntimeError(
+                f"cannot evict {size} tokens: only {self._evictable_size} are evictable "
+                f"({self._protected_size} are locked)"
+            )
+        values: list[np.ndarray] = []
+        freed, pop, events, release = 0, self._leaves.pop, self._events, self._owners.release_pages
+        evictable, file, pb = self._is_evictable_leaf, self._leaves.file, self.page_size * ITEM
+        while freed < size:
+            node = pop(evictable)
+            value = node.value_array
+            if events is not None:
+                tokens, root = path_tokens(node)
+                events.removed(self._root_keys[root.uuid], tokens, value.tolist())
+            values.append(value)
+            release(node.page_array)  # a scatter per leaf costs less than joining the pages
+            freed += len(value)
+            parent = detach_leaf(node, pb)
+            self._num_nodes -= 1
+            if not parent.children and parent.ref_count == 0 and parent.parent is not None:
+                file(parent)
+        self._evictable_size -= freed
+        out = values[0] if len(values) == 1 else np.concatenate(values)
+        return torch.from_numpy(out) if self._on_cpu else torch.from_numpy(out).to(self.device)
