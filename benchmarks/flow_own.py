@@ -82,8 +82,8 @@ def recording(pkg: ModuleType, ps: int) -> Any:
             self.log.append(super().insert_and_unlock(*args, **kwargs))
             return self.log[-1]
 
-        def evict(self, size: int) -> Any:
-            self.log.append(super().evict(size))
+        def evict(self, size: int, **kwargs: Any) -> Any:
+            self.log.append(super().evict(size, **kwargs))
             return self.log[-1]
 
         @property
@@ -91,7 +91,18 @@ def recording(pkg: ModuleType, ps: int) -> Any:
             self.log.append(super().size_info)
             return self.log[-1]
 
+    mark_host(pkg, Recording)
     return Recording()
+
+
+def mark_host(pkg: ModuleType, cls: type) -> None:
+    """Where ``pkg``'s radix manager takes the NumPy forms (`takes_host_arrays`), say that
+    ``cls``'s fused calls and evict do too, so its flow makes the same calls as on the bare
+    manager (a checkout without them: nothing to mark)."""
+    base = importlib.import_module(pkg.__name__ + ".managers.base")
+    if getattr(base, "host_arrays_safe", lambda c, n: False)(pkg.RadixCacheManager, "evict"):
+        for name in ("match_and_lock", "insert_and_unlock", "evict"):
+            setattr(cls, name, base.takes_host_arrays(vars(cls)[name]))
 
 
 def answering(pkg: ModuleType, ps: int, log: list[Any]) -> Any:
@@ -117,7 +128,9 @@ def answering(pkg: ModuleType, ps: int, log: list[Any]) -> Any:
         cached_indices=unused,
         handle_indices=unused,
     )
-    return type("Answering", (pkg.BaseCacheManager,), body)()
+    cls = type("Answering", (pkg.BaseCacheManager,), body)
+    mark_host(pkg, cls)
+    return cls()
 
 
 def job_ns(flow: Any, job: Job) -> int:

@@ -38,6 +38,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -54,7 +55,12 @@ from kvcache import (
     RequestFlow,
     SizeInfo,
 )
-from kvcache.managers.base import InsertResult, fused_calls_safe
+from kvcache.managers.base import (
+    InsertResult,
+    fused_calls_safe,
+    host_arrays_safe,
+    takes_host_arrays,
+)
 from kvcache.serving.workloads import Job, agent, long_few_shot, mixed, multi_turn_chat, replay
 
 # name -> factory(page_size); None where the manager has no such page size.
@@ -116,6 +122,8 @@ class RecordedCalls(BaseCacheManager):
             if id(a) in self._handles
             else a.clone()
             if isinstance(a, torch.Tensor)
+            else a.copy()
+            if isinstance(a, np.ndarray)
             else a
             for a in args
         ]
@@ -144,9 +152,24 @@ class RecordedFusedCalls(RecordedCalls):
     insert_and_unlock = _recorded("insert_and_unlock")
 
 
+class RecordedHostCalls(RecordedFusedCalls):
+    """`RecordedFusedCalls` of a manager whose fused calls and evict take the NumPy forms
+    (`takes_host_arrays`): the flow makes them with NumPy arrays, as it would on the manager."""
+
+    match_and_lock = takes_host_arrays(_recorded("match_and_lock"))
+    insert_and_unlock = takes_host_arrays(_recorded("insert_and_unlock"))
+    evict = takes_host_arrays(_recorded("evict"))
+
+
 def record(manager: BaseCacheManager) -> RecordedCalls:
     """A recorder through which the flow makes the calls it would make on ``manager``."""
-    return (RecordedFusedCalls if fused_calls_safe(type(manager)) else RecordedCalls)(manager)
+    cls = type(manager)
+    if not fused_calls_safe(cls):
+        return RecordedCalls(manager)
+    names = ("match_and_lock", "insert_and_unlock", "evict")
+    return (
+        RecordedHostCalls if all(host_arrays_safe(cls, f) for f in names) else RecordedFusedCalls
+    )(manager)
 
 
 _MATCHES = ("match_prefix", "match_and_lock")

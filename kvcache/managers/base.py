@@ -8,13 +8,64 @@ lives at ``[s // page_size, s % page_size]`` of a per-layer cache view.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar, overload
 
+import numpy as np
 import torch
 
-__all__ = ["BaseCacheHandle", "SizeInfo", "InsertResult", "BaseCacheManager", "fused_calls_safe"]
+__all__ = [
+    "BaseCacheHandle",
+    "SizeInfo",
+    "InsertResult",
+    "BaseCacheManager",
+    "fused_calls_safe",
+    "takes_host_arrays",
+    "host_arrays_safe",
+    "host_array",
+    "TOKEN_DTYPES",
+    "SLOT_DTYPES",
+]
+
+# The NumPy twins of the dtypes `check_token_ids` and `check_indices` accept.
+TOKEN_DTYPES = frozenset(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64, np.uint8))
+SLOT_DTYPES = frozenset((np.dtype(np.int32),))
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def takes_host_arrays(fn: _F) -> _F:
+    """Mark ``fn``, a manager's `match_and_lock`, `insert_and_unlock` or `evict`, as one that
+    takes the NumPy forms documented on `BaseCacheManager`'s (NumPy ids and slots; ``evict``:
+    the keyword ``host``). A caller asks `host_arrays_safe` before using them: an override
+    written before them (not marked) is called with tensors as it always was."""
+    fn.takes_host_arrays = True  # type: ignore[attr-defined]
+    return fn
+
+
+def host_arrays_safe(cls: type, name: str) -> bool:
+    """Whether ``cls``'s method ``name`` is marked by `takes_host_arrays`."""
+    return getattr(getattr(cls, name, None), "takes_host_arrays", False) is True
+
+
+def host_array(values: np.ndarray, name: str, dtypes: frozenset[np.dtype[Any]]) -> np.ndarray:
+    """``values`` after the checks the tensor form gets: 1-D (``ValueError`` naming the shape)
+    and of one of ``dtypes`` (``TypeError`` naming the dtype); returned as it is."""
+    if values.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(values.shape)}")
+    if values.dtype not in dtypes:
+        want = "dtype int32" if dtypes is SLOT_DTYPES else "an integer dtype"
+        raise TypeError(f"{name} must have {want}, got {values.dtype}")
+    return values
+
+
+def _as_tensor(values: Any, name: str, dtypes: frozenset[np.dtype[Any]]) -> Any:
+    """A NumPy form checked and seen as a CPU tensor (a view where it can be); anything else
+    as given, for the tensor checks of the call it goes to."""
+    if not isinstance(values, np.ndarray):
+        return values
+    return torch.from_numpy(np.ascontiguousarray(host_array(values, name, dtypes)))
 
 
 @dataclass(frozen=True)
@@ -92,7 +143,10 @@ class BaseCacheManager(ABC):
 
     @abstractmethod
     def evict(self, size: int) -> torch.Tensor:
-        """Forget unlocked prefixes holding at least ``size`` tokens; return their slots."""
+        """Forget unlocked prefixes holding at least ``size`` tokens; return their slots.
+
+        A manager whose ``evict`` is marked with `takes_host_arrays` also takes the keyword
+        ``host``: ``host=True`` returns the slots as a 1-D NumPy int32 array on the host."""
 
     @abstractmethod
     def reset(self) -> None:
@@ -124,25 +178,44 @@ class BaseCacheManager(ABC):
             handle, _ = self.match_prefix(input_ids, extra_key)
         return InsertResult(cached_len, handle)
 
+    @overload
     def match_and_lock(
         self, input_ids: torch.Tensor, extra_key: Hashable = None
-    ) -> tuple[BaseCacheHandle, torch.Tensor]:
+    ) -> tuple[BaseCacheHandle, torch.Tensor]: ...
+
+    @overload
+    def match_and_lock(
+        self, input_ids: np.ndarray, extra_key: Hashable = None
+    ) -> tuple[BaseCacheHandle, np.ndarray]: ...
+
+    @takes_host_arrays
+    def match_and_lock(
+        self, input_ids: torch.Tensor | np.ndarray, extra_key: Hashable = None
+    ) -> tuple[BaseCacheHandle, torch.Tensor] | tuple[BaseCacheHandle, np.ndarray]:
         """`match_prefix`, then `lock_handle` of the handle it returns, in one call (the flow's
         steps 1 and 2). The default runs the two public calls; a manager may override it to lock
-        the path its walk just followed."""
+        the path its walk just followed.
+
+        NumPy form: ``input_ids`` may be a 1-D NumPy array of an integer dtype that
+        `match_prefix` takes as a tensor (checked alike: ``ValueError`` naming the shape,
+        ``TypeError`` naming the dtype, nothing locked); the slots then come back as a 1-D
+        NumPy int32 array on the host. A tensor in, a tensor out, as ever. Overrides that take
+        this form say so with `takes_host_arrays`.
+        """
+        host = isinstance(input_ids, np.ndarray)
+        ids = _as_tensor(input_ids, "input_ids", TOKEN_DTYPES)
         handle, indices = (
-            self.match_prefix(input_ids)
-            if extra_key is None
-            else self.match_prefix(input_ids, extra_key)
+            self.match_prefix(ids) if extra_key is None else self.match_prefix(ids, extra_key)
         )
         self.lock_handle(handle)
-        return handle, indices
+        return (handle, indices.cpu().numpy()) if host else (handle, indices)
 
+    @takes_host_arrays
     def insert_and_unlock(
         self,
         handle: BaseCacheHandle,
-        input_ids: torch.Tensor,
-        indices: torch.Tensor,
+        input_ids: torch.Tensor | np.ndarray,
+        indices: torch.Tensor | np.ndarray,
         extra_key: Hashable = None,
         *,
         relock: bool = False,
@@ -155,13 +228,23 @@ class BaseCacheManager(ABC):
         ``RuntimeError`` (nothing inserted) when ``handle`` is not locked, and the errors of
         `insert_prefix` with ``handle`` still locked. The default runs the public calls (a
         manager that overrides neither is driven by the flow through those calls directly).
+
+        NumPy form: ``input_ids`` and ``indices`` may each be a 1-D NumPy array (ids of an
+        integer dtype, slots int32 on the host, whatever the manager's ``device``), checked as
+        `match_and_lock`'s are (nothing changes on a raise).
         """
+        ids: torch.Tensor = _as_tensor(input_ids, "input_ids", TOKEN_DTYPES)
+        idx: torch.Tensor = (
+            _as_tensor(indices, "indices", SLOT_DTYPES).to(self.device)
+            if isinstance(indices, np.ndarray)
+            else indices
+        )
         self.lock_handle(handle, unlock=True)  # raises, changing nothing, when not locked
         self.lock_handle(handle)  # locked again: the insert runs as it would on its own
         res = (
-            self.insert_and_match(input_ids, indices)
+            self.insert_and_match(ids, idx)
             if extra_key is None
-            else self.insert_and_match(input_ids, indices, extra_key)
+            else self.insert_and_match(ids, idx, extra_key)
         )
         if relock:
             self.lock_handle(res.handle)

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .._validate import check_positive_int
-from .base import InsertResult
+from .base import SLOT_DTYPES, InsertResult, host_array
 from .cache_events import EventLog, check_extra_key
 from .eviction import EVICTION_POLICIES, EvictionPolicy, LeafHeap
 from .radix_locks import RadixLocks
@@ -234,12 +234,14 @@ class RadixCacheManager(RadixLocks):
         Not read-only: a node matched only in part is split so that the handle can point at the
         end of the match, and the matched path's timestamps are refreshed.
         """
-        return self._match(input_ids, extra_key)[:2]
+        handle, out, _, _ = self._match(input_ids, extra_key)
+        return handle, self._out(out) if out is not None else self.empty_tensor
 
     def _match(
-        self, input_ids: torch.Tensor, extra_key: Hashable, lock: bool = False
-    ) -> tuple[RadixCacheHandle, torch.Tensor, RadixTreeNode | None, int]:
-        """`match_prefix`'s handle and slots, the namespace root, and
+        self, input_ids: torch.Tensor | np.ndarray, extra_key: Hashable, lock: bool = False
+    ) -> tuple[RadixCacheHandle, np.ndarray | None, RadixTreeNode | None, int]:
+        """`match_prefix`'s handle and slots (host NumPy, a new array; ``None`` for none), the
+        namespace root, and
         (``lock``: the handle's path is locked on the way down, the caller records the lock)
         the tokens that the lock took from the evictable ones.
 
@@ -247,7 +249,7 @@ class RadixCacheManager(RadixLocks):
         node matched is stamped (and locked), one matched in part is split at the last whole
         page they share and the walk stops there.
         """
-        ids = token_array(input_ids)
+        ids = token_array(input_ids, lock)  # the NumPy form only for match_and_lock
         root: RadixTreeNode | None
         if extra_key is None:
             root = self.root_node
@@ -255,7 +257,7 @@ class RadixCacheManager(RadixLocks):
             root = self._roots.get(check_extra_key(extra_key))
             if root is None:  # a namespace never inserted into: nothing to match
                 self._clock += 1
-                return RadixCacheHandle(0, self.root_node), self.empty_tensor, None, 0
+                return RadixCacheHandle(0, self.root_node), None, None, 0
         ps, n = self.page_size, len(ids)
         mv = ids.data.cast("B")  # the ids' own bytes: compared in place, never copied
         self._clock = tic = self._clock + 1
@@ -284,10 +286,9 @@ class RadixCacheManager(RadixLocks):
                 child.ref_count += 1
             node = child
         if not pos:
-            return RadixCacheHandle(0, self.root_node), self.empty_tensor, root, 0
+            return RadixCacheHandle(0, self.root_node), None, root, 0
         out = values[0].copy() if len(values) == 1 else np.concatenate(values)
-        out_t = torch.from_numpy(out) if self._on_cpu else torch.from_numpy(out).to(self.device)
-        return RadixCacheHandle(pos >> 3, node), out_t, root, taken
+        return RadixCacheHandle(pos >> 3, node), out, root, taken
 
     def insert_prefix(
         self, input_ids: torch.Tensor, indices: torch.Tensor, extra_key: Hashable = None
@@ -310,8 +311,8 @@ class RadixCacheManager(RadixLocks):
 
     def _insert(
         self,
-        input_ids: torch.Tensor,
-        indices: torch.Tensor,
+        input_ids: torch.Tensor | np.ndarray,
+        indices: torch.Tensor | np.ndarray,
         extra_key: Hashable,
         lock: list[Any] | None = None,
         relock: bool = False,
@@ -322,9 +323,14 @@ class RadixCacheManager(RadixLocks):
         whether the lock moved: with ``relock`` and a resumed walk, the nodes below the lock's
         node down to the returned handle's are locked once more (the path above keeps its
         counts: one lock leaves it, one arrives), and the caller only moves the `_locks` entry."""
-        ids = token_array(input_ids)
+        fused = lock is not None  # insert_and_unlock: the NumPy forms are taken
+        ids = token_array(input_ids, fused)
         root = self.root_node if extra_key is None else self._roots.get(check_extra_key(extra_key))
-        all_slots = slot_array(indices, self.device, self._on_cpu)
+        all_slots = (
+            host_array(indices, "indices", SLOT_DTYPES)
+            if fused and isinstance(indices, np.ndarray)
+            else slot_array(indices, self.device, self._on_cpu)  # type: ignore[arg-type]  # refuses NumPy
+        )
         if len(all_slots) != len(ids):
             raise ValueError(
                 f"len(indices) ({len(all_slots)}) must equal len(input_ids) ({len(ids)})"

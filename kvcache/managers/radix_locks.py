@@ -10,12 +10,12 @@ and locked with `lock_handle` has no root recorded, and its insert walks from th
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import torch
 
-from .base import BaseCacheHandle, InsertResult
+from .base import BaseCacheHandle, InsertResult, takes_host_arrays
 from .eviction import LeafHeap
 from .radix_node import (
     RadixCacheHandle,
@@ -28,6 +28,9 @@ from .radix_node import (
 from .radix_roots import RadixRoots
 
 __all__ = ["RadixLocks"]
+
+_EMPTY = np.empty(0, dtype=np.int32)
+_EMPTY.flags.writeable = False  # shared by every empty NumPy match
 
 
 class RadixLocks(RadixRoots):
@@ -43,31 +46,46 @@ class RadixLocks(RadixRoots):
     # Defined by `RadixCacheManager` (radix.py).
     _out: Callable[[np.ndarray], torch.Tensor]
     _match: Callable[
-        [torch.Tensor, Hashable, bool],
-        tuple[RadixCacheHandle, torch.Tensor, RadixTreeNode | None, int],
+        [torch.Tensor | np.ndarray, Hashable, bool],
+        tuple[RadixCacheHandle, np.ndarray | None, RadixTreeNode | None, int],
     ]
     _insert: Callable[
-        [torch.Tensor, torch.Tensor, Hashable, list[Any] | None, bool],
+        [torch.Tensor | np.ndarray, torch.Tensor | np.ndarray, Hashable, list[Any] | None, bool],
         tuple[InsertResult, RadixTreeNode, bool],
     ]
 
+    @overload
     def match_and_lock(
         self, input_ids: torch.Tensor, extra_key: Hashable = None
-    ) -> tuple[RadixCacheHandle, torch.Tensor]:
+    ) -> tuple[RadixCacheHandle, torch.Tensor]: ...
+
+    @overload
+    def match_and_lock(
+        self, input_ids: np.ndarray, extra_key: Hashable = None
+    ) -> tuple[RadixCacheHandle, np.ndarray]: ...
+
+    @takes_host_arrays
+    def match_and_lock(
+        self, input_ids: torch.Tensor | np.ndarray, extra_key: Hashable = None
+    ) -> tuple[RadixCacheHandle, torch.Tensor] | tuple[RadixCacheHandle, np.ndarray]:
         """`match_prefix`, then `lock_handle` of its handle. The lock remembers the matched token
         bytes, so that `insert_and_unlock` of this handle resumes at its node (one compare of
-        the prefix instead of a walk from the root)."""
+        the prefix instead of a walk from the root). NumPy ids in, NumPy slots out (host int32,
+        the manager's own copy), as `BaseCacheManager.match_and_lock` documents."""
         handle, out, root, taken = self._match(input_ids, extra_key, True)
         self._locks[id(handle)] = [handle, 1, root]
         self._evictable_size -= taken
         self._protected_size += taken
-        return handle, out
+        if isinstance(input_ids, np.ndarray):
+            return handle, _EMPTY if out is None else out
+        return handle, self.empty_tensor if out is None else self._out(out)
 
+    @takes_host_arrays
     def insert_and_unlock(
         self,
         handle: BaseCacheHandle,
-        input_ids: torch.Tensor,
-        indices: torch.Tensor,
+        input_ids: torch.Tensor | np.ndarray,
+        indices: torch.Tensor | np.ndarray,
         extra_key: Hashable = None,
         *,
         relock: bool = False,
@@ -77,7 +95,8 @@ class RadixLocks(RadixRoots):
 
         When ``handle`` was locked by `match_and_lock` (or by this call's ``relock``) in the same
         namespace and ``input_ids`` start with the tokens it matched, the walk resumes at
-        ``handle.node``: the prefix costs one byte compare, not a walk from the root.
+        ``handle.node``: the prefix costs one byte compare, not a walk from the root. Takes the
+        NumPy forms of ``input_ids`` and ``indices`` (`BaseCacheManager.insert_and_unlock`).
         """
         entry = self._locks.get(id(handle))
         if entry is None:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .._validate import check_indices, check_token_ids
-from .base import BaseCacheHandle
+from .base import TOKEN_DTYPES, BaseCacheHandle, host_array
 
 __all__ = [
     "RadixTreeNode",
@@ -46,21 +46,24 @@ ITEM = np.dtype(np.int64).itemsize  # bytes per token id in a key
 _I64 = np.dtype(np.int64)
 _I32 = np.dtype(np.int32)
 
-# NumPy twins of the integer dtypes `check_token_ids` accepts.
-_TOKEN_DTYPES = frozenset(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64, np.uint8))
 
-
-def token_array(input_ids: torch.Tensor) -> np.ndarray:
-    """``input_ids`` as C-contiguous int64 NumPy (a view when it is that already), checked as
-    `check_token_ids` checks, through the cheapest route for the common case."""
+def token_array(input_ids: torch.Tensor | np.ndarray, host: bool = False) -> np.ndarray:
+    """``input_ids`` (``host``: a tensor or its NumPy form) as C-contiguous int64 NumPy (a view
+    when it is that already), checked as `check_token_ids` checks, through the cheapest route
+    for the common case."""
     ids: np.ndarray | None
-    try:
-        ids = input_ids.numpy()  # only a CPU tensor gets past here
-    except (AttributeError, TypeError, RuntimeError):
-        ids = None
+    if host and isinstance(input_ids, np.ndarray):
+        ids = input_ids
+    else:
+        try:
+            ids = input_ids.numpy()  # type: ignore[union-attr]  # a CPU tensor passes
+        except (AttributeError, TypeError, RuntimeError):
+            ids = None
     if ids is not None and ids.dtype is _I64 and ids.ndim == 1 and ids.flags.c_contiguous:
         return ids
-    if ids is None or ids.ndim != 1 or ids.dtype not in _TOKEN_DTYPES:
+    if host and isinstance(input_ids, np.ndarray):
+        ids = host_array(input_ids, "input_ids", TOKEN_DTYPES)
+    elif ids is None or ids.ndim != 1 or ids.dtype not in TOKEN_DTYPES:
         check_token_ids(input_ids)  # raises with the standard message
         raise TypeError(f"input_ids must be a 1-D integer tensor on the CPU, got {input_ids!r}")
     return np.ascontiguousarray(ids, dtype=np.int64)

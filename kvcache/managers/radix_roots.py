@@ -9,13 +9,13 @@ the event log, eviction (one heap of leaves over every namespace) and the integr
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterator
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 import torch
 
 from .._validate import check_size
-from .base import BaseCacheManager, SizeInfo
+from .base import BaseCacheManager, SizeInfo, takes_host_arrays
 from .cache_events import CacheEvent, EventLog, check_extra_key, events_off
 from .eviction import EvictionPolicy, LeafHeap
 from .radix_node import ITEM, RadixTreeNode, TreeInfo, census_tree, detach_leaf
@@ -146,16 +146,26 @@ class RadixRoots(BaseCacheManager):
         """``node``'s key under this manager's policy: the evictable leaf with the smallest goes first."""
         return tuple(self._policy.priority(node))
 
-    def evict(self, size: int) -> torch.Tensor:
+    @overload
+    def evict(self, size: int, *, host: Literal[False] = False) -> torch.Tensor: ...
+
+    @overload
+    def evict(self, size: int, *, host: Literal[True]) -> np.ndarray: ...
+
+    @takes_host_arrays
+    def evict(self, size: int, *, host: bool = False) -> torch.Tensor | np.ndarray:
         """Evict unlocked leaves in policy order until at least ``size`` tokens are freed.
 
         A parent left childless and unlocked becomes a candidate at once. Raises ``RuntimeError``
-        (evicting nothing) when fewer than ``size`` tokens are evictable.
+        (evicting nothing) when fewer than ``size`` tokens are evictable. ``host=True``: the
+        slots come back as NumPy int32 on the host.
         """
         if type(size) is not int or size < 0:  # the common case costs one type() call
             size = check_size(size)
+        if host is not False and host is not True:
+            raise TypeError(f"host must be a bool, got {type(host).__name__}")
         if size == 0:
-            return self.empty_tensor
+            return np.empty(0, dtype=np.int32) if host else self.empty_tensor
         if size > self._evictable_size:
             raise RuntimeError(
                 f"cannot evict {size} tokens: only {self._evictable_size} are evictable "
@@ -179,4 +189,6 @@ class RadixRoots(BaseCacheManager):
                 file(parent)
         self._evictable_size -= freed
         out = values[0] if len(values) == 1 else np.concatenate(values)
+        if host:
+            return out
         return torch.from_numpy(out) if self._on_cpu else torch.from_numpy(out).to(self.device)

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from .._validate import aligned_run_pages
-from ..managers.base import BaseCacheHandle, BaseCacheManager
+from ..managers.base import BaseCacheHandle, BaseCacheManager, host_arrays_safe
 from .allocator import PageAllocator
 from .request import FlowStats, HostCopy, Request, Tracer, keyed
 
@@ -34,6 +34,31 @@ class FlowPages:
         self.stats = stats
         self.trace = trace
         self._steps = np.arange(1, self.page_size, dtype=np.int32)
+        self._evict_host = host_arrays_safe(type(manager), "evict")  # slots as NumPy, no tensor
+        self._on_cpu = allocator.device.type == "cpu"
+        # Set by the flow: whether it makes the fused calls, and with NumPy arrays.
+        self.fused = self.host = False
+
+    def match_lock_any(
+        self, rid: int, ids: np.ndarray, input_ids: torch.Tensor, last: bool, key: Hashable
+    ) -> tuple[BaseCacheHandle, torch.Tensor | np.ndarray]:
+        """Steps 1 and 2 for ``input_ids`` (``ids``: its NumPy view): the fused call in the form
+        the manager takes (``host``, ``fused``), or one call at a time."""
+        if self.host:
+            return self.manager.match_and_lock(ids[:-1] if last else ids, key)
+        if self.fused:
+            return self.manager.match_and_lock(input_ids[:-1] if last else input_ids, key)
+        return self.match_lock(rid, input_ids, last, key)
+
+    def insert_arrays(
+        self, req: Request, n: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[np.ndarray, np.ndarray]:
+        """``req``'s first ``n`` ids and slots, in the form the manager's insert takes."""
+        h = req.host
+        if self.host:
+            return h.ids[:n], h.slots[:n]
+        idx = torch.from_numpy(h.slots[:n]) if self._on_cpu else req.indices[:n]
+        return torch.from_numpy(h.ids[:n]), idx
 
     def match_lock(
         self, rid: int, ids: torch.Tensor, compute_last: bool, key: Hashable
@@ -87,7 +112,11 @@ class FlowPages:
             raise RuntimeError(
                 f"out of KV pages: need {num_pages}, {self.allocator.num_free_pages} free and {evictable} evictable"
             )
-        slots = self.manager.evict(short * self.page_size)
+        slots = (
+            self.manager.evict(short * self.page_size, host=True)  # type: ignore[call-arg]
+            if self._evict_host
+            else self.manager.evict(short * self.page_size)
+        )
         # A manager evicts what the flow inserted: whole pages, page after page, so their pages
         # are every page_size-th slot (O(pages) to check); anything else takes the full check.
         if slots.shape[0] % self.page_size:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from .._validate import check_int_in, check_token_ids, reject_one_tensor
-from ..managers.base import BaseCacheHandle, BaseCacheManager, fused_calls_safe
+from ..managers.base import BaseCacheHandle, BaseCacheManager, fused_calls_safe, host_arrays_safe
 from ..managers.cache_events import check_extra_key
 from .allocator import PageAllocator
 from .flow_pages import FlowPages
@@ -74,6 +74,11 @@ class RequestFlow:
             and isinstance(manager, BaseCacheManager)
             and fused_calls_safe(type(manager))
         )
+        # ...taking the request's NumPy ids and slots as they are, where both calls say so.
+        self._host = self._fused and all(
+            host_arrays_safe(type(manager), f) for f in ("match_and_lock", "insert_and_unlock")
+        )
+        self._pages.fused, self._pages.host = self._fused, self._host
 
     @property
     def events(self) -> list[FlowEvent]:
@@ -108,7 +113,7 @@ class RequestFlow:
         rid: int,
         ids: np.ndarray,
         handle: BaseCacheHandle,
-        prefix: torch.Tensor,
+        prefix: torch.Tensor | np.ndarray,
         key: Hashable,
     ) -> Request:
         """Pages for the tokens past the cached prefix, then the running request (or raise with
@@ -122,7 +127,7 @@ class RequestFlow:
                 self._pages.allocate(rid, n - m, host.slots[m:n])
         host.ids[:n] = ids
         if m:
-            host.slots[:m] = prefix.numpy() if prefix.is_cpu else prefix.cpu().numpy()
+            host.slots[:m] = prefix if isinstance(prefix, np.ndarray) else prefix.cpu().numpy()
         host.length = n
         req = Request.from_host(rid, host, handle, m, self._device, key)
         self.running[rid] = req
@@ -150,13 +155,14 @@ class RequestFlow:
         if input_ids.shape[0] == 0:
             raise ValueError("input_ids must hold at least one token")
         rid = next(self._rids)
+        ids = input_ids.numpy()
         handle, prefix = (
-            self.manager.match_and_lock(input_ids[:-1] if compute_last else input_ids, extra_key)
-            if self._fused
-            else self._pages.match_lock(rid, input_ids, compute_last, extra_key)
+            self.manager.match_and_lock(ids[:-1] if compute_last else ids, extra_key)
+            if self._host
+            else self._pages.match_lock_any(rid, ids, input_ids, compute_last, extra_key)
         )
         try:
-            return self._start(rid, input_ids.numpy(), handle, prefix, extra_key)
+            return self._start(rid, ids, handle, prefix, extra_key)
         except BaseException:
             self.manager.lock_handle(handle, unlock=True)
             raise
@@ -185,14 +191,11 @@ class RequestFlow:
                 raise ValueError(f"prompts[{i}] must hold at least one token")
         check_extra_key(extra_key)
         rids = [next(self._rids) for _ in prompts]
-        matched: list[tuple[BaseCacheHandle, torch.Tensor]] = []
+        matched: list[tuple[BaseCacheHandle, torch.Tensor | np.ndarray]] = []
         try:
             for rid, p in zip(rids, prompts, strict=True):
-                ids = p[:-1] if compute_last else p
                 matched.append(
-                    self.manager.match_and_lock(ids, extra_key)
-                    if self._fused
-                    else self._pages.match_lock(rid, p, compute_last, extra_key)
+                    self._pages.match_lock_any(rid, p.numpy(), p, compute_last, extra_key)
                 )
             new = [p.shape[0] - h.cached_len for p, (h, _) in zip(prompts, matched, strict=True)]
             self._pages.make_room(rids[0], sum(-(-n // self.page_size) for n in new))
@@ -287,8 +290,7 @@ class RequestFlow:
         and moves its lock to the new handle."""
         h = req.host
         length = h.length
-        idx = torch.from_numpy(h.slots[:n]) if self._on_cpu else req.indices[:n]
-        ids = torch.from_numpy(h.ids[:n])
+        ids, idx = self._pages.insert_arrays(req, n)
         fused = self._fused
         res = (
             self.manager.insert_and_unlock(req.handle, ids, idx, req.extra_key, relock=keep_running)
@@ -346,10 +348,11 @@ class RequestFlow:
         n = length - length % self.page_size
         if self._fused:  # untraced: `_insert`'s steps with nothing to record
             handle = req.handle
-            idx = torch.from_numpy(h.slots[:n]) if self._on_cpu else req.indices[:n]
-            res = self.manager.insert_and_unlock(
-                handle, torch.from_numpy(h.ids[:n]), idx, req.extra_key
-            )
+            if self._host:
+                res = self.manager.insert_and_unlock(handle, h.ids[:n], h.slots[:n], req.extra_key)
+            else:
+                ids, idx = self._pages.insert_arrays(req, n)
+                res = self.manager.insert_and_unlock(handle, ids, idx, req.extra_key)
             already = res.cached_len
             if already > handle.cached_len or n < length:
                 self._pages.free_finished(h.slots, handle.cached_len, already, n, length)
