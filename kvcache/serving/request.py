@@ -9,9 +9,26 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from ..managers.base import BaseCacheHandle
+from .._validate import check_token_ids
+from ..managers.base import TOKEN_DTYPES, BaseCacheHandle
 
-__all__ = ["Request", "FlowStats", "FlowEvent", "Tracer", "HostCopy", "keyed"]
+__all__ = ["Request", "FlowStats", "FlowEvent", "Tracer", "HostCopy", "keyed", "host_ids"]
+
+_I64 = np.dtype(np.int64)
+
+
+def host_ids(input_ids: torch.Tensor, name: str = "input_ids") -> np.ndarray:
+    """``input_ids`` checked as `check_token_ids` checks (same errors), seen as NumPy (a view):
+    one ``numpy()`` call and two attribute reads where the tensor checks take four calls."""
+    try:
+        ids = input_ids.numpy()  # only a CPU tensor gets past here
+    except (AttributeError, TypeError, RuntimeError):
+        ids = None
+    if ids is None or ids.ndim != 1 or (ids.dtype is not _I64 and ids.dtype not in TOKEN_DTYPES):
+        check_token_ids(input_ids, name)  # raises with the standard message
+        raise TypeError(f"{name} must be a 1-D integer tensor on the CPU, got {input_ids!r:.80}")
+    return ids
+
 
 T = TypeVar("T")
 

@@ -30,7 +30,7 @@ from ..managers.cache_events import check_extra_key
 from .allocator import PageAllocator
 from .flow_pages import FlowPages
 from .integrity import check_flow_parts, check_page_partition
-from .request import FlowEvent, FlowStats, HostCopy, Request, Tracer, keyed
+from .request import FlowEvent, FlowStats, HostCopy, Request, Tracer, host_ids, keyed
 
 __all__ = ["Request", "FlowStats", "FlowEvent", "RequestFlow"]
 
@@ -149,13 +149,12 @@ class RequestFlow:
         Raises ``RuntimeError`` when the pool cannot hold the request even after eviction; the
         lock is then released and no page changes hands (the match's LRU refresh stays).
         """
-        check_token_ids(input_ids)
+        ids = host_ids(input_ids)
         if extra_key is not None:
             check_extra_key(extra_key)
-        if input_ids.shape[0] == 0:
+        if ids.shape[0] == 0:
             raise ValueError("input_ids must hold at least one token")
         rid = next(self._rids)
-        ids = input_ids.numpy()
         handle, prefix = (
             self.manager.match_and_lock(ids[:-1] if compute_last else ids, extra_key)
             if self._host
@@ -241,10 +240,10 @@ class RequestFlow:
         """
         if type(req) is not Request or req.finished or self.running.get(req.rid) is not req:
             self._get(req)
-        check_token_ids(new_ids, "new_ids")
-        if new_ids.shape[0] == 0:
+        new = host_ids(new_ids, "new_ids")
+        if new.shape[0] == 0:
             return req.indices[:0]
-        out = torch.from_numpy(self._pages.append(req, new_ids.numpy()))
+        out = torch.from_numpy(self._pages.append(req, new))
         return out if self._on_cpu else out.to(self._device)
 
     def extend_batch(
