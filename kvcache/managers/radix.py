@@ -17,6 +17,8 @@ leaves costs ``O(k)`` to ``O(k log n)``. No method recurses over the tree's dept
 fused calls (`match_and_lock`, `insert_and_unlock`, in radix_locks.py) lock the path as the
 match walks it, and resume the insert at the locked handle's node once the keys on its path
 compare equal to the new ids (one memcmp a node); with ``relock`` the lock moves in that walk.
+They and ``evict(host=True)`` also take and give the flow's host NumPy arrays as they are, so
+a request crosses between torch and NumPy only where its caller hands in or reads a tensor.
 """
 
 from __future__ import annotations
