@@ -218,14 +218,13 @@ class BlockHashCacheManager(BaseCacheManager):
         Not read-only: the matched blocks count as used (they move to the tail of the free queue).
         """
         rows = self._rows(input_ids)
-        if extra_key is None:
-            hashes = self._hasher.chain(rows)
-        else:
-            hashes = self._hasher.chain(rows, key_seed(check_extra_key(extra_key)))
-        self._flush()
+        if extra_key is not None:
+            check_extra_key(extra_key)
         table = self._table
-        pages = walk(table, rows, hashes, NO_PAGES, extra_key)
         raw = rows.tobytes()
+        hashes, known = self._pending.recall(rows, raw, table, self._hasher, extra_key)
+        self._flush()
+        pages = walk(table, rows, hashes, known, extra_key)
         self._pending.remember(raw, hashes, pages, table.gen[pages], extra_key)
         self._clock += 1
         handle = self._handle(pages, hashes, raw)
@@ -278,14 +277,13 @@ class BlockHashCacheManager(BaseCacheManager):
             self._pending.remember(raw, hashes, pages, table.gen[pages], extra_key)
             return m * ps, self._handle(pages, hashes, raw)
         slots = (indices if self._on_cpu else indices.cpu()).numpy()[m * ps : nb * ps]
-        fresh, listed = new_pages(slots, ps, table)
-        keys, probes = new_keys(table, hashes[m:])
+        fresh, listed, top = new_pages(slots, ps, table)
+        keys, probes, key_to_page = new_keys(table, hashes[m:], listed)
         # Validation done; from here on nothing raises.
         self._clock += 1
         tic = self._clock
-        table.add(
-            fresh, listed, keys, probes, rows[m:], int(pages[-1]) if m else -1, tic, extra_key
-        )
+        up = int(pages[-1]) if m else -1
+        table.add(fresh, listed, top, keys, probes, key_to_page, rows[m:], up, tic, extra_key)
         table.use(pages, tic)
         pages = np.concatenate((pages, fresh)) if m else fresh
         self._pending.remember(raw, hashes, pages, table.gen[pages], extra_key)
@@ -356,7 +354,8 @@ class BlockHashCacheManager(BaseCacheManager):
         evicted (the queue's order guarantees the head is one). Raises ``RuntimeError``
         (evicting nothing) when fewer than ``size`` tokens are evictable.
         """
-        size = check_count(size)
+        if type(size) is not int or size < 0:
+            size = check_count(size)
         if size == 0:
             return self.empty_tensor
         self._flush()

@@ -115,15 +115,16 @@ class BlockHashCacheHandle(BaseCacheHandle):
     #: ``block_hashes`` object) then: a handle made since the last eviction needs no re-check.
     pages: np.ndarray | None = field(default=None, compare=False, repr=False)
     stamp: tuple[object, int, object] | None = field(default=None, compare=False, repr=False)
-    #: ``hash((cached_len, block_hashes))``, computed once: a handle is a dict key on every lock
-    #: and unlock, and hashing a long chain's tuple each time costs a microsecond per 100 blocks.
-    _hash: int = field(init=False, default=0, compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_hash", hash((self.cached_len, self.block_hashes)))
 
     def __hash__(self) -> int:
-        return self._hash
+        # ``hash((cached_len, block_hashes))``, computed once, when first asked: a handle is a
+        # dict key on every lock and unlock (hashing a long chain's tuple costs a microsecond per
+        # 100 blocks), and many handles (an insert's) are never locked.
+        try:
+            return self.__dict__["_hash"]  # type: ignore[no-any-return]
+        except KeyError:
+            h = self.__dict__["_hash"] = hash((self.cached_len, self.block_hashes))
+            return h
 
 
 #: Columns of `BlockTable.meta`.
@@ -201,30 +202,35 @@ class BlockTable:
         self,
         pages: np.ndarray,
         listed: list[int],
+        top: int,
         keys: list[int],
         probes: list[int] | None,
+        key_to_page: dict[int, int],
         rows: np.ndarray,
         parent: int,
         tic: int,
         extra_key: Hashable,
     ) -> None:
         """Cache a chain: ``rows[i]`` (int64 tokens) under ``keys[i]`` on ``pages[i]`` (int64,
-        unused, none twice; ``listed`` the same as a list), the first chaining from page ``parent`` (``-1``: none). The new
-        blocks are free, used at ``tic``, and join the free queue deepest first."""
-        self.reserve(int(np.maximum.reduce(pages)))
+        unused, none twice; ``listed`` the same as a list, ``top`` the largest, ``key_to_page``
+        the keys' pages), the first chaining from page ``parent`` (``-1``: none). The new blocks
+        are free, used at ``tic``, and join the free queue deepest first."""
+        if top >= self.capacity:
+            self.reserve(top)
         self.tok[pages] = rows
-        self.key[pages] = np.array(keys, dtype=np.uint64)
+        self.key[pages] = keys
         meta = self.meta
         meta[pages] = (parent, 0, 1, tic, 0, next_serial())
-        meta[pages[1:], PARENT] = pages[:-1]
-        meta[pages[-1], NCHILD] = 0
+        if len(listed) > 1:
+            meta[pages[1:], PARENT] = pages[:-1]
+        meta[listed[-1], NCHILD] = 0
         if probes is not None:
             meta[pages, PROBE] = probes
         if parent >= 0:
             meta[parent, NCHILD] += 1
         elif extra_key is not None:
-            self.ns[int(pages[0])] = extra_key
-        self.page_of.update(zip(keys, listed, strict=True))
+            self.ns[listed[0]] = extra_key
+        self.page_of.update(key_to_page)
         self.free.update(dict.fromkeys(reversed(listed)))
 
     # Along a chain (root first) ref counts never grow (a lock covers a whole chain from its
