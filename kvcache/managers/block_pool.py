@@ -234,20 +234,30 @@ class BlockTable:
         self.free.update(dict.fromkeys(reversed(listed)))
 
     # Along a chain (root first) ref counts never grow (a lock covers a whole chain from its
-    # first block), so a chain's free blocks are a suffix of it: ``count_nonzero`` finds it.
+    # first block), so a chain's free blocks are a suffix of it: its first block's count says
+    # whether any is held, its last one's whether all are, else ``count_nonzero`` finds where.
+    def _held(self, pages: np.ndarray) -> int:
+        """How many blocks of the chain ``pages`` (not empty) are locked: a prefix of it."""
+        ref = self.ref
+        if not ref[pages[0]]:
+            return 0
+        if ref[pages[-1]]:
+            return len(pages)
+        return int(np.count_nonzero(ref[pages]))
+
     def lock(self, pages: np.ndarray) -> None:
         """``ref += 1`` on every page of a chain; those locked for the first time leave the queue."""
-        held = int(np.count_nonzero(self.ref[pages]))
+        held = self._held(pages)
         self.ref[pages] += 1
         if held < len(pages):
-            deque(map(self.free.pop, pages[held:].tolist()), 0)
+            deque(map(self.free.pop, (pages[held:] if held else pages).tolist()), 0)
             self.num_locked += len(pages) - held
 
     def release(self, pages: np.ndarray, clock: int) -> None:
         """``ref -= 1`` on every page of a chain; those left unlocked join the queue's tail,
         deepest first, used at ``clock``."""
         self.ref[pages] -= 1
-        held = int(np.count_nonzero(self.ref[pages]))
+        held = self._held(pages)
         if held < len(pages):
             zero = pages[: held - 1 if held else None : -1]
             self.last[zero] = clock
@@ -256,7 +266,7 @@ class BlockTable:
 
     def use(self, pages: np.ndarray, tic: int) -> None:
         """Mark a chain used at ``tic``: its free blocks move to the queue's tail, deepest first."""
-        held = int(np.count_nonzero(self.ref[pages]))
+        held = self._held(pages) if len(pages) else 0
         if held < len(pages):
             idle = pages[: held - 1 if held else None : -1]
             self.last[idle] = tic
