@@ -47,7 +47,7 @@ from .block_hash_chain import (
     token_array,
 )
 from .block_lookup import NO_PAGES, RequestHashes, handle_pages, new_keys, new_pages, walk
-from .block_pool import BlockHashCacheHandle, BlockTable, CachedBlock
+from .block_pool import BlockHashCacheHandle, BlockTable, CachedBlock, new_handle
 from .cache_events import CacheEvent, EventLog, check_extra_key, events_off
 
 __all__ = [
@@ -200,14 +200,9 @@ class BlockHashCacheManager(BaseCacheManager):
     def _handle(self, pages: np.ndarray, hashes: list[int], raw: bytes) -> BlockHashCacheHandle:
         k = len(pages)
         keys = tuple(hashes[:k] if not self._table.max_probe else self._table.keys_of(pages))
-        pages.flags.writeable = False  # shared by the handle, its lock record and the memo
-        return BlockHashCacheHandle(
-            k * self.page_size,
-            keys,
-            raw,  # the request's tokens: the chain's are its first ``k`` blocks
-            pages,
-            (self._token, self._epoch, keys),
-        )
+        pages.setflags(write=False)  # shared by the handle, its lock record and the memo
+        # ``raw``: the request's tokens; the chain's are its first ``k`` blocks.
+        return new_handle(k * self.page_size, keys, raw, pages, (self._token, self._epoch, keys))
 
     # ------------------------------------------------------------- public
     def match_prefix(
@@ -222,10 +217,12 @@ class BlockHashCacheManager(BaseCacheManager):
             check_extra_key(extra_key)
         table = self._table
         raw = rows.tobytes()
-        hashes, known = self._pending.recall(rows, raw, table, self._hasher, extra_key)
+        hashes, known, gens = self._pending.recall(rows, raw, table, self._hasher, extra_key)
         self._flush()
         pages = walk(table, rows, hashes, known, extra_key)
-        self._pending.remember(raw, hashes, pages, table.gen[pages], extra_key)
+        if pages is not known:
+            gens = table.gen[pages].tobytes()
+        self._pending.remember(raw, hashes, pages, gens, extra_key)
         self._clock += 1
         handle = self._handle(pages, hashes, raw)
         if len(pages):
@@ -268,13 +265,15 @@ class BlockHashCacheManager(BaseCacheManager):
         self._flush()
         table = self._table
         raw = rows.tobytes()
-        hashes, known = self._pending.recall(rows, raw, table, self._hasher, extra_key)
+        hashes, known, gens = self._pending.recall(rows, raw, table, self._hasher, extra_key)
         pages = walk(table, rows, hashes, known, extra_key)
         ps, m, nb = self.page_size, len(pages), len(rows)
         if m == nb:
             self._clock += 1
             table.use(pages, self._clock)
-            self._pending.remember(raw, hashes, pages, table.gen[pages], extra_key)
+            if pages is not known:
+                gens = table.gen[pages].tobytes()
+            self._pending.remember(raw, hashes, pages, gens, extra_key)
             return m * ps, self._handle(pages, hashes, raw)
         slots = (indices if self._on_cpu else indices.cpu()).numpy()[m * ps : nb * ps]
         fresh, listed, top = new_pages(slots, ps, table)
@@ -286,7 +285,7 @@ class BlockHashCacheManager(BaseCacheManager):
         table.add(fresh, listed, top, keys, probes, key_to_page, rows[m:], up, tic, extra_key)
         table.use(pages, tic)
         pages = np.concatenate((pages, fresh)) if m else fresh
-        self._pending.remember(raw, hashes, pages, table.gen[pages], extra_key)
+        self._pending.remember(raw, hashes, pages, table.gen[pages].tobytes(), extra_key)
         if self._events is not None:
             self._events.stored(extra_key, rows.reshape(-1).tolist(), slots.tolist())
         return m * ps, self._handle(pages, hashes, raw)

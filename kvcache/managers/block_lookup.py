@@ -130,10 +130,11 @@ class RequestHashes:
         raw: bytes,
         hashes: list[int],
         pages: np.ndarray,
-        gens: np.ndarray,
+        gens: bytes,
         extra_key: Hashable = None,
     ) -> None:
-        """``raw``: the rows' bytes; ``pages`` the chain found (and ``gens``, their serials)."""
+        """``raw``: the rows' bytes; ``pages`` the chain found (and ``gens``, their serials as
+        int64 bytes)."""
         nb = len(hashes)
         if nb:
             w = self.width
@@ -143,7 +144,7 @@ class RequestHashes:
                 key = (extra_key, key)  # bytes never equal a tuple
             index = self._index
             index.pop(key, None)
-            index[key] = (raw, hashes, pages, gens.tobytes())
+            index[key] = (raw, hashes, pages, gens)
             if len(index) > self.capacity:
                 index.popitem(last=False)
 
@@ -154,9 +155,9 @@ class RequestHashes:
         table: BlockTable,
         hasher: ChainHasher,
         extra_key: Hashable = None,
-    ) -> tuple[list[int], np.ndarray]:
-        """The hashes of every row of ``rows`` (only rows not remembered are hashed) and the longest
-        remembered chain that still matches them (possibly empty)."""
+    ) -> tuple[list[int], np.ndarray, bytes]:
+        """The hashes of every row of ``rows`` (only rows not remembered are hashed), the longest
+        remembered chain that still matches them (possibly empty) and its serials (as bytes)."""
         nb = len(rows)
         if nb:
             index, w = self._index, self.width
@@ -181,7 +182,7 @@ class RequestHashes:
                 k = (first if differ[first] else n) // self.page_size
                 if k:
                     return self._reuse(partial, k, rows, table, hasher)
-        return hasher.chain(rows, key_seed(extra_key)), NO_PAGES
+        return hasher.chain(rows, key_seed(extra_key)), NO_PAGES, b""
 
     @staticmethod
     def _reuse(
@@ -190,9 +191,9 @@ class RequestHashes:
         rows: np.ndarray,
         table: BlockTable,
         hasher: ChainHasher,
-    ) -> tuple[list[int], np.ndarray]:
-        """Hashes and still-valid pages for ``rows`` from ``entry``, whose first ``k`` blocks
-        hold the same tokens as ``rows``'s."""
+    ) -> tuple[list[int], np.ndarray, bytes]:
+        """Hashes, still-valid pages and their serials for ``rows`` from ``entry``, whose first
+        ``k`` blocks hold the same tokens as ``rows``'s."""
         _, hashes, pages, gens = entry
         if k < len(rows):
             hashes = hashes[:k] + hasher.chain(rows[k:], hashes[k - 1])
@@ -204,8 +205,9 @@ class RequestHashes:
             now = table.gen[pages]
             if now.tobytes() != gens:
                 moved = now != np.frombuffer(gens, np.int64)
-                pages = pages[: int(moved.argmax())]
-        return hashes, pages
+                cut = int(moved.argmax())
+                pages, gens = pages[:cut], gens[: 8 * cut]
+        return hashes, pages, gens
 
 
 def handle_pages(
@@ -279,7 +281,7 @@ def new_pages(
     # Seen unsigned, a negative page is huge: one pass bounds the pages on both sides.
     top = int(np.maximum.reduce(pages.view(np.uint64)))
     if top < table.capacity:  # within the table, a page's slots are one row of ``table.slots``
-        if ps > 1 and np.count_nonzero(table.slots[pages] != new.reshape(-1, ps)):
+        if ps > 1 and table.slots[pages].tobytes() != new.tobytes():
             _bad_slots(new, ps)
         taken_by = int(np.maximum.reduce(table.gen[pages]))  # -1: no block on any of them
     else:

@@ -24,7 +24,7 @@ import numpy as np
 
 from .base import BaseCacheHandle
 
-__all__ = ["CachedBlock", "BlockHashCacheHandle", "BlockTable", "next_serial"]
+__all__ = ["CachedBlock", "BlockHashCacheHandle", "BlockTable", "new_handle", "next_serial"]
 
 _MASK = (1 << 64) - 1
 #: Every insert call that adds blocks takes a number no other call (of any manager) has, and
@@ -125,6 +125,24 @@ class BlockHashCacheHandle(BaseCacheHandle):
         except KeyError:
             h = self.__dict__["_hash"] = hash((self.cached_len, self.block_hashes))
             return h
+
+
+def new_handle(
+    cached_len: int,
+    block_hashes: tuple[int, ...],
+    tokens: bytes,
+    pages: np.ndarray,
+    stamp: tuple[object, int, object],
+) -> BlockHashCacheHandle:
+    """``BlockHashCacheHandle(cached_len, block_hashes, tokens, pages, stamp)``, made the way
+    unpickling makes one (fields written straight into the new object): a frozen dataclass's
+    ``__init__`` sets each field through ``object.__setattr__``, which costs a few microseconds
+    on every match and insert. The manager passes values that are already checked."""
+    handle: BlockHashCacheHandle = object.__new__(BlockHashCacheHandle)
+    handle.__dict__.update(
+        cached_len=cached_len, block_hashes=block_hashes, tokens=tokens, pages=pages, stamp=stamp
+    )
+    return handle
 
 
 #: Columns of `BlockTable.meta`.
