@@ -30,6 +30,7 @@ Collisions: see `block_lookup`. Eviction rule: see `block_evict`; ``check_integr
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Hashable, Iterator
 
 import numpy as np
@@ -43,12 +44,13 @@ from .block_hash_chain import (
     ChainHasher,
     HashFn,
     default_block_hash,
-    key_seed,
     token_array,
 )
-from .block_lookup import NO_PAGES, RequestHashes, handle_pages, new_keys, new_pages, walk
+from .block_lookup import RequestHashes, handle_pages, new_keys, new_pages, walk
 from .block_pool import BlockHashCacheHandle, BlockTable, CachedBlock, new_handle
 from .cache_events import CacheEvent, EventLog, check_extra_key, events_off
+
+_INT64, _INT32 = np.dtype(np.int64), np.dtype(np.int32)
 
 __all__ = [
     "CachedBlock",
@@ -186,7 +188,9 @@ class BlockHashCacheManager(BaseCacheManager):
     # ----------------------------------------------------------- lookups
     def _rows(self, input_ids: torch.Tensor) -> np.ndarray:
         """The full blocks of ``input_ids`` (validated) as an ``(n, page_size)`` int64 array."""
-        ids = token_array(check_token_ids(input_ids))
+        ids = input_ids.numpy() if type(input_ids) is torch.Tensor and input_ids.is_cpu else None
+        if ids is None or ids.ndim != 1 or ids.dtype != _INT64:  # the usual case skips the checks
+            ids = token_array(check_token_ids(input_ids))
         nb = len(ids) // self.page_size
         return ids[: nb * self.page_size].reshape(nb, self.page_size)
 
@@ -257,8 +261,14 @@ class BlockHashCacheManager(BaseCacheManager):
         rows = self._rows(input_ids)
         if extra_key is not None:
             check_extra_key(extra_key)
-        check_indices(indices, self.device)
-        if indices.shape[0] != input_ids.shape[0]:
+        if type(indices) is torch.Tensor and indices.is_cpu and self._on_cpu:
+            slots = indices.numpy()
+            if slots.ndim != 1 or slots.dtype != _INT32:
+                check_indices(indices, self.device)  # raises
+        else:
+            check_indices(indices, self.device)
+            slots = indices.cpu().numpy()
+        if len(slots) != input_ids.shape[0]:
             raise ValueError(
                 f"len(indices) ({len(indices)}) must equal len(input_ids) ({len(input_ids)})"
             )
@@ -275,17 +285,22 @@ class BlockHashCacheManager(BaseCacheManager):
                 gens = table.gen[pages].tobytes()
             self._pending.remember(raw, hashes, pages, gens, extra_key)
             return m * ps, self._handle(pages, hashes, raw)
-        slots = (indices if self._on_cpu else indices.cpu()).numpy()[m * ps : nb * ps]
+        slots = slots[m * ps : nb * ps]
         fresh, listed, top = new_pages(slots, ps, table)
         keys, probes, key_to_page = new_keys(table, hashes[m:], listed)
         # Validation done; from here on nothing raises.
         self._clock += 1
         tic = self._clock
         up = int(pages[-1]) if m else -1
-        table.add(fresh, listed, top, keys, probes, key_to_page, rows[m:], up, tic, extra_key)
+        serial = table.add(
+            fresh, listed, top, keys, probes, key_to_page, rows[m:], up, tic, extra_key
+        )
         table.use(pages, tic)
+        if pages is not known:
+            gens = table.gen[pages].tobytes()
+        gens += serial.to_bytes(8, sys.byteorder) * len(listed)  # the int64 serials of the new
         pages = np.concatenate((pages, fresh)) if m else fresh
-        self._pending.remember(raw, hashes, pages, table.gen[pages].tobytes(), extra_key)
+        self._pending.remember(raw, hashes, pages, gens, extra_key)
         if self._events is not None:
             self._events.stored(extra_key, rows.reshape(-1).tolist(), slots.tolist())
         return m * ps, self._handle(pages, hashes, raw)

@@ -17,8 +17,8 @@ nothing but the tokens: equal in every process and run.
 from __future__ import annotations
 
 import hashlib
-from operator import mul
 from collections.abc import Callable, Hashable
+from operator import mul
 
 import numpy as np
 import torch
@@ -43,7 +43,7 @@ HashFn = Callable[[int, tuple[int, ...]], int]
 
 
 _K = 0xBF58476D1CE4E5B9
-_FEW = 4  # up to this many blocks, `ChainHasher.chain` hashes in plain Python
+_FEW = 2  # up to this many blocks, `ChainHasher.chain` hashes in plain Python
 _K_NP, _SHIFT_NP = np.uint64(_K), np.uint64(32)
 
 
@@ -141,8 +141,8 @@ class ChainHasher:
         c = blocks.view(np.uint64) @ self._token_weights
         c ^= c >> _SHIFT_NP
         c *= self._k_m_inv_pow[:nb]
-        s = np.add.accumulate(c)  # uint64 in, uint64 out (the ufunc skips cumsum's wrappers)
-        s += np.uint64((seed * _M) & _MASK)
-        s *= self._m_pow[:nb]
-        hashes: list[int] = s.tolist()
+        c[0] = (int(c[0]) + seed * _M) & _MASK  # the seed's term joins every partial sum
+        np.add.accumulate(c, out=c)  # uint64 in, uint64 out (the ufunc skips cumsum's wrappers)
+        c *= self._m_pow[:nb]
+        hashes: list[int] = c.tolist()
         return hashes

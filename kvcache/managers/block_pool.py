@@ -228,17 +228,18 @@ class BlockTable:
         parent: int,
         tic: int,
         extra_key: Hashable,
-    ) -> None:
+    ) -> int:
         """Cache a chain: ``rows[i]`` (int64 tokens) under ``keys[i]`` on ``pages[i]`` (int64,
         unused, none twice; ``listed`` the same as a list, ``top`` the largest, ``key_to_page``
         the keys' pages), the first chaining from page ``parent`` (``-1``: none). The new blocks
-        are free, used at ``tic``, and join the free queue deepest first."""
+        are free, used at ``tic``, and join the free queue deepest first. Returns their serial."""
         if top >= self.capacity:
             self.reserve(top)
         self.tok[pages] = rows
         self.key[pages] = keys
         meta = self.meta
-        meta[pages] = (parent, 0, 1, tic, 0, next_serial())
+        serial = next_serial()
+        meta[pages] = (parent, 0, 1, tic, 0, serial)
         if len(listed) > 1:
             meta[pages[1:], PARENT] = pages[:-1]
         meta[listed[-1], NCHILD] = 0
@@ -250,6 +251,7 @@ class BlockTable:
             self.ns[listed[0]] = extra_key
         self.page_of.update(key_to_page)
         self.free.update(dict.fromkeys(reversed(listed)))
+        return serial
 
     # Along a chain (root first) ref counts never grow (a lock covers a whole chain from its
     # first block), so a chain's free blocks are a suffix of it: its first block's count says
