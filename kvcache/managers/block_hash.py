@@ -46,7 +46,7 @@ from .block_hash_chain import (
     default_block_hash,
     token_array,
 )
-from .block_lookup import RequestHashes, handle_pages, new_keys, new_pages, walk
+from .block_lookup import RequestHashes, handle_pages, hash_rest, new_keys, new_pages, walk
 from .block_pool import BlockHashCacheHandle, BlockTable, CachedBlock, new_handle
 from .cache_events import CacheEvent, EventLog, check_extra_key, events_off
 
@@ -221,9 +221,13 @@ class BlockHashCacheManager(BaseCacheManager):
             check_extra_key(extra_key)
         table = self._table
         raw = rows.tobytes()
-        hashes, known, gens = self._pending.recall(rows, raw, table, self._hasher, extra_key)
+        hasher = self._hasher
+        hashes, known, gens = self._pending.recall(rows, raw, table, hasher, extra_key, lazy=True)
         self._flush()
         pages = walk(table, rows, hashes, known, extra_key)
+        if len(pages) == len(hashes) < len(rows):  # every block hashed is cached: on
+            hashes = hash_rest(hasher, rows, hashes, extra_key)
+            pages = walk(table, rows, hashes, pages, extra_key)
         if pages is not known:
             gens = table.gen[pages].tobytes()
         self._pending.remember(raw, hashes, pages, gens, extra_key)

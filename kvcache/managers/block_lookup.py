@@ -22,7 +22,15 @@ from .base import BaseCacheHandle
 from .block_hash_chain import ChainHasher, key_seed
 from .block_pool import BlockHashCacheHandle, BlockTable
 
-__all__ = ["walk", "RequestHashes", "handle_pages", "new_pages", "new_keys", "NO_PAGES"]
+__all__ = [
+    "walk",
+    "RequestHashes",
+    "hash_rest",
+    "handle_pages",
+    "new_pages",
+    "new_keys",
+    "NO_PAGES",
+]
 
 _MASK = (1 << 64) - 1
 NO_PAGES = np.zeros(0, dtype=np.int64)
@@ -38,7 +46,8 @@ def walk(
 ) -> np.ndarray:
     """The pages of the cached chain matching the longest prefix of ``rows`` (read-only).
 
-    ``rows`` is ``(n, page_size)`` int64; ``hashes[i]`` is the chained hash of ``rows[:i + 1]``;
+    ``rows`` is ``(n, page_size)`` int64; ``hashes[i]`` is the chained hash of ``rows[:i + 1]``
+    (only the first ``len(hashes)`` rows are looked at);
     ``known`` (int64 pages) is a chain already known to match ``rows[:len(known)]``, from which
     the walk goes on. The chain's first block must belong to namespace ``extra_key``. Without
     collisions (``max_probe == 0``) a block's key is its hash: one dict probe per block (run in
@@ -85,7 +94,7 @@ def _walk_probing(
     chain: list[int] = known.tolist()
     parent = chain[-1] if chain else -1
     get, tok, up = table.page_of.get, table.tok, table.parent
-    for h, row in zip(hashes[len(chain) :], rows[len(chain) :], strict=True):
+    for h, row in zip(hashes[len(chain) :], rows[len(chain) : len(hashes)], strict=True):
         for k in range(table.max_probe + 1):
             page = get((h + k) & _MASK)
             if (
@@ -133,11 +142,12 @@ class RequestHashes:
         gens: bytes,
         extra_key: Hashable = None,
     ) -> None:
-        """``raw``: the rows' bytes; ``pages`` the chain found (and ``gens``, their serials as
+        """``raw``: the rows' bytes; ``hashes`` those of its first rows (a match hashes only up to
+        the first block not cached); ``pages`` the chain found (and ``gens``, their serials as
         int64 bytes)."""
-        nb = len(hashes)
+        w = self.width
+        nb = len(raw) // w
         if nb:
-            w = self.width
             j = (1 << (nb - 1).bit_length()) >> 1
             key: Hashable = raw[j * w : (j + 1) * w]
             if extra_key is not None:
@@ -155,9 +165,14 @@ class RequestHashes:
         table: BlockTable,
         hasher: ChainHasher,
         extra_key: Hashable = None,
+        lazy: bool = False,
     ) -> tuple[list[int], np.ndarray, bytes]:
-        """The hashes of every row of ``rows`` (only rows not remembered are hashed), the longest
-        remembered chain that still matches them (possibly empty) and its serials (as bytes)."""
+        """The hashes of the rows of ``rows`` (only rows not remembered are hashed), the longest
+        remembered chain that still matches them (possibly empty) and its serials (as bytes).
+
+        Every row is hashed unless ``lazy``: then, when a remembered chain is found, only up to
+        the first row past it (a walk stops at the first block not cached; `hash_rest` hashes the
+        others when it does not)."""
         nb = len(rows)
         if nb:
             index, w = self._index, self.width
@@ -169,7 +184,8 @@ class RequestHashes:
                 if entry is not None:
                     old = entry[0]
                     if raw.startswith(old) or old.startswith(raw):  # no copies
-                        return self._reuse(entry, min(len(old), len(raw)) // w, rows, table, hasher)
+                        k = min(len(old) // w, nb, len(entry[1]))  # rows with a known hash
+                        return self._reuse(entry, k, rows, table, hasher, lazy)
                     if partial is None:
                         partial = entry
                 if not j:
@@ -179,9 +195,9 @@ class RequestHashes:
                 n = min(len(partial[0]), len(raw)) // 8
                 differ = np.frombuffer(raw, np.int64, n) != np.frombuffer(partial[0], np.int64, n)
                 first = int(differ.argmax())
-                k = (first if differ[first] else n) // self.page_size
+                k = min((first if differ[first] else n) // self.page_size, len(partial[1]))
                 if k:
-                    return self._reuse(partial, k, rows, table, hasher)
+                    return self._reuse(partial, k, rows, table, hasher, lazy)
         return hasher.chain(rows, key_seed(extra_key)), NO_PAGES, b""
 
     @staticmethod
@@ -191,14 +207,11 @@ class RequestHashes:
         rows: np.ndarray,
         table: BlockTable,
         hasher: ChainHasher,
+        lazy: bool,
     ) -> tuple[list[int], np.ndarray, bytes]:
         """Hashes, still-valid pages and their serials for ``rows`` from ``entry``, whose first
-        ``k`` blocks hold the same tokens as ``rows``'s."""
+        ``k >= 1`` blocks hold the same tokens as ``rows``'s and have hashes there."""
         _, hashes, pages, gens = entry
-        if k < len(rows):
-            hashes = hashes[:k] + hasher.chain(rows[k:], hashes[k - 1])
-        elif k < len(hashes):
-            hashes = hashes[:k]
         if len(pages) > k:
             pages, gens = pages[:k], gens[: 8 * k]
         if len(pages):
@@ -207,7 +220,23 @@ class RequestHashes:
                 moved = now != np.frombuffer(gens, np.int64)
                 cut = int(moved.argmax())
                 pages, gens = pages[:cut], gens[: 8 * cut]
+        # Lazily, rows are hashed only up to the first one past the chain still cached.
+        upto = min(len(pages) + 1, len(rows)) if lazy else len(rows)
+        if k < upto:
+            hashes = hashes[:k] + hasher.chain(rows[k:upto], hashes[k - 1])
+        elif k < len(hashes):
+            hashes = hashes[:k]
         return hashes, pages, gens
+
+
+def hash_rest(
+    hasher: ChainHasher, rows: np.ndarray, hashes: list[int], extra_key: Hashable
+) -> list[int]:
+    """``hashes`` (those of the first rows of ``rows``) extended to every row."""
+    if len(hashes) >= len(rows):
+        return hashes
+    seed = hashes[-1] if hashes else key_seed(extra_key)
+    return hashes + hasher.chain(rows[len(hashes) :], seed)
 
 
 def handle_pages(
