@@ -17,9 +17,12 @@ prefix without any tree. The manager keeps:
 Speed. The default hash (`block_hash_chain`) is computed for every block of a sequence at once
 with a few NumPy passes; a lookup is then one dict probe per block (``map`` in C), and the
 parents and tokens of the whole matched chain are compared in one array operation each
-(`block_lookup.walk`). A request's hashes and matched pages are remembered from `match_prefix`
-to its insert (`block_lookup.RequestHashes`, vLLM's ``Request.block_hashes``), so the insert
-hashes only new tokens and re-walks nothing still cached. Locking, unlocking and the LRU refresh
+(`block_lookup.walk`). The hashes and chains of recent sequences are remembered
+(`block_lookup.RequestHashes`): a request's insert reuses what its match found (vLLM's
+``Request.block_hashes``), and a conversation's next turn, which resends its whole history,
+reuses what the last turn's insert left, so neither hashes nor walks again what is still cached
+(the bytes are compared, and each remembered page's serial). A match hashes only up to the first
+block past that chain; the insert hashes the rest. Locking, unlocking and the LRU refresh
 are array operations on the chain's pages; slots are built in NumPy; an insert validates its new
 blocks only, in NumPy. No per-block Python object exists: a handle carries its chain's pages, so
 locking one made since the last eviction re-checks nothing, and a match's LRU refresh waits for
