@@ -49,7 +49,7 @@ from .block_hash_chain import (
     default_block_hash,
     token_array,
 )
-from .block_lookup import RequestHashes, handle_pages, hash_rest, new_keys, new_pages, walk
+from .block_lookup import RequestHashes, file_keys, handle_pages, hash_rest, new_pages, walk
 from .block_pool import BlockHashCacheHandle, BlockTable, CachedBlock, new_handle
 from .cache_events import CacheEvent, EventLog, check_extra_key, events_off
 
@@ -294,14 +294,12 @@ class BlockHashCacheManager(BaseCacheManager):
             return m * ps, self._handle(pages, hashes, raw)
         slots = slots[m * ps : nb * ps]
         fresh, listed, top = new_pages(slots, ps, table)
-        keys, probes, key_to_page = new_keys(table, hashes[m:], listed)
+        keys, probes = file_keys(table, hashes[m:], listed)
         # Validation done; from here on nothing raises.
         self._clock += 1
         tic = self._clock
         up = int(pages[-1]) if m else -1
-        serial = table.add(
-            fresh, listed, top, keys, probes, key_to_page, rows[m:], up, tic, extra_key
-        )
+        serial = table.add(fresh, listed, top, keys, probes, rows[m:], up, tic, extra_key)
         table.use(pages, tic)
         if pages is not known:
             gens = table.gen[pages].tobytes()

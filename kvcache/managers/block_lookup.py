@@ -28,7 +28,7 @@ __all__ = [
     "hash_rest",
     "handle_pages",
     "new_pages",
-    "new_keys",
+    "file_keys",
     "NO_PAGES",
 ]
 
@@ -343,17 +343,28 @@ def _bad_slots(new: np.ndarray, ps: int) -> None:
     )
 
 
-def new_keys(
+def file_keys(
     table: BlockTable, new_hashes: list[int], listed: list[int]
-) -> tuple[list[int], list[int] | None, dict[int, int]]:
-    """The keys of new blocks with these hashes (on pages ``listed``): each its hash, or the next
-    key (``hash + 1``, ...) that neither a cached block nor an earlier new one holds; their
-    probe offsets (``None``: all 0); and ``key -> page`` for them. Raises ``table.max_probe``
-    when a probe goes further than any before."""
+) -> tuple[list[int], list[int] | None]:
+    """File new blocks with these hashes, on pages ``listed``, in ``table.page_of``; return
+    their keys and probe offsets (``None``: all 0).
+
+    Each key is the block's hash, or the next key (``hash + 1``, ...) that neither a cached block
+    nor an earlier new one holds. Nothing raises. Raises ``table.max_probe`` when a probe goes
+    further than any before."""
     taken = table.page_of
-    fresh = dict(zip(new_hashes, listed, strict=True))
-    if len(fresh) == len(new_hashes) and taken.keys().isdisjoint(fresh):
-        return new_hashes, None, fresh
+    before = len(taken)
+    taken.update(zip(new_hashes, listed, strict=True))  # usually every hash is a new key
+    if len(taken) == before + len(new_hashes):
+        return new_hashes, None
+    # A hash was taken (by a cached block or an earlier new one): undo, then probe. A cached
+    # block's key is still in ``table.key`` (its value was overwritten above, its place kept).
+    for h in new_hashes:
+        held = np.flatnonzero((table.key == np.uint64(h)) & (table.gen >= 0))
+        if len(held):
+            taken[h] = int(held[0])
+        else:
+            taken.pop(h, None)
     keys: list[int] = []
     probes: list[int] = []
     mine: set[int] = set()
@@ -366,4 +377,5 @@ def new_keys(
         probes.append(probe)
         mine.add(key)
     table.max_probe = max(table.max_probe, *probes)
-    return keys, probes, dict(zip(keys, listed, strict=True))
+    taken.update(zip(keys, listed, strict=True))
+    return keys, probes

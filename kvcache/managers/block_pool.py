@@ -223,16 +223,16 @@ class BlockTable:
         top: int,
         keys: list[int],
         probes: list[int] | None,
-        key_to_page: dict[int, int],
         rows: np.ndarray,
         parent: int,
         tic: int,
         extra_key: Hashable,
     ) -> int:
-        """Cache a chain: ``rows[i]`` (int64 tokens) under ``keys[i]`` on ``pages[i]`` (int64,
-        unused, none twice; ``listed`` the same as a list, ``top`` the largest, ``key_to_page``
-        the keys' pages), the first chaining from page ``parent`` (``-1``: none). The new blocks
-        are free, used at ``tic``, and join the free queue deepest first. Returns their serial."""
+        """Cache a chain: ``rows[i]`` (int64 tokens) under ``keys[i]`` (already filed in
+        ``page_of``) on ``pages[i]`` (int64, unused, none twice; ``listed`` the same as a list,
+        ``top`` the largest), the first chaining from page ``parent`` (``-1``: none). The new
+        blocks are free, used at ``tic``, and join the free queue deepest first. Returns their
+        serial."""
         if top >= self.capacity:
             self.reserve(top)
         self.tok[pages] = rows
@@ -249,7 +249,6 @@ class BlockTable:
             meta[parent, NCHILD] += 1
         elif extra_key is not None:
             self.ns[listed[0]] = extra_key
-        self.page_of.update(key_to_page)
         self.free.update(dict.fromkeys(reversed(listed)))
         return serial
 
