@@ -69,7 +69,7 @@ def walk(
     if (
         table.parent[found[0]] != (known[-1] if i0 else -1)
         or np.count_nonzero(table.parent[pages[1:]] != pages[:-1])
-        or table.tok[pages].tobytes() != rows[i0 : i0 + k].tobytes()
+        or table.tok.take(pages, axis=0).tobytes() != rows[i0 : i0 + k].tobytes()
     ):  # a collision: keep what really matches
         good = (table.tok[pages] == rows[i0 : i0 + k]).all(axis=1)
         par = table.parent[pages]
@@ -220,8 +220,12 @@ class RequestHashes:
                 moved = now != np.frombuffer(gens, np.int64)
                 cut = int(moved.argmax())
                 pages, gens = pages[:cut], gens[: 8 * cut]
-        # Lazily, rows are hashed only up to the first one past the chain still cached.
-        upto = min(len(pages) + 1, len(rows)) if lazy else len(rows)
+        # Lazily, rows are hashed only up to the first one past the chain still cached, and not
+        # even that one when the chain's last block has no cached child.
+        if lazy:
+            upto = min(len(pages) + (not len(pages) or bool(table.nchild[pages[-1]])), len(rows))
+        else:
+            upto = len(rows)
         if k < upto:
             hashes = hashes[:k] + hasher.chain(rows[k:upto], hashes[k - 1])
         elif k < len(hashes):
@@ -310,7 +314,7 @@ def new_pages(
     # Seen unsigned, a negative page is huge: one pass bounds the pages on both sides.
     top = int(np.maximum.reduce(pages.view(np.uint64)))
     if top < table.capacity:  # within the table, a page's slots are one row of ``table.slots``
-        if ps > 1 and table.slots[pages].tobytes() != new.tobytes():
+        if ps > 1 and table.slots.take(pages, axis=0).tobytes() != new.tobytes():
             _bad_slots(new, ps)
         taken_by = int(np.maximum.reduce(table.gen[pages]))  # -1: no block on any of them
     else:
