@@ -120,7 +120,7 @@ class BlockHashCacheManager(BaseCacheManager):
     @property
     def size_info(self) -> SizeInfo:
         t, ps = self._table, self.page_size
-        return SizeInfo(evictable_size=len(t.free) * ps, protected_size=t.num_locked * ps)
+        return SizeInfo(len(t.free) * ps, t.num_locked * ps)  # (evictable, protected)
 
     @property
     def num_blocks(self) -> int:
