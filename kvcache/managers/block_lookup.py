@@ -123,10 +123,12 @@ class RequestHashes:
     it extends. An entry is used only for the tokens that are still equal (one ``bytes``
     comparison; else the longest common prefix, in NumPy), and its chain only for the pages that
     still hold the very blocks it found (their serials compared in one go). At most ``capacity``
-    entries are kept, the least recently filed forgotten first.
+    entries are kept, the least recently filed forgotten first: each holds its sequence's bytes
+    (8 a token, shared with the handles made for it). 256 keep the 110 interleaved conversations
+    of the benchmark's chat trace (0.3% of look-ups find nothing; 2% with 128, 12% with 64).
     """
 
-    def __init__(self, page_size: int, capacity: int = 512) -> None:
+    def __init__(self, page_size: int, capacity: int = 256) -> None:
         self.page_size = page_size
         self.width = 8 * page_size
         self.capacity = capacity
