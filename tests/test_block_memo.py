@@ -20,8 +20,8 @@ from vllm_standin import VllmStandIn
 #: One step of a trace: which conversation, how it goes on (0: resend the history with a new
 #: message, 1: branch from an earlier turn, 2: edit one token of the history), how many new
 #: tokens, where the branch or edit is. Every new token is fresh: a block's content is repeated
-#: only by resending it, never by chance (the stand-in, like vLLM, leaves the LRU place of a
-#: cached block an insert happens to repeat as it was; this manager refreshes it).
+#: only by resending it, never by chance (inserts that repeat cached blocks by chance are
+#: driven in test_block_vllm_decisions.py).
 _steps = st.lists(
     st.tuples(st.integers(0, 2), st.integers(0, 2), st.integers(1, 9), st.integers(0, 30)),
     min_size=1,
