@@ -207,6 +207,30 @@ class VllmStandIn(BaseCacheManager):
                     self.num_locked += 1
                 block.ref_cnt += 1
 
+    # The flow's fused calls: the same work as the separate calls (vLLM's allocate_slots looks
+    # up and touches in one call; its request's end caches and frees).
+    def match_and_lock(
+        self, input_ids: torch.Tensor, extra_key: object = None
+    ) -> tuple[StandInHandle, torch.Tensor]:
+        handle, slots = self.match_prefix(input_ids)
+        self.lock_handle(handle)
+        return handle, slots
+
+    def insert_and_unlock(
+        self,
+        handle: BaseCacheHandle,
+        input_ids: torch.Tensor,
+        indices: torch.Tensor,
+        extra_key: object = None,
+        *,
+        relock: bool = False,
+    ) -> InsertResult:
+        res = self.insert_and_match(input_ids, indices)
+        if relock:
+            self.lock_handle(res.handle)
+        self.lock_handle(handle, unlock=True)
+        return res
+
     def insert_prefix(self, input_ids: torch.Tensor, indices: torch.Tensor) -> int:
         """``cache_full_blocks``: the new full blocks join the table; returns the length already cached."""
         return self._insert(input_ids, indices)[0]

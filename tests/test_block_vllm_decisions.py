@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -51,11 +52,14 @@ def _run(seqs: list[list[int]], steps: list[tuple[str, int, int]], ps: int, page
         if op == "match":
             blocks = seqs[a % len(seqs)]
             ids = _tokens(blocks, ps)[: max(1, len(blocks) * ps - b)]  # maybe a token short
-            (h1, s1), (h2, s2) = ours.match_prefix(ids), ref.match_prefix(ids)
+            if b % 2:  # the flow's fused call
+                (h1, s1), (h2, s2) = ours.match_and_lock(ids), ref.match_and_lock(ids)
+            else:
+                (h1, s1), (h2, s2) = ours.match_prefix(ids), ref.match_prefix(ids)
+                ours.lock_handle(h1)
+                ref.lock_handle(h2)
             assert h1.cached_len == h2.cached_len, f"match {blocks}"
             _same(s1, s2, f"match {blocks}")
-            ours.lock_handle(h1)
-            ref.lock_handle(h2)
             locked.append((h1, h2))
         elif op == "insert":
             blocks = seqs[a % len(seqs)]
@@ -64,13 +68,19 @@ def _run(seqs: list[list[int]], steps: list[tuple[str, int, int]], ps: int, page
             lent, free = free[: len(blocks)], free[len(blocks) :]
             slots = torch.tensor([p * ps + k for p in lent for k in range(ps)], dtype=torch.int32)
             ids = _tokens(blocks, ps)
-            r1, r2 = ours.insert_and_match(ids, slots), ref.insert_and_match(ids, slots)
+            if b and locked:  # the flow's fused insert: releases a lock (moves it with relock)
+                g1, g2 = locked.pop(a % len(locked))
+                r1 = ours.insert_and_unlock(g1, ids, slots, relock=b == 2)  # type: ignore[arg-type]
+                r2 = ref.insert_and_unlock(g2, ids, slots, relock=b == 2)  # type: ignore[arg-type]
+            else:
+                r1, r2 = ours.insert_and_match(ids, slots), ref.insert_and_match(ids, slots)
+                if b == 2:  # a running request moves its lock to what it just cached
+                    ours.lock_handle(r1.handle)
+                    ref.lock_handle(r2.handle)
             assert r1.cached_len == r2.cached_len, f"insert {blocks}"
             assert r1.handle.cached_len == r2.handle.cached_len, f"insert {blocks}"
             free += lent[: r1.cached_len // ps]  # duplicates of cached blocks: the caller's
-            if b == 2:  # a running request moves its lock to what it just cached
-                ours.lock_handle(r1.handle)
-                ref.lock_handle(r2.handle)
+            if b == 2:
                 locked.append((r1.handle, r2.handle))
         elif op == "unlock":
             if not locked:
@@ -121,3 +131,36 @@ def test_a_repeated_cached_block_goes_where_vllms_duplicate_is_freed():
             ps,
             8,
         )
+
+
+def _state(m: BlockHashCacheManager) -> tuple:
+    return (m.free_queue(), m.locked_handles(), m.cached_indices().tolist(), m.size_info)
+
+
+def test_fused_insert_refuses_and_changes_nothing():
+    """`insert_and_unlock` of a handle not locked, or with bad slots, raises and changes
+    nothing (the handle stays locked); an equal copy of the locked handle goes the checked way."""
+    m = BlockHashCacheManager("cpu", 1)
+    s = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    m.insert_prefix(_tokens([1, 2], 1), s(0, 1))
+    handle, _ = m.match_prefix(_tokens([1, 2, 3], 1))
+    before = _state(m)
+    with pytest.raises(RuntimeError, match="not locked"):
+        m.insert_and_unlock(handle, _tokens([1, 2, 3], 1), s(0, 1, 2))
+    assert _state(m) == before
+    locked, _ = m.match_and_lock(_tokens([1, 2, 3], 1))
+    before = _state(m)
+    with pytest.raises(ValueError, match="already"):
+        m.insert_and_unlock(locked, _tokens([1, 2, 3], 1), s(0, 1, 1))
+    with pytest.raises(TypeError, match="relock"):
+        m.insert_and_unlock(locked, _tokens([1, 2, 3], 1), s(0, 1, 2), relock=1)  # type: ignore[arg-type]
+    assert _state(m) == before
+    copy = m.match_prefix(_tokens([1, 2, 3], 1))[0]
+    assert copy == locked and copy is not locked
+    res = m.insert_and_unlock(copy, _tokens([1, 2, 3], 1), s(0, 1, 2), relock=True)
+    assert res.cached_len == 2 and m.size_info == (0, 3)
+    with pytest.raises(RuntimeError, match="not locked"):
+        m.lock_handle(locked, unlock=True)
+    m.lock_handle(res.handle, unlock=True)
+    assert m.size_info == (3, 0) and not m.locked_handles()
+    m.check_integrity()

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from .._validate import check_count, check_indices, check_positive_int, check_token_ids
+from . import block_locks
 from .base import BaseCacheHandle, BaseCacheManager, InsertResult, SizeInfo
 from .block_evict import check_table, evict_blocks
 from .block_hash_chain import (
@@ -79,6 +80,13 @@ class BlockHashCacheManager(BaseCacheManager):
     Namespaces: a chain under ``extra_key`` starts from `key_seed` (not `ROOT_HASH_SEED`);
     each first block keeps the key, compared on every hit.
     """
+
+    # Locking is written in block_locks.py; the fused calls named here count as this class's own
+    # (`fused_calls_safe`), so the flow makes them (a subclass overriding match_prefix gets the
+    # separate calls).
+    lock_handle = block_locks.lock_handle
+    match_and_lock = block_locks.match_and_lock
+    insert_and_unlock = block_locks.insert_and_unlock
 
     def __init__(
         self,
@@ -319,54 +327,6 @@ class BlockHashCacheManager(BaseCacheManager):
     def handle_indices(self, handle: BaseCacheHandle) -> torch.Tensor:
         """The slots of the prefix behind ``handle`` (read-only: the LRU order does not change)."""
         return self._slots(self._chain(handle))
-
-    def lock_handle(self, handle: BaseCacheHandle, unlock: bool = False) -> None:
-        """Lock (``ref_count += 1``) or unlock every block of ``handle``.
-
-        Unlocking a handle that is not locked (never locked, or unlocked as often as locked)
-        raises ``RuntimeError``, even while its blocks are locked through another handle. A block
-        whose count drops to 0 joins the tail of the free queue; the chain is released deepest
-        block first, so its tail is evicted before its head. A handle of length 0 needs no
-        protection: nothing happens.
-        """
-        if not isinstance(unlock, bool):
-            raise TypeError(f"unlock must be a bool, got {type(unlock).__name__}")
-        if unlock:
-            self._unlock(handle)
-            return
-        pages = self._chain(handle)
-        if not len(pages):
-            return
-        if self._touch is not None:
-            if self._touch[0] is pages:
-                self._touch = None  # the lock takes the matched blocks out of the queue: moot
-            else:
-                self._flush()
-        record = self._locks.get(handle)  # type: ignore[call-overload]
-        self._locks[handle] = (record[0] + 1, record[1]) if record else (1, pages)  # type: ignore[index]
-        self._table.lock(pages)
-
-    def _unlock(self, handle: BaseCacheHandle) -> None:
-        if not isinstance(handle, BlockHashCacheHandle) or not handle.cached_len:
-            self._chain(handle)  # a wrong type or length raises; an empty handle needs nothing
-            return
-        record = self._locks.get(handle)
-        if record is None:
-            self._chain(handle)  # a handle that is not even valid says so first
-            raise RuntimeError(
-                f"cannot unlock a handle that is not locked ({len(handle.block_hashes)} blocks, "
-                f"cached_len={handle.cached_len})"
-            )
-        times, locked = record
-        self._flush()
-        # Locked blocks cannot leave the cache: the handle that locked them needs no re-check.
-        if handle.pages is not locked:
-            self._chain(handle)
-        if times == 1:
-            del self._locks[handle]
-        else:
-            self._locks[handle] = (times - 1, locked)
-        self._table.release(locked, self._clock)
 
     def evict(self, size: int) -> torch.Tensor:
         """Evict free blocks from the head of the free queue until at least ``size`` tokens are freed.
