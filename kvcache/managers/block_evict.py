@@ -8,7 +8,8 @@ keeps **every free block after all of its cached descendants**, so its head is a
 descendant's ref count never exceeds its ancestor's (a handle locks a whole chain) and an unlock
 releases a chain deepest block first; ``insert_prefix`` and ``match_prefix`` move a used chain's
 free blocks to the tail deepest first (new blocks are appended deepest first too), which also
-keeps the queue in least-recently-used order; locking and evicting only remove blocks.
+keeps the queue in least-recently-used order; locking and evicting only remove blocks. (A cached
+block an insert repeats is where vLLM frees the request's own copy of it: vLLM caches duplicates.)
 ``check_integrity`` verifies the order; ``evict`` re-checks each victim has no children left.
 """
 

@@ -28,7 +28,7 @@ blocks only, in NumPy. No per-block Python object exists: a handle carries its c
 locking one made since the last eviction re-checks nothing, and a match's LRU refresh waits for
 the next call, which skips it when it locks that very chain.
 
-Collisions: see `block_lookup`. Eviction rule: see `block_evict`; ``check_integrity`` verifies the free queue's order.
+Locking and the flow's fused calls: see `block_locks`. Collisions: see `block_lookup`. Eviction rule: see `block_evict`; ``check_integrity`` verifies the free queue's order.
 """
 
 from __future__ import annotations
@@ -228,6 +228,9 @@ class BlockHashCacheManager(BaseCacheManager):
         """Longest chain of full blocks of ``input_ids`` cached under ``extra_key``, and its slots.
 
         Not read-only: the matched blocks count as used (they move to the tail of the free queue).
+        vLLM's lookup is read-only (its ``touch`` comes with the allocation); the flow locks at
+        once (`match_and_lock`), which takes the blocks out of the queue, so only a match that
+        is not locked decides differently.
         """
         rows = self._rows(input_ids)
         if extra_key is not None:
