@@ -127,6 +127,12 @@ class Timed(BaseCacheManager):
     def evict(self, *a, **k):
         return self._call("evict", *a, **k)
 
+    def match_and_lock(self, *a, **k):  # the flow's fused calls, where the manager has them
+        return self._call("match_and_lock", *a, **k)
+
+    def insert_and_unlock(self, *a, **k):
+        return self._call("insert_and_unlock", *a, **k)
+
     def handle_indices(self, *a, **k):
         return self._call("handle_indices", *a, **k)
 

@@ -14,7 +14,11 @@ Our own code, written from vLLM's published design (``vllm/v1/core``: ``kv_cache
   request arrives (here: its ``match_prefix``; every block of the prompt, as vLLM's
   ``Request.__init__`` does, even when an earlier request had the same prefix), and extended as
   it grows (its insert hashes only the blocks past them) (``hash_once=True``, vLLM's design);
-  with ``hash_once=False`` they are computed in ``match_prefix`` and again in ``insert_prefix``.
+  with ``hash_once=False`` they are computed in ``match_prefix`` and again in ``insert_prefix``;
+- a block an insert finds already cached, past those the request holds: vLLM's
+  ``cache_full_blocks`` caches the request's own copy as well (no de-duplication) and the
+  request frees it after its new blocks; this API keeps one copy, so that one takes the place of
+  the request's (moved to the tail, deepest first, after the new blocks).
 
 It speaks this package's `BaseCacheManager` API so that the same `RequestFlow` drives both. A
 request is recognised at insert by its tokens (its first block, then an exact comparison of the
@@ -150,7 +154,11 @@ class VllmStandIn(BaseCacheManager):
             n = min(len(old_hashes), nb)
             if old_ids[: n * ps] == ids[: n * ps]:
                 known = old_hashes[:n]
-                held = old_held[:n]
+                held = old_held[: min(n, len(old_held))]
+                # Still those blocks? (Handed the request, vLLM knows; here its record may be
+                # older than an eviction that gave the pages to other blocks.)
+                if held and any(b.block_hash != h for b, h in zip(held, known, strict=False)):
+                    held = []
         self.boundary_seconds += self.clock() - t0
         hashes = list(known)
         parent = hashes[-1] if hashes else NONE_HASH
@@ -199,6 +207,30 @@ class VllmStandIn(BaseCacheManager):
                     self.num_locked += 1
                 block.ref_cnt += 1
 
+    # The flow's fused calls: the same work as the separate calls (vLLM's allocate_slots looks
+    # up and touches in one call; its request's end caches and frees).
+    def match_and_lock(
+        self, input_ids: torch.Tensor, extra_key: object = None
+    ) -> tuple[StandInHandle, torch.Tensor]:
+        handle, slots = self.match_prefix(input_ids)
+        self.lock_handle(handle)
+        return handle, slots
+
+    def insert_and_unlock(
+        self,
+        handle: BaseCacheHandle,
+        input_ids: torch.Tensor,
+        indices: torch.Tensor,
+        extra_key: object = None,
+        *,
+        relock: bool = False,
+    ) -> InsertResult:
+        res = self.insert_and_match(input_ids, indices)
+        if relock:
+            self.lock_handle(res.handle)
+        self.lock_handle(handle, unlock=True)
+        return res
+
     def insert_prefix(self, input_ids: torch.Tensor, indices: torch.Tensor) -> int:
         """``cache_full_blocks``: the new full blocks join the table; returns the length already cached."""
         return self._insert(input_ids, indices)[0]
@@ -233,6 +265,16 @@ class VllmStandIn(BaseCacheManager):
             new.append(block)
         for block in reversed(new):  # held by the request until it ends: freed deepest first
             self.free.append(block)
+        # Cached blocks this request computed again, past those it held (another request cached
+        # them meanwhile, or its match stopped one token short): vLLM caches the request's own
+        # copies too (it never de-duplicates) and frees them with the request, after its new
+        # blocks, so the content stays cached until that copy goes; the older copy's eviction
+        # later frees a page and loses nothing. This API keeps one copy (the caller frees its
+        # duplicate pages): it takes the place of the request's.
+        for block in reversed(blocks[len(held) :]):
+            if block.ref_cnt == 0:
+                self.free.remove(block)
+                self.free.append(block)
         blocks += new
         self._remember(ids, hashes, blocks)
         return m * ps, blocks

@@ -507,7 +507,8 @@ def test_check_integrity_catches_duplicate_content():
     m.insert_prefix(ids(4), torch.tensor([0], dtype=torch.int32))
     t = m._table
     # The same content under key 1, on page 1.
-    t.add(np.array([1]), [1], [1], [1], np.array([[4]]), -1, m.clock, None)
+    t.page_of[1] = 1
+    t.add(np.array([1]), [1], 1, [1], [1], np.array([[4]]), -1, m.clock, None)
     t.max_probe = 1
     with pytest.raises(RuntimeError, match="cached twice"):
         m.check_integrity()

@@ -8,7 +8,8 @@ keeps **every free block after all of its cached descendants**, so its head is a
 descendant's ref count never exceeds its ancestor's (a handle locks a whole chain) and an unlock
 releases a chain deepest block first; ``insert_prefix`` and ``match_prefix`` move a used chain's
 free blocks to the tail deepest first (new blocks are appended deepest first too), which also
-keeps the queue in least-recently-used order; locking and evicting only remove blocks.
+keeps the queue in least-recently-used order; locking and evicting only remove blocks. (A cached
+block an insert repeats is where vLLM frees the request's own copy of it: vLLM caches duplicates.)
 ``check_integrity`` verifies the order; ``evict`` re-checks each victim has no children left.
 """
 
@@ -47,24 +48,23 @@ def evict_blocks(table: BlockTable, size: int, events: EventLog | None) -> np.nd
     ps = table.page_size
     victims: list[int] = list(islice(table.free, -(-size // ps)))
     pages = np.array(victims, dtype=np.int64)
-    up = table.parent[pages]  # -1 (no parent) indexes the table's spare row
+    ups: list[int] = table.parent[pages].tolist()
+    chosen = set(victims)
+    outer = [up for up in ups if up not in chosen]  # parents that stay (-1: none)
     # Every victim's children must be victims too (the queue's order promises it): the victims
-    # chaining from a victim are among its children, so equal totals mean all of them.
-    gen = table.gen
-    serials = gen[pages]
-    gen[pages] = -2  # marks the victims (restored below if the check fails)
-    inner = gen[up] == -2
-    if np.count_nonzero(inner) != np.add.reduce(table.nchild[pages]):
-        gen[pages] = serials
-        inner_of = {v: 0 for v in victims}
-        for parent in up[inner].tolist():
-            inner_of[parent] += 1
+    # chaining from a victim are among its children, so equal totals mean all of them. Plain
+    # Python on the (short) list of victims: cheaper than more NumPy calls.
+    if len(ups) - len(outer) != int(np.add.reduce(table.nchild[pages])):
+        inner_of = dict.fromkeys(victims, 0)
+        for up in ups:
+            if up in chosen:
+                inner_of[up] += 1
         page = next(v for v in victims if table.nchild[v] != inner_of[v])
         raise RuntimeError(
             f"internal error: free block {int(table.key[page]):#018x} would be evicted before "
             f"its {int(table.nchild[page])} children; nothing was evicted"
         )
-    gen[pages] = -1
+    table.gen[pages] = -1
     if events is not None:
         for page in victims:
             first = page * ps
@@ -75,10 +75,17 @@ def evict_blocks(table: BlockTable, size: int, events: EventLog | None) -> np.nd
     deque(map(free.pop, victims), 0)
     deque(map(page_of.pop, table.key[pages].tolist()), 0)
     if ns:
-        for page in pages[up < 0].tolist():
-            ns.pop(page, None)
-    np.subtract.at(table.nchild, up, 1)  # victims' own counts drop to 0 with them
-    table.nchild[-1] = 0  # the spare row took the first blocks' decrements
+        for page, up in zip(victims, ups, strict=True):
+            if up < 0:
+                ns.pop(page, None)
+    nchild = table.nchild  # victims' own counts drop to 0 with them
+    if len(outer) > 8:
+        np.subtract.at(nchild, outer, 1)
+        nchild[-1] = 0  # the spare row took the first blocks' decrements
+    else:
+        for up in outer:
+            if up >= 0:
+                nchild[up] -= 1
     return pages
 
 

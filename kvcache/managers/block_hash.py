@@ -17,25 +17,30 @@ prefix without any tree. The manager keeps:
 Speed. The default hash (`block_hash_chain`) is computed for every block of a sequence at once
 with a few NumPy passes; a lookup is then one dict probe per block (``map`` in C), and the
 parents and tokens of the whole matched chain are compared in one array operation each
-(`block_lookup.walk`). A request's hashes and matched pages are remembered from `match_prefix`
-to its insert (`block_lookup.RequestHashes`, vLLM's ``Request.block_hashes``), so the insert
-hashes only new tokens and re-walks nothing still cached. Locking, unlocking and the LRU refresh
+(`block_lookup.walk`). The hashes and chains of recent sequences are remembered
+(`block_lookup.RequestHashes`): a request's insert reuses what its match found (vLLM's
+``Request.block_hashes``), and a conversation's next turn, which resends its whole history,
+reuses what the last turn's insert left, so neither hashes nor walks again what is still cached
+(the bytes are compared, and each remembered page's serial). A match hashes only up to the first
+block past that chain; the insert hashes the rest. Locking, unlocking and the LRU refresh
 are array operations on the chain's pages; slots are built in NumPy; an insert validates its new
 blocks only, in NumPy. No per-block Python object exists: a handle carries its chain's pages, so
 locking one made since the last eviction re-checks nothing, and a match's LRU refresh waits for
 the next call, which skips it when it locks that very chain.
 
-Collisions: see `block_lookup`. Eviction rule: see `block_evict`; ``check_integrity`` verifies the free queue's order.
+Locking and the flow's fused calls: see `block_locks`. Collisions: see `block_lookup`. Eviction rule: see `block_evict`; ``check_integrity`` verifies the free queue's order.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Hashable, Iterator
 
 import numpy as np
 import torch
 
 from .._validate import check_count, check_indices, check_positive_int, check_token_ids
+from . import block_locks
 from .base import BaseCacheHandle, BaseCacheManager, InsertResult, SizeInfo
 from .block_evict import check_table, evict_blocks
 from .block_hash_chain import (
@@ -43,12 +48,13 @@ from .block_hash_chain import (
     ChainHasher,
     HashFn,
     default_block_hash,
-    key_seed,
     token_array,
 )
-from .block_lookup import NO_PAGES, RequestHashes, handle_pages, new_keys, new_pages, walk
-from .block_pool import BlockHashCacheHandle, BlockTable, CachedBlock
+from .block_lookup import RequestHashes, file_keys, handle_pages, hash_rest, new_pages, walk
+from .block_pool import BlockHashCacheHandle, BlockTable, CachedBlock, new_handle
 from .cache_events import CacheEvent, EventLog, check_extra_key, events_off
+
+_INT64, _INT32 = np.dtype(np.int64), np.dtype(np.int32)
 
 __all__ = [
     "CachedBlock",
@@ -74,6 +80,13 @@ class BlockHashCacheManager(BaseCacheManager):
     Namespaces: a chain under ``extra_key`` starts from `key_seed` (not `ROOT_HASH_SEED`);
     each first block keeps the key, compared on every hit.
     """
+
+    # Locking is written in block_locks.py; the fused calls named here count as this class's own
+    # (`fused_calls_safe`), so the flow makes them (a subclass overriding match_prefix gets the
+    # separate calls).
+    lock_handle = block_locks.lock_handle
+    match_and_lock = block_locks.match_and_lock
+    insert_and_unlock = block_locks.insert_and_unlock
 
     def __init__(
         self,
@@ -115,7 +128,7 @@ class BlockHashCacheManager(BaseCacheManager):
     @property
     def size_info(self) -> SizeInfo:
         t, ps = self._table, self.page_size
-        return SizeInfo(evictable_size=len(t.free) * ps, protected_size=t.num_locked * ps)
+        return SizeInfo(len(t.free) * ps, t.num_locked * ps)  # (evictable, protected)
 
     @property
     def num_blocks(self) -> int:
@@ -156,7 +169,9 @@ class BlockHashCacheManager(BaseCacheManager):
         """The slots of ``pages``, page after page (1-D int32 on ``device``)."""
         if not len(pages):
             return self.empty_tensor
-        out = torch.from_numpy(self._table.slots[pages].reshape(-1))
+        out = torch.from_numpy(
+            self._table.slots.take(pages, axis=0).reshape(-1)
+        )  # take: faster for rows
         return out if self._on_cpu else out.to(self.device)
 
     def cached_indices(self) -> torch.Tensor:
@@ -186,7 +201,9 @@ class BlockHashCacheManager(BaseCacheManager):
     # ----------------------------------------------------------- lookups
     def _rows(self, input_ids: torch.Tensor) -> np.ndarray:
         """The full blocks of ``input_ids`` (validated) as an ``(n, page_size)`` int64 array."""
-        ids = token_array(check_token_ids(input_ids))
+        ids = input_ids.numpy() if type(input_ids) is torch.Tensor and input_ids.is_cpu else None
+        if ids is None or ids.ndim != 1 or ids.dtype != _INT64:  # the usual case skips the checks
+            ids = token_array(check_token_ids(input_ids))
         nb = len(ids) // self.page_size
         return ids[: nb * self.page_size].reshape(nb, self.page_size)
 
@@ -200,14 +217,9 @@ class BlockHashCacheManager(BaseCacheManager):
     def _handle(self, pages: np.ndarray, hashes: list[int], raw: bytes) -> BlockHashCacheHandle:
         k = len(pages)
         keys = tuple(hashes[:k] if not self._table.max_probe else self._table.keys_of(pages))
-        pages.flags.writeable = False  # shared by the handle, its lock record and the memo
-        return BlockHashCacheHandle(
-            k * self.page_size,
-            keys,
-            raw,  # the request's tokens: the chain's are its first ``k`` blocks
-            pages,
-            (self._token, self._epoch, keys),
-        )
+        pages.setflags(write=False)  # shared by the handle, its lock record and the memo
+        # ``raw``: the request's tokens; the chain's are its first ``k`` blocks.
+        return new_handle(k * self.page_size, keys, raw, pages, (self._token, self._epoch, keys))
 
     # ------------------------------------------------------------- public
     def match_prefix(
@@ -216,17 +228,25 @@ class BlockHashCacheManager(BaseCacheManager):
         """Longest chain of full blocks of ``input_ids`` cached under ``extra_key``, and its slots.
 
         Not read-only: the matched blocks count as used (they move to the tail of the free queue).
+        vLLM's lookup is read-only (its ``touch`` comes with the allocation); the flow locks at
+        once (`match_and_lock`), which takes the blocks out of the queue, so only a match that
+        is not locked decides differently.
         """
         rows = self._rows(input_ids)
-        if extra_key is None:
-            hashes = self._hasher.chain(rows)
-        else:
-            hashes = self._hasher.chain(rows, key_seed(check_extra_key(extra_key)))
-        self._flush()
+        if extra_key is not None:
+            check_extra_key(extra_key)
         table = self._table
-        pages = walk(table, rows, hashes, NO_PAGES, extra_key)
         raw = rows.tobytes()
-        self._pending.remember(raw, hashes, pages, table.gen[pages], extra_key)
+        hasher = self._hasher
+        hashes, known, gens = self._pending.recall(rows, raw, table, hasher, extra_key, lazy=True)
+        self._flush()
+        pages = walk(table, rows, hashes, known, extra_key)
+        if len(pages) == len(hashes) < len(rows) and table.nchild[pages[-1]]:  # all cached: on
+            hashes = hash_rest(hasher, rows, hashes, extra_key)
+            pages = walk(table, rows, hashes, pages, extra_key)
+        if pages is not known:
+            gens = table.gen[pages].tobytes()
+        self._pending.remember(raw, hashes, pages, gens, extra_key)
         self._clock += 1
         handle = self._handle(pages, hashes, raw)
         if len(pages):
@@ -261,34 +281,44 @@ class BlockHashCacheManager(BaseCacheManager):
         rows = self._rows(input_ids)
         if extra_key is not None:
             check_extra_key(extra_key)
-        check_indices(indices, self.device)
-        if indices.shape[0] != input_ids.shape[0]:
+        if type(indices) is torch.Tensor and indices.is_cpu and self._on_cpu:
+            slots = indices.numpy()
+            if slots.ndim != 1 or slots.dtype != _INT32:
+                check_indices(indices, self.device)  # raises
+        else:
+            check_indices(indices, self.device)
+            slots = indices.cpu().numpy()
+        if len(slots) != input_ids.shape[0]:
             raise ValueError(
                 f"len(indices) ({len(indices)}) must equal len(input_ids) ({len(input_ids)})"
             )
         self._flush()
         table = self._table
         raw = rows.tobytes()
-        hashes, known = self._pending.recall(rows, raw, table, self._hasher, extra_key)
+        hashes, known, gens = self._pending.recall(rows, raw, table, self._hasher, extra_key)
         pages = walk(table, rows, hashes, known, extra_key)
         ps, m, nb = self.page_size, len(pages), len(rows)
         if m == nb:
             self._clock += 1
             table.use(pages, self._clock)
-            self._pending.remember(raw, hashes, pages, table.gen[pages], extra_key)
+            if pages is not known:
+                gens = table.gen[pages].tobytes()
+            self._pending.remember(raw, hashes, pages, gens, extra_key)
             return m * ps, self._handle(pages, hashes, raw)
-        slots = (indices if self._on_cpu else indices.cpu()).numpy()[m * ps : nb * ps]
-        fresh, listed = new_pages(slots, ps, table)
-        keys, probes = new_keys(table, hashes[m:])
+        slots = slots[m * ps : nb * ps]
+        fresh, listed, top = new_pages(slots, ps, table)
+        keys, probes = file_keys(table, hashes[m:], listed)
         # Validation done; from here on nothing raises.
         self._clock += 1
         tic = self._clock
-        table.add(
-            fresh, listed, keys, probes, rows[m:], int(pages[-1]) if m else -1, tic, extra_key
-        )
+        up = int(pages[-1]) if m else -1
+        serial = table.add(fresh, listed, top, keys, probes, rows[m:], up, tic, extra_key)
         table.use(pages, tic)
+        if pages is not known:
+            gens = table.gen[pages].tobytes()
+        gens += serial.to_bytes(8, sys.byteorder) * len(listed)  # the int64 serials of the new
         pages = np.concatenate((pages, fresh)) if m else fresh
-        self._pending.remember(raw, hashes, pages, table.gen[pages], extra_key)
+        self._pending.remember(raw, hashes, pages, gens, extra_key)
         if self._events is not None:
             self._events.stored(extra_key, rows.reshape(-1).tolist(), slots.tolist())
         return m * ps, self._handle(pages, hashes, raw)
@@ -301,54 +331,6 @@ class BlockHashCacheManager(BaseCacheManager):
         """The slots of the prefix behind ``handle`` (read-only: the LRU order does not change)."""
         return self._slots(self._chain(handle))
 
-    def lock_handle(self, handle: BaseCacheHandle, unlock: bool = False) -> None:
-        """Lock (``ref_count += 1``) or unlock every block of ``handle``.
-
-        Unlocking a handle that is not locked (never locked, or unlocked as often as locked)
-        raises ``RuntimeError``, even while its blocks are locked through another handle. A block
-        whose count drops to 0 joins the tail of the free queue; the chain is released deepest
-        block first, so its tail is evicted before its head. A handle of length 0 needs no
-        protection: nothing happens.
-        """
-        if not isinstance(unlock, bool):
-            raise TypeError(f"unlock must be a bool, got {type(unlock).__name__}")
-        if unlock:
-            self._unlock(handle)
-            return
-        pages = self._chain(handle)
-        if not len(pages):
-            return
-        if self._touch is not None:
-            if self._touch[0] is pages:
-                self._touch = None  # the lock takes the matched blocks out of the queue: moot
-            else:
-                self._flush()
-        record = self._locks.get(handle)  # type: ignore[call-overload]
-        self._locks[handle] = (record[0] + 1, record[1]) if record else (1, pages)  # type: ignore[index]
-        self._table.lock(pages)
-
-    def _unlock(self, handle: BaseCacheHandle) -> None:
-        if not isinstance(handle, BlockHashCacheHandle) or not handle.cached_len:
-            self._chain(handle)  # a wrong type or length raises; an empty handle needs nothing
-            return
-        record = self._locks.get(handle)
-        if record is None:
-            self._chain(handle)  # a handle that is not even valid says so first
-            raise RuntimeError(
-                f"cannot unlock a handle that is not locked ({len(handle.block_hashes)} blocks, "
-                f"cached_len={handle.cached_len})"
-            )
-        times, locked = record
-        self._flush()
-        # Locked blocks cannot leave the cache: the handle that locked them needs no re-check.
-        if handle.pages is not locked:
-            self._chain(handle)
-        if times == 1:
-            del self._locks[handle]
-        else:
-            self._locks[handle] = (times - 1, locked)
-        self._table.release(locked, self._clock)
-
     def evict(self, size: int) -> torch.Tensor:
         """Evict free blocks from the head of the free queue until at least ``size`` tokens are freed.
 
@@ -356,7 +338,8 @@ class BlockHashCacheManager(BaseCacheManager):
         evicted (the queue's order guarantees the head is one). Raises ``RuntimeError``
         (evicting nothing) when fewer than ``size`` tokens are evictable.
         """
-        size = check_count(size)
+        if type(size) is not int or size < 0:
+            size = check_count(size)
         if size == 0:
             return self.empty_tensor
         self._flush()

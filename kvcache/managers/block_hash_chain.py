@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Hashable
+from operator import mul
 
 import numpy as np
 import torch
@@ -42,6 +43,7 @@ HashFn = Callable[[int, tuple[int, ...]], int]
 
 
 _K = 0xBF58476D1CE4E5B9
+_FEW = 2  # up to this many blocks, `ChainHasher.chain` hashes in plain Python
 _K_NP, _SHIFT_NP = np.uint64(_K), np.uint64(32)
 
 
@@ -101,6 +103,7 @@ class ChainHasher:
         self.custom = hash_fn is not None and hash_fn is not default_block_hash
         self.hash_fn: HashFn = hash_fn if self.custom else default_block_hash  # type: ignore[assignment]
         self._token_weights = _powers(_P, page_size + 1)[1:]
+        self._weights: list[int] = self._token_weights.tolist()
         self._m_pow = _powers(_M, 1)
         self._k_m_inv_pow = _powers(_M_INV, 1) * _K_NP  # mix's factor K folded in: one pass fewer
 
@@ -123,6 +126,13 @@ class ChainHasher:
                 parent = self.one(parent, tuple(row))
                 out.append(parent)
             return out
+        if nb <= _FEW:  # a few blocks: plain ints beat NumPy's fixed cost per call
+            weights, short = self._weights, []
+            for row in blocks.tolist():
+                c = sum(map(mul, row, weights)) & _MASK
+                seed = (seed * _M + (((c ^ (c >> 32)) * _K) & _MASK)) & _MASK
+                short.append(seed)
+            return short
         if len(self._m_pow) < nb + 1:
             size = max(nb + 1, 2 * len(self._m_pow))
             self._m_pow, self._k_m_inv_pow = _powers(_M, size), _powers(_M_INV, size) * _K_NP
@@ -131,8 +141,8 @@ class ChainHasher:
         c = blocks.view(np.uint64) @ self._token_weights
         c ^= c >> _SHIFT_NP
         c *= self._k_m_inv_pow[:nb]
-        s = np.add.accumulate(c)  # uint64 in, uint64 out (the ufunc skips cumsum's wrappers)
-        s += np.uint64((seed * _M) & _MASK)
-        s *= self._m_pow[:nb]
-        hashes: list[int] = s.tolist()
+        c[0] = (int(c[0]) + seed * _M) & _MASK  # the seed's term joins every partial sum
+        np.add.accumulate(c, out=c)  # uint64 in, uint64 out (the ufunc skips cumsum's wrappers)
+        c *= self._m_pow[:nb]
+        hashes: list[int] = c.tolist()
         return hashes

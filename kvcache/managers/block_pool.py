@@ -24,7 +24,7 @@ import numpy as np
 
 from .base import BaseCacheHandle
 
-__all__ = ["CachedBlock", "BlockHashCacheHandle", "BlockTable", "next_serial"]
+__all__ = ["CachedBlock", "BlockHashCacheHandle", "BlockTable", "new_handle", "next_serial"]
 
 _MASK = (1 << 64) - 1
 #: Every insert call that adds blocks takes a number no other call (of any manager) has, and
@@ -115,15 +115,34 @@ class BlockHashCacheHandle(BaseCacheHandle):
     #: ``block_hashes`` object) then: a handle made since the last eviction needs no re-check.
     pages: np.ndarray | None = field(default=None, compare=False, repr=False)
     stamp: tuple[object, int, object] | None = field(default=None, compare=False, repr=False)
-    #: ``hash((cached_len, block_hashes))``, computed once: a handle is a dict key on every lock
-    #: and unlock, and hashing a long chain's tuple each time costs a microsecond per 100 blocks.
-    _hash: int = field(init=False, default=0, compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_hash", hash((self.cached_len, self.block_hashes)))
 
     def __hash__(self) -> int:
-        return self._hash
+        # ``hash((cached_len, block_hashes))``, computed once, when first asked: a handle is a
+        # dict key on every lock and unlock (hashing a long chain's tuple costs a microsecond per
+        # 100 blocks), and many handles (an insert's) are never locked.
+        try:
+            return self.__dict__["_hash"]  # type: ignore[no-any-return]
+        except KeyError:
+            h = self.__dict__["_hash"] = hash((self.cached_len, self.block_hashes))
+            return h
+
+
+def new_handle(
+    cached_len: int,
+    block_hashes: tuple[int, ...],
+    tokens: bytes,
+    pages: np.ndarray,
+    stamp: tuple[object, int, object],
+) -> BlockHashCacheHandle:
+    """``BlockHashCacheHandle(cached_len, block_hashes, tokens, pages, stamp)``, made the way
+    unpickling makes one (fields written straight into the new object): a frozen dataclass's
+    ``__init__`` sets each field through ``object.__setattr__``, which costs a few microseconds
+    on every match and insert. The manager passes values that are already checked."""
+    handle: BlockHashCacheHandle = object.__new__(BlockHashCacheHandle)
+    handle.__dict__.update(
+        cached_len=cached_len, block_hashes=block_hashes, tokens=tokens, pages=pages, stamp=stamp
+    )
+    return handle
 
 
 #: Columns of `BlockTable.meta`.
@@ -201,47 +220,63 @@ class BlockTable:
         self,
         pages: np.ndarray,
         listed: list[int],
+        top: int,
         keys: list[int],
         probes: list[int] | None,
         rows: np.ndarray,
         parent: int,
         tic: int,
         extra_key: Hashable,
-    ) -> None:
-        """Cache a chain: ``rows[i]`` (int64 tokens) under ``keys[i]`` on ``pages[i]`` (int64,
-        unused, none twice; ``listed`` the same as a list), the first chaining from page ``parent`` (``-1``: none). The new
-        blocks are free, used at ``tic``, and join the free queue deepest first."""
-        self.reserve(int(np.maximum.reduce(pages)))
+    ) -> int:
+        """Cache a chain: ``rows[i]`` (int64 tokens) under ``keys[i]`` (already filed in
+        ``page_of``) on ``pages[i]`` (int64, unused, none twice; ``listed`` the same as a list,
+        ``top`` the largest), the first chaining from page ``parent`` (``-1``: none). The new
+        blocks are free, used at ``tic``, and join the free queue deepest first. Returns their
+        serial."""
+        if top >= self.capacity:
+            self.reserve(top)
         self.tok[pages] = rows
-        self.key[pages] = np.array(keys, dtype=np.uint64)
+        self.key[pages] = keys
         meta = self.meta
-        meta[pages] = (parent, 0, 1, tic, 0, next_serial())
-        meta[pages[1:], PARENT] = pages[:-1]
-        meta[pages[-1], NCHILD] = 0
+        serial = next_serial()
+        meta[pages] = (parent, 0, 1, tic, 0, serial)
+        if len(listed) > 1:
+            meta[pages[1:], PARENT] = pages[:-1]
+        meta[listed[-1], NCHILD] = 0
         if probes is not None:
             meta[pages, PROBE] = probes
         if parent >= 0:
             meta[parent, NCHILD] += 1
         elif extra_key is not None:
-            self.ns[int(pages[0])] = extra_key
-        self.page_of.update(zip(keys, listed, strict=True))
+            self.ns[listed[0]] = extra_key
         self.free.update(dict.fromkeys(reversed(listed)))
+        return serial
 
     # Along a chain (root first) ref counts never grow (a lock covers a whole chain from its
-    # first block), so a chain's free blocks are a suffix of it: ``count_nonzero`` finds it.
+    # first block), so a chain's free blocks are a suffix of it: its first block's count says
+    # whether any is held, its last one's whether all are, else ``count_nonzero`` finds where.
+    def _held(self, pages: np.ndarray) -> int:
+        """How many blocks of the chain ``pages`` (not empty) are locked: a prefix of it."""
+        ref = self.ref
+        if not ref[pages[0]]:
+            return 0
+        if ref[pages[-1]]:
+            return len(pages)
+        return int(np.count_nonzero(ref[pages]))
+
     def lock(self, pages: np.ndarray) -> None:
         """``ref += 1`` on every page of a chain; those locked for the first time leave the queue."""
-        held = int(np.count_nonzero(self.ref[pages]))
+        held = self._held(pages)
         self.ref[pages] += 1
         if held < len(pages):
-            deque(map(self.free.pop, pages[held:].tolist()), 0)
+            deque(map(self.free.pop, (pages[held:] if held else pages).tolist()), 0)
             self.num_locked += len(pages) - held
 
     def release(self, pages: np.ndarray, clock: int) -> None:
         """``ref -= 1`` on every page of a chain; those left unlocked join the queue's tail,
         deepest first, used at ``clock``."""
         self.ref[pages] -= 1
-        held = int(np.count_nonzero(self.ref[pages]))
+        held = self._held(pages)
         if held < len(pages):
             zero = pages[: held - 1 if held else None : -1]
             self.last[zero] = clock
@@ -250,7 +285,7 @@ class BlockTable:
 
     def use(self, pages: np.ndarray, tic: int) -> None:
         """Mark a chain used at ``tic``: its free blocks move to the queue's tail, deepest first."""
-        held = int(np.count_nonzero(self.ref[pages]))
+        held = self._held(pages) if len(pages) else 0
         if held < len(pages):
             idle = pages[: held - 1 if held else None : -1]
             self.last[idle] = tic
