@@ -32,12 +32,19 @@ class PlainCalls(RadixCacheManager):
     insert_and_unlock = BaseCacheManager.insert_and_unlock
 
 
+class BlockPlain(BlockHashCacheManager):
+    """Block hash driven through the base class's fused calls."""
+
+    match_and_lock = BaseCacheManager.match_and_lock
+    insert_and_unlock = BaseCacheManager.insert_and_unlock
+
+
 MAKERS: dict[str, Callable[[], BaseCacheManager]] = {
     "radix1": RadixCacheManager,
     "radix4": lambda: RadixCacheManager(page_size=4),
     "radix4-fifo": lambda: RadixCacheManager(page_size=4, eviction_policy="fifo"),
     "plain2": lambda: PlainCalls(page_size=2),
-    "blockhash2": lambda: BlockHashCacheManager(page_size=2),
+    "blockhash2": lambda: BlockPlain(page_size=2),
 }
 
 

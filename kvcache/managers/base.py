@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any, NamedTuple, TypeVar, overload
+from typing import Any, Literal, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -23,6 +23,7 @@ __all__ = [
     "fused_calls_safe",
     "takes_host_arrays",
     "host_arrays_safe",
+    "HostArrayCalls",
     "host_array",
     "TOKEN_DTYPES",
     "SLOT_DTYPES",
@@ -42,6 +43,27 @@ def takes_host_arrays(fn: _F) -> _F:
     written before them (not marked) is called with tensors as it always was."""
     fn.takes_host_arrays = True  # type: ignore[attr-defined]
     return fn
+
+
+class HostArrayCalls(Protocol):
+    """The NumPy forms as types: a manager whose `match_and_lock`, `insert_and_unlock` and
+    `evict` are marked with `takes_host_arrays` (ask `host_arrays_safe` first, then cast)."""
+
+    def match_and_lock(
+        self, input_ids: np.ndarray, extra_key: Hashable = None
+    ) -> tuple[BaseCacheHandle, np.ndarray]: ...
+
+    def insert_and_unlock(
+        self,
+        handle: BaseCacheHandle,
+        input_ids: np.ndarray,
+        indices: np.ndarray,
+        extra_key: Hashable = None,
+        *,
+        relock: bool = False,
+    ) -> InsertResult: ...
+
+    def evict(self, size: int, *, host: Literal[True]) -> np.ndarray: ...
 
 
 def host_arrays_safe(cls: type, name: str) -> bool:
@@ -178,20 +200,10 @@ class BaseCacheManager(ABC):
             handle, _ = self.match_prefix(input_ids, extra_key)
         return InsertResult(cached_len, handle)
 
-    @overload
-    def match_and_lock(
-        self, input_ids: torch.Tensor, extra_key: Hashable = None
-    ) -> tuple[BaseCacheHandle, torch.Tensor]: ...
-
-    @overload
-    def match_and_lock(
-        self, input_ids: np.ndarray, extra_key: Hashable = None
-    ) -> tuple[BaseCacheHandle, np.ndarray]: ...
-
     @takes_host_arrays
     def match_and_lock(
-        self, input_ids: torch.Tensor | np.ndarray, extra_key: Hashable = None
-    ) -> tuple[BaseCacheHandle, torch.Tensor] | tuple[BaseCacheHandle, np.ndarray]:
+        self, input_ids: torch.Tensor, extra_key: Hashable = None
+    ) -> tuple[BaseCacheHandle, torch.Tensor]:
         """`match_prefix`, then `lock_handle` of the handle it returns, in one call (the flow's
         steps 1 and 2). The default runs the two public calls; a manager may override it to lock
         the path its walk just followed.
@@ -200,22 +212,24 @@ class BaseCacheManager(ABC):
         `match_prefix` takes as a tensor (checked alike: ``ValueError`` naming the shape,
         ``TypeError`` naming the dtype, nothing locked); the slots then come back as a 1-D
         NumPy int32 array on the host. A tensor in, a tensor out, as ever. Overrides that take
-        this form say so with `takes_host_arrays`.
+        this form say so with `takes_host_arrays`; the annotations name the tensor form only, so
+        that overrides written for it type-check (`HostArrayCalls` types the NumPy form).
         """
-        host = isinstance(input_ids, np.ndarray)
-        ids = _as_tensor(input_ids, "input_ids", TOKEN_DTYPES)
+        given: Any = input_ids
+        ids: torch.Tensor = _as_tensor(given, "input_ids", TOKEN_DTYPES)
         handle, indices = (
             self.match_prefix(ids) if extra_key is None else self.match_prefix(ids, extra_key)
         )
         self.lock_handle(handle)
-        return (handle, indices.cpu().numpy()) if host else (handle, indices)
+        out: Any = indices.cpu().numpy() if isinstance(given, np.ndarray) else indices
+        return handle, out
 
     @takes_host_arrays
     def insert_and_unlock(
         self,
         handle: BaseCacheHandle,
-        input_ids: torch.Tensor | np.ndarray,
-        indices: torch.Tensor | np.ndarray,
+        input_ids: torch.Tensor,
+        indices: torch.Tensor,
         extra_key: Hashable = None,
         *,
         relock: bool = False,
@@ -233,11 +247,12 @@ class BaseCacheManager(ABC):
         integer dtype, slots int32 on the host, whatever the manager's ``device``), checked as
         `match_and_lock`'s are (nothing changes on a raise).
         """
+        given: Any = indices  # the NumPy form too (the annotations name the tensor form only)
         ids: torch.Tensor = _as_tensor(input_ids, "input_ids", TOKEN_DTYPES)
         idx: torch.Tensor = (
-            _as_tensor(indices, "indices", SLOT_DTYPES).to(self.device)
-            if isinstance(indices, np.ndarray)
-            else indices
+            _as_tensor(given, "indices", SLOT_DTYPES).to(self.device)
+            if isinstance(given, np.ndarray)
+            else given
         )
         self.lock_handle(handle, unlock=True)  # raises, changing nothing, when not locked
         self.lock_handle(handle)  # locked again: the insert runs as it would on its own

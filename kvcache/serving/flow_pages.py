@@ -4,12 +4,19 @@ giving them back, and the flow's steps one manager call at a time (traced or unf
 from __future__ import annotations
 
 from collections.abc import Hashable
+from typing import cast
 
 import numpy as np
 import torch
 
 from .._validate import aligned_run_pages
-from ..managers.base import BaseCacheHandle, BaseCacheManager, host_arrays_safe
+from ..managers.base import (
+    BaseCacheHandle,
+    BaseCacheManager,
+    HostArrayCalls,
+    InsertResult,
+    host_arrays_safe,
+)
 from .allocator import PageAllocator
 from .request import FlowStats, HostCopy, Request, Tracer, keyed
 
@@ -38,6 +45,7 @@ class FlowPages:
         self._on_cpu = allocator.device.type == "cpu"
         # Set by the flow: whether it makes the fused calls, and with NumPy arrays.
         self.fused = self.host = False
+        self.hm = cast(HostArrayCalls, manager)  # the same manager, typed with its NumPy forms
 
     def match_lock_any(
         self, rid: int, ids: np.ndarray, input_ids: torch.Tensor, last: bool, key: Hashable
@@ -45,20 +53,26 @@ class FlowPages:
         """Steps 1 and 2 for ``input_ids`` (``ids``: its NumPy view): the fused call in the form
         the manager takes (``host``, ``fused``), or one call at a time."""
         if self.host:
-            return self.manager.match_and_lock(ids[:-1] if last else ids, key)
+            return self.hm.match_and_lock(ids[:-1] if last else ids, key)
         if self.fused:
             return self.manager.match_and_lock(input_ids[:-1] if last else input_ids, key)
         return self.match_lock(rid, input_ids, last, key)
 
-    def insert_arrays(
-        self, req: Request, n: int
-    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[np.ndarray, np.ndarray]:
-        """``req``'s first ``n`` ids and slots, in the form the manager's insert takes."""
+    def insert_tensors(self, req: Request, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``req``'s first ``n`` ids and slots as tensors (slots on the device)."""
         h = req.host
-        if self.host:
-            return h.ids[:n], h.slots[:n]
         idx = torch.from_numpy(h.slots[:n]) if self._on_cpu else req.indices[:n]
         return torch.from_numpy(h.ids[:n]), idx
+
+    def insert_fused(self, req: Request, n: int, relock: bool = False) -> InsertResult:
+        """`insert_and_unlock` of ``req``'s first ``n`` tokens, in the form the manager takes."""
+        h = req.host
+        if self.host:
+            return self.hm.insert_and_unlock(
+                req.handle, h.ids[:n], h.slots[:n], req.extra_key, relock=relock
+            )
+        ids, idx = self.insert_tensors(req, n)
+        return self.manager.insert_and_unlock(req.handle, ids, idx, req.extra_key, relock=relock)
 
     def match_lock(
         self, rid: int, ids: torch.Tensor, compute_last: bool, key: Hashable
@@ -113,7 +127,7 @@ class FlowPages:
                 f"out of KV pages: need {num_pages}, {self.allocator.num_free_pages} free and {evictable} evictable"
             )
         slots = (
-            self.manager.evict(short * self.page_size, host=True)  # type: ignore[call-arg]
+            self.hm.evict(short * self.page_size, host=True)
             if self._evict_host
             else self.manager.evict(short * self.page_size)
         )

@@ -79,6 +79,7 @@ class RequestFlow:
             host_arrays_safe(type(manager), f) for f in ("match_and_lock", "insert_and_unlock")
         )
         self._pages.fused, self._pages.host = self._fused, self._host
+        self._hm = self._pages.hm
 
     @property
     def events(self) -> list[FlowEvent]:
@@ -156,7 +157,7 @@ class RequestFlow:
             raise ValueError("input_ids must hold at least one token")
         rid = next(self._rids)
         handle, prefix = (
-            self.manager.match_and_lock(ids[:-1] if compute_last else ids, extra_key)
+            self._hm.match_and_lock(ids[:-1] if compute_last else ids, extra_key)
             if self._host
             else self._pages.match_lock_any(rid, ids, input_ids, compute_last, extra_key)
         )
@@ -289,12 +290,13 @@ class RequestFlow:
         and moves its lock to the new handle."""
         h = req.host
         length = h.length
-        ids, idx = self._pages.insert_arrays(req, n)
         fused = self._fused
         res = (
-            self.manager.insert_and_unlock(req.handle, ids, idx, req.extra_key, relock=keep_running)
+            self._pages.insert_fused(req, n, keep_running)
             if fused
-            else keyed(self.manager.insert_and_match, req.extra_key, ids, idx)
+            else keyed(
+                self.manager.insert_and_match, req.extra_key, *self._pages.insert_tensors(req, n)
+            )
         )
         already, lo = res.cached_len, req.tree_len
         if self._trace is not None:
@@ -347,11 +349,11 @@ class RequestFlow:
         n = length - length % self.page_size
         if self._fused:  # untraced: `_insert`'s steps with nothing to record
             handle = req.handle
-            if self._host:
-                res = self.manager.insert_and_unlock(handle, h.ids[:n], h.slots[:n], req.extra_key)
-            else:
-                ids, idx = self._pages.insert_arrays(req, n)
-                res = self.manager.insert_and_unlock(handle, ids, idx, req.extra_key)
+            res = (
+                self._hm.insert_and_unlock(handle, h.ids[:n], h.slots[:n], req.extra_key)
+                if self._host
+                else self._pages.insert_fused(req, n)
+            )
             already = res.cached_len
             if already > handle.cached_len or n < length:
                 self._pages.free_finished(h.slots, handle.cached_len, already, n, length)
