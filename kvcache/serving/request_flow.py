@@ -132,10 +132,7 @@ class RequestFlow:
         host.length = n
         req = Request.from_host(rid, host, handle, m, self._device, key)
         self.running[rid] = req
-        stats = self.stats  # FlowStats.count_request, inline: once a request
-        stats.requests += 1
-        stats.prompt_tokens += n
-        stats.reused_tokens += m
+        self.stats.count_request(n, m)
         return req
 
     def begin(
@@ -214,8 +211,7 @@ class RequestFlow:
         ``num_tokens``: an integer in ``[req.num_computed, len(req)]`` (``TypeError`` for bool,
         float and other non-integers, ``ValueError`` out of range).
         """
-        if type(req) is not Request or req.finished or self.running.get(req.rid) is not req:
-            self._get(req)  # raises
+        self._get(req)
         length = req.host.length
         if num_tokens is None and self._trace is None:
             req.num_computed = length
@@ -239,8 +235,7 @@ class RequestFlow:
 
         ``RuntimeError`` (nothing changed) when the pool cannot take the new pages.
         """
-        if type(req) is not Request or req.finished or self.running.get(req.rid) is not req:
-            self._get(req)
+        self._get(req)
         new = host_ids(new_ids, "new_ids")
         if new.shape[0] == 0:
             return req.indices[:0]
@@ -337,8 +332,7 @@ class RequestFlow:
 
         Returns the length that was already cached. Requires every token to be computed.
         """
-        if type(req) is not Request or req.finished or self.running.get(req.rid) is not req:
-            self._get(req)  # raises
+        self._get(req)
         h = req.host
         length = h.length
         if req.num_computed != length:
