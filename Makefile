@@ -132,14 +132,7 @@ gpu-record:
 	@command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 || \
 	  { echo "make gpu-record needs a CUDA GPU: nvidia-smi sees none here; nothing recorded" >&2; exit 1; }
 	@$(MAKE) --no-print-directory setup
-	@$(PY) -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "make gpu-record: torch " + torch.__version__ + " sees no CUDA device; nothing recorded")'
-	env -u TRITON_INTERPRET PYTHONHASHSEED=0 timeout 100 $(PY) -m pytest -q -m gpu -p no:cacheprovider \
-	  tests/test_store_cache.py tests/test_attention.py tests/test_kernel_views.py
-	env -u TRITON_INTERPRET timeout 120 $(PY) benchmarks/store_kv.py --dtypes bfloat16 \
-	  --out $(GPU_DATA)/store_kv_gpu.json
-	env -u TRITON_INTERPRET timeout 60 $(PY) benchmarks/paged_decode.py \
-	  --out $(GPU_DATA)/paged_decode_gpu.json
-	@echo "recorded $(GPU_DATA)/store_kv_gpu.json and $(GPU_DATA)/paged_decode_gpu.json: commit them, then make refresh"
+	GPU_DATA=$(GPU_DATA) bash scripts/gpu_record.sh $(PY)
 
 # --------------------------------------------------------------------------- cleaning
 clean:

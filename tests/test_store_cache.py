@@ -264,3 +264,41 @@ def test_cuda_triton_matches_torch(kind, dtype):
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
     with pytest.raises(IndexError):
         store_cache(kc, vc, torch.full_like(idx, 10**6), k, v)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["layer_first", "page_first"])
+def test_cuda_graph_captures_unchecked_store(kind):
+    """``check_bounds=False`` is the variant a CUDA graph can capture: captured once, replayed on
+    new data copied into the same tensors, it stores what the torch path stores, and the device
+    guard drops an out-of-range row instead of writing outside the cache."""
+    kc, vc = (t.cuda() for t in make_caches(kind, 64, 16, 8, 128, torch.bfloat16))
+    num_slots = 64 * 16
+    idx, k, v = (
+        t.cuda() for t in random_batch(256, num_slots, 8, 128, torch.bfloat16, torch.int32, 0)
+    )
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up (compiles the kernel) off the capture
+        store_cache(kc, vc, idx, k, v, check_bounds=False)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        store_cache(kc, vc, idx, k, v, check_bounds=False)
+    for seed in (1, 2):
+        new_idx, new_k, new_v = random_batch(
+            256, num_slots, 8, 128, torch.bfloat16, torch.int32, seed
+        )
+        idx.copy_(new_idx), k.copy_(new_k), v.copy_(new_v)
+        kc2, vc2 = kc.clone(), vc.clone()
+        store_cache_torch(kc2, vc2, idx, k, v)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    idx[0] = num_slots + 7  # out of range: the guard drops this row, the rest are stored
+    kc2, vc2 = kc.clone(), vc.clone()
+    store_cache_torch(kc2, vc2, idx[1:], k[1:], v[1:])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
