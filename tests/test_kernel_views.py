@@ -179,13 +179,17 @@ def test_store_torch_any_view(data, check_bounds):
 )
 def test_store_column_of_a_table_and_expanded_indices(fn):
     """The cases the issue found: a column of a 2-D table, and one index expanded (stride 0)."""
-    kc, vc = torch.zeros(2, 8, 4, 1, 4).unbind(0)  # paged, page_size 4
-    table = torch.tensor([[6, 0, 0], [1, 0, 0], [3, 0, 0]], dtype=torch.int32)
-    k = torch.arange(3 * 4, dtype=torch.float32).view(3, 1, 4) + 1
+    # The Triton kernel runs on the CPU under the interpreter only; on a GPU machine, on CUDA.
+    dev = "cpu" if fn is store_cache_torch else TRITON_DEVICES[0]
+    kc, vc = torch.zeros(2, 8, 4, 1, 4, device=dev).unbind(0)  # paged, page_size 4
+    table = torch.tensor([[6, 0, 0], [1, 0, 0], [3, 0, 0]], dtype=torch.int32, device=dev)
+    k = torch.arange(3 * 4, dtype=torch.float32, device=dev).view(3, 1, 4) + 1
     fn(kc, vc, table[:, 0], k, -k)
     assert torch.equal(flat_rows(kc)[[6, 1, 3]], k) and torch.equal(flat_rows(vc)[[6, 1, 3]], -k)
     assert int((flat_rows(kc) != 0).any(dim=(1, 2)).sum()) == 3
-    one = torch.tensor([5], dtype=torch.int64).expand(1000)  # 1000 reads of one stored element
+    one = torch.tensor([5], dtype=torch.int64, device=dev).expand(
+        1000
+    )  # 1000 reads of one stored element
     fn(kc, vc, one, k[:1].expand(1000, 1, 4), k[:1].expand(1000, 1, 4))
     assert torch.equal(flat_rows(kc)[5], k[0]) and torch.equal(flat_rows(vc)[5], k[0])
 

@@ -251,9 +251,8 @@ def test_dispatch_matches_torch_backend(kind, page_size, n, seed):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_triton_matches_torch(kind, dtype):
     assert store_cache_backend("cuda") == "triton"
-    kc, vc = (
-        t.cuda() for t in make_caches(kind, 64, 16 if kind != "flat_strided" else 1, 8, 128, dtype)
-    )
+    pages, page_size = (64, 16) if kind != "flat_strided" else (1024, 1)  # 1024 slots either way
+    kc, vc = (t.cuda() for t in make_caches(kind, pages, page_size, 8, 128, dtype))
     kc2, vc2 = kc.clone(), vc.clone()
     idx, k, v = random_batch(
         500, kc.shape[0] * (kc.shape[1] if kc.dim() == 4 else 1), 8, 128, dtype, torch.int32, 0
