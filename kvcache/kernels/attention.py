@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 import torch
 
+from .checks import min_max
 from .store import _HAVE_TRITON, store_cache_backend
 
 if _HAVE_TRITON:
@@ -89,7 +90,7 @@ def _check_slots(geo: _Geometry, slots: object) -> list[int]:
     """Each entry a non-empty 1-D int32/int64 tensor on the cache's device, values in range."""
     if isinstance(slots, torch.Tensor) or not isinstance(slots, (list, tuple)):
         raise TypeError(f"slots must be a list of 1-D tensors, got {type(slots).__name__}")
-    lens = []
+    lens: list[int] = []
     for r, s in enumerate(slots):
         if not isinstance(s, torch.Tensor):
             raise TypeError(f"slots[{r}] must be a torch.Tensor, got {type(s).__name__}")
@@ -99,11 +100,18 @@ def _check_slots(geo: _Geometry, slots: object) -> list[int]:
             raise ValueError(f"slots[{r}] must be int32 or int64, got {s.dtype}")
         if s.device != geo.device:
             raise ValueError(f"slots[{r}] is on {s.device}, the cache on {geo.device}")
-        lo, hi = (int(x) for x in torch.aminmax(s))
-        if lo < 0 or hi >= geo.num_slots:
-            bad = lo if lo < 0 else hi
-            raise IndexError(f"slots[{r}] holds {bad}, outside [0, num_slots={geo.num_slots})")
         lens.append(s.numel())
+    # One read-back for the whole batch (on a GPU one sync, not one per request); the request
+    # at fault is looked for only when a value is out of range.
+    if not lens:
+        return lens
+    lo, hi = min_max(slots[0] if len(slots) == 1 else torch.cat(list(slots)))
+    if lo < 0 or hi >= geo.num_slots:
+        for r, s in enumerate(slots):
+            lo, hi = min_max(s)
+            if lo < 0 or hi >= geo.num_slots:
+                bad = lo if lo < 0 else hi
+                raise IndexError(f"slots[{r}] holds {bad}, outside [0, num_slots={geo.num_slots})")
     return lens
 
 

@@ -43,6 +43,16 @@ def check_no_self_overlap(t: torch.Tensor, name: str) -> None:
             )
 
 
+def min_max(t: torch.Tensor) -> tuple[int, int]:
+    """``(min, max)`` of a non-empty integer tensor, read back to the host in one transfer (on a
+    GPU, one sync rather than one per value)."""
+    lo_hi = torch.aminmax(t)
+    if t.device.type == "cpu":
+        return int(lo_hi[0]), int(lo_hi[1])
+    lo, hi = torch.stack(lo_hi).tolist()
+    return int(lo), int(hi)
+
+
 def validate_store_args(
     k_cache: object,
     v_cache: object,
@@ -87,7 +97,7 @@ def validate_store_args(
         if t.dtype != k_cache.dtype:
             raise ValueError(f"{name} dtype {t.dtype} != cache dtype {k_cache.dtype}")
     if check_bounds and n > 0:
-        lo, hi = (int(x) for x in torch.aminmax(indices))
+        lo, hi = min_max(indices)
         if lo < 0 or hi >= num_slots:
             bad = lo if lo < 0 else hi
             raise IndexError(f"index {bad} is outside [0, num_slots={num_slots})")
