@@ -9,6 +9,8 @@ the bookkeeping arrays are small, and a NumPy op on them costs a fraction of a t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -154,10 +156,45 @@ def check_slot_tensor(
     if slots.device != device:
         raise ValueError(f"{name} must be on device {device}, got {slots.device}")
     if slots.shape[0]:
-        lo, hi = (int(v) for v in torch.aminmax(slots))
+        lo, hi = min_max(slots)
         if lo < 0 or hi >= num_slots:
             raise ValueError(f"{name}: {lo if lo < 0 else hi} is outside [0, {num_slots})")
     return slots
+
+
+def check_slot_tensors(
+    slots: Sequence[object], name: str, num_slots: int, device: torch.device
+) -> list[torch.Tensor]:
+    """:func:`check_slot_tensor` for each of a batch's slot tensors (named ``name[r]``), with one
+    range read-back for the whole batch: on a GPU one sync, not one per request. The tensor at
+    fault is looked for only when a value is out of range, so the error names it."""
+    for r, s in enumerate(slots):
+        if not isinstance(s, torch.Tensor):
+            raise TypeError(f"{name}[{r}] must be a torch.Tensor, got {type(s).__name__}")
+        if s.dim() != 1:
+            raise ValueError(f"{name}[{r}] must be 1-D, got shape {tuple(s.shape)}")
+        if s.dtype not in _INT_DTYPES:
+            raise TypeError(f"{name}[{r}] must have an integer dtype, got {s.dtype}")
+        if s.device != device:
+            raise ValueError(f"{name}[{r}] must be on device {device}, got {s.device}")
+    checked: list[torch.Tensor] = list(slots)  # type: ignore[arg-type]  # each checked above
+    nonempty = [s for s in checked if s.shape[0]]
+    if nonempty:
+        lo, hi = min_max(nonempty[0] if len(nonempty) == 1 else torch.cat(nonempty))
+        if lo < 0 or hi >= num_slots:
+            for r, s in enumerate(checked):
+                check_slot_tensor(s, f"{name}[{r}]", num_slots, device)
+    return checked
+
+
+def min_max(t: torch.Tensor) -> tuple[int, int]:
+    """``(min, max)`` of a non-empty integer tensor, read back to the host in one transfer (on a
+    GPU, one sync rather than one per value)."""
+    lo_hi = torch.aminmax(t)
+    if t.device.type == "cpu":
+        return int(lo_hi[0]), int(lo_hi[1])
+    lo, hi = torch.stack(lo_hi).tolist()
+    return int(lo), int(hi)
 
 
 def check_same_length(

@@ -284,3 +284,48 @@ def test_cuda_triton_decode_matches_reference(layout):
     kc, vc = pool.k_cache(LAYER), pool.v_cache(LAYER)
     out = paged_decode_attention(q, kc, vc, per_req)
     torch.testing.assert_close(out, paged_attention(q, kc, vc, per_req), rtol=2e-2, atol=2e-2)
+
+
+def count_read_backs(monkeypatch) -> list[int]:
+    """Count ``torch.aminmax`` calls: every range check reads its result back to the host (on a
+    GPU, a sync), so this is the number of read-backs."""
+    calls = [0]
+    real = torch.aminmax
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "aminmax", counted)
+    return calls
+
+
+def test_slots_checked_with_one_read_back_or_none(monkeypatch):
+    b = Batch(KVCacheLayout.PageFirst, 4, 2, 2, 8, [3, 5, 7, 2], seed=5)
+    q = b.queries([1, 1, 1, 1])
+    calls = count_read_backs(monkeypatch)
+    checked = paged_attention(q, *b.layer(), b.slots)
+    assert calls[0] == 1  # the whole batch at once, not one per request
+    unchecked = paged_attention(q, *b.layer(), b.slots, check_bounds=False)
+    assert calls[0] == 1
+    torch.testing.assert_close(unchecked, checked)
+    decoded = paged_decode_attention(q, *b.layer(), b.slots, check_bounds=False)
+    assert calls[0] == 1
+    torch.testing.assert_close(decoded, checked, rtol=1e-5, atol=1e-5)
+    with pytest.raises(IndexError, match=r"slots\[2\] holds"):
+        paged_decode_attention(q, *b.layer(), [*b.slots[:2], b.slots[2] + 10**6, b.slots[3]])
+
+
+@needs_interpreter
+def test_unchecked_decode_kernel_skips_out_of_range_slots():
+    """``check_bounds=False``: the kernel's device-side guard reads nothing for a slot outside
+    the cache, so the result is attention over the request's other slots."""
+    b = Batch(KVCacheLayout.LayerFirst, 4, 2, 2, 8, [6, 9], seed=7)
+    q = b.queries([1, 1])
+    bad = [s.clone() for s in b.slots]
+    bad[1][3] = b.pool.num_slots + 5  # one slot past the end
+    bad[0][0] = -1
+    keep = [torch.arange(6) != 0, torch.arange(9) != 3]
+    out = paged_decode_attention(q, *b.layer(), bad, block_n=4, check_bounds=False)
+    ref = paged_attention(q, *b.layer(), [s[m] for s, m in zip(b.slots, keep, strict=True)])
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

@@ -25,13 +25,11 @@ Batch format (both functions)
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 
-from .checks import min_max
+from .attention_checks import check_caches, check_q, check_slots, default_scale
 from .store import _HAVE_TRITON, store_cache_backend
 
 if _HAVE_TRITON:
@@ -44,99 +42,6 @@ __all__ = [
     "paged_decode_attention",
     "paged_decode_backend",
 ]
-
-
-# ---------------------------------------------------------------------------------------------
-# Checks
-# ---------------------------------------------------------------------------------------------
-
-
-class _Geometry(NamedTuple):
-    num_slots: int
-    page_size: int
-    kv_heads: int
-    head_dim: int
-    device: torch.device
-
-
-def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> _Geometry:
-    """Both tensors, 3-D or 4-D, the same shape, floating dtype and device."""
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(
-                f"{name} must be a torch.Tensor (one layer's cache), got {type(t).__name__}"
-            )
-    if k_cache.dim() not in (3, 4):
-        raise ValueError(
-            "k_cache must have shape (num_pages, page_size, kv_heads, head_dim) or "
-            f"(num_slots, kv_heads, head_dim), got {tuple(k_cache.shape)}"
-        )
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(
-            f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}"
-        )
-    if not k_cache.dtype.is_floating_point or v_cache.dtype != k_cache.dtype:
-        raise ValueError(
-            f"k_cache and v_cache must share one floating dtype, got {k_cache.dtype} and {v_cache.dtype}"
-        )
-    if v_cache.device != k_cache.device:
-        raise ValueError(f"v_cache is on {v_cache.device}, k_cache on {k_cache.device}")
-    page_size = k_cache.shape[1] if k_cache.dim() == 4 else 1
-    num_slots = k_cache.shape[0] * page_size
-    return _Geometry(num_slots, page_size, k_cache.shape[-2], k_cache.shape[-1], k_cache.device)
-
-
-def _check_slots(geo: _Geometry, slots: object) -> list[int]:
-    """Each entry a non-empty 1-D int32/int64 tensor on the cache's device, values in range."""
-    if isinstance(slots, torch.Tensor) or not isinstance(slots, (list, tuple)):
-        raise TypeError(f"slots must be a list of 1-D tensors, got {type(slots).__name__}")
-    lens: list[int] = []
-    for r, s in enumerate(slots):
-        if not isinstance(s, torch.Tensor):
-            raise TypeError(f"slots[{r}] must be a torch.Tensor, got {type(s).__name__}")
-        if s.dim() != 1 or s.numel() == 0:
-            raise ValueError(f"slots[{r}] must be 1-D and non-empty, got shape {tuple(s.shape)}")
-        if s.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"slots[{r}] must be int32 or int64, got {s.dtype}")
-        if s.device != geo.device:
-            raise ValueError(f"slots[{r}] is on {s.device}, the cache on {geo.device}")
-        lens.append(s.numel())
-    # One read-back for the whole batch (on a GPU one sync, not one per request); the request
-    # at fault is looked for only when a value is out of range.
-    if not lens:
-        return lens
-    lo, hi = min_max(slots[0] if len(slots) == 1 else torch.cat(list(slots)))
-    if lo < 0 or hi >= geo.num_slots:
-        for r, s in enumerate(slots):
-            lo, hi = min_max(s)
-            if lo < 0 or hi >= geo.num_slots:
-                bad = lo if lo < 0 else hi
-                raise IndexError(f"slots[{r}] holds {bad}, outside [0, num_slots={geo.num_slots})")
-    return lens
-
-
-def _check_q(q: object, geo: _Geometry, total_q: int) -> int:
-    """Return the GQA group size."""
-    if not isinstance(q, torch.Tensor):
-        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
-    if q.dim() != 3 or q.shape[0] != total_q or q.shape[2] != geo.head_dim:
-        raise ValueError(
-            f"q must have shape (sum(q_lens)={total_q}, num_q_heads, head_dim={geo.head_dim}), "
-            f"got {tuple(q.shape)}"
-        )
-    if q.shape[1] == 0 or q.shape[1] % geo.kv_heads != 0:
-        raise ValueError(
-            f"num_q_heads={q.shape[1]} must be a positive multiple of kv_heads={geo.kv_heads}"
-        )
-    if not q.dtype.is_floating_point:
-        raise ValueError(f"q must be floating point, got {q.dtype}")
-    if q.device != geo.device:
-        raise ValueError(f"q is on {q.device}, the cache on {geo.device}")
-    return q.shape[1] // geo.kv_heads
-
-
-def _default_scale(scale: float | None, head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,8 +65,8 @@ def gather_kv(
 
     ``k_cache``, ``v_cache``: one layer, paged or flat (see the module docstring).
     """
-    geo = _check_caches(k_cache, v_cache)
-    _check_slots(geo, [slots])
+    geo = check_caches(k_cache, v_cache)
+    check_slots(geo, [slots])
     return _rows(k_cache, slots), _rows(v_cache, slots)
 
 
@@ -172,6 +77,8 @@ def paged_attention(
     slots: Sequence[torch.Tensor],
     q_lens: Sequence[int] | None = None,
     scale: float | None = None,
+    *,
+    check_bounds: bool = True,
 ) -> torch.Tensor:
     """Causal (GQA) attention for a batch of requests whose K/V sit in one layer's cache. Torch reference.
 
@@ -181,10 +88,13 @@ def paged_attention(
     (default: all 1, i.e. decode); ``scale`` defaults to ``1/sqrt(head_dim)``. Returns
     ``(sum(q_lens), num_q_heads, head_dim)`` in ``q.dtype``. See the module docstring for
     positions and the causal mask. Raises ``TypeError``/``ValueError`` for bad arguments and
-    ``IndexError`` for a slot outside the cache.
+    ``IndexError`` for a slot outside the cache. ``check_bounds=False`` skips that range check
+    (one read-back of the slots to the host, a sync on a GPU), for slots the caller has already
+    checked, e.g. once per forward pass rather than once per layer; a slot out of range then
+    fails inside torch's indexing.
     """
-    geo = _check_caches(k_cache, v_cache)
-    seq_lens = _check_slots(geo, slots)
+    geo = check_caches(k_cache, v_cache)
+    seq_lens = check_slots(geo, slots, check_bounds)
     if q_lens is None:
         q_lens = [1] * len(seq_lens)
     q_lens = list(q_lens)
@@ -195,8 +105,8 @@ def paged_attention(
             raise ValueError(
                 f"q_lens[{r}]={ql!r} must be an int in [1, T={t}] (T = len(slots[{r}]))"
             )
-    group = _check_q(q, geo, sum(q_lens))
-    sm_scale = _default_scale(scale, geo.head_dim)
+    group = check_q(q, geo, sum(q_lens))
+    sm_scale = default_scale(scale, geo.head_dim)
 
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     start = 0
@@ -231,6 +141,7 @@ if _HAVE_TRITON:
         sm_scale,
         head_dim,
         page_size,
+        num_slots,
         stride_q_b,
         stride_q_h,
         stride_q_d,
@@ -280,8 +191,10 @@ if _HAVE_TRITON:
         acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
         for n0 in range(start, end, BLOCK_N):
             offs = n0 + offs_n
-            mask_n = offs < end
-            slot = tl.load(slots_ptr + offs, mask=mask_n, other=0).to(tl.int64)
+            slot = tl.load(slots_ptr + offs, mask=offs < end, other=0).to(tl.int64)
+            # Device-side guard: a slot outside the cache is read as if absent.
+            mask_n = (offs < end) & (slot >= 0) & (slot < num_slots)
+            slot = tl.where(mask_n, slot, 0)
             page = slot // page_size
             in_page = slot % page_size
             kv_mask = mask_n[:, None] & mask_d[None, :]
@@ -335,6 +248,7 @@ def paged_decode_attention(
     scale: float | None = None,
     *,
     block_n: int = 32,
+    check_bounds: bool = True,
 ) -> torch.Tensor:
     """Decode attention (one query token per request) with the Triton kernel.
 
@@ -344,11 +258,13 @@ def paged_decode_attention(
     ``(B, num_q_heads, head_dim)`` in ``q.dtype``; equals
     ``paged_attention(q, k_cache, v_cache, slots)`` up to float rounding. Runs the Triton kernel on
     CUDA or under ``TRITON_INTERPRET=1``, and falls back to :func:`paged_attention` elsewhere
-    (see :func:`paged_decode_backend`).
+    (see :func:`paged_decode_backend`). ``check_bounds=False`` skips the range check of the slots
+    (one read-back to the host for the batch), for slots already checked; the kernel then skips
+    a slot outside the cache (reads nothing for it) instead of raising.
     """
-    geo = _check_caches(k_cache, v_cache)
-    seq_lens = _check_slots(geo, slots)
-    group = _check_q(q, geo, len(seq_lens))
+    geo = check_caches(k_cache, v_cache)
+    seq_lens = check_slots(geo, slots, check_bounds)
+    group = check_q(q, geo, len(seq_lens))
     if (
         isinstance(block_n, bool)
         or not isinstance(block_n, int)
@@ -357,7 +273,9 @@ def paged_decode_attention(
     ):
         raise ValueError(f"block_n must be a power of two >= 1, got {block_n!r}")
     if paged_decode_backend(q.device) == "torch":
-        return paged_attention(q, k_cache, v_cache, slots, [1] * len(seq_lens), scale)
+        return paged_attention(
+            q, k_cache, v_cache, slots, [1] * len(seq_lens), scale, check_bounds=check_bounds
+        )
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if len(seq_lens) == 0:
         return out
@@ -377,9 +295,10 @@ def paged_decode_attention(
         flat_slots,
         starts,
         out,
-        _default_scale(scale, geo.head_dim),
+        default_scale(scale, geo.head_dim),
         geo.head_dim,
         geo.page_size,
+        geo.num_slots,
         *q.stride(),
         *kc.stride(),
         *vc.stride(),

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from .._validate import min_max
+
 __all__ = ["check_no_self_overlap", "check_tensor", "paged_geometry", "validate_store_args"]
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -41,16 +43,6 @@ def check_no_self_overlap(t: torch.Tensor, name: str) -> None:
                 f"{name} overlaps itself: dimension {d} has size {size} and stride 0 (an expanded "
                 "view); a cache written through it needs distinct memory per element"
             )
-
-
-def min_max(t: torch.Tensor) -> tuple[int, int]:
-    """``(min, max)`` of a non-empty integer tensor, read back to the host in one transfer (on a
-    GPU, one sync rather than one per value)."""
-    lo_hi = torch.aminmax(t)
-    if t.device.type == "cpu":
-        return int(lo_hi[0]), int(lo_hi[1])
-    lo, hi = torch.stack(lo_hi).tolist()
-    return int(lo), int(hi)
 
 
 def validate_store_args(

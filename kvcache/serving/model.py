@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._validate import check_int_in, check_positive_int, check_slot_tensor, check_token_ids
+from .._validate import check_int_in, check_positive_int, check_slot_tensors, check_token_ids
 from ..kernels.attention import paged_attention, paged_decode_attention
 from ..storage.base import KVCacheLayout
 from ..storage.mha_pool import MHAKVCache
@@ -248,8 +248,9 @@ class TinyLlama(nn.Module):
                 f"need one q_len per request and at least one request; got {len(q_lens)} and {len(slots)}"
             )
         num_slots = kv_cache.num_pages * kv_cache.page_size
-        for r, s in enumerate(slots):
-            check_slot_tensor(s, f"slots[{r}]", num_slots, kv_cache.device)
+        # Checked here once, with one read-back for the batch; the layers below skip their own
+        # range checks (each a host sync on a GPU: one per layer to store, one to attend).
+        slots = check_slot_tensors(slots, "slots", num_slots, kv_cache.device)
         q_lens = [
             check_int_in(ql, f"q_lens[{r}]", 1, len(s))
             for r, (s, ql) in enumerate(zip(slots, q_lens, strict=True))
@@ -263,11 +264,11 @@ class TinyLlama(nn.Module):
         use_kernel = decode_kernel and all(ql == 1 for ql in q_lens)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            kv_cache.store_kv(k, v, out_loc, layer)
+            kv_cache.store_kv(k, v, out_loc, layer, check_bounds=False)
             k_layer, v_layer = kv_cache.k_cache(layer), kv_cache.v_cache(layer)
             if use_kernel:
-                return paged_decode_attention(q, k_layer, v_layer, list(slots))
-            return paged_attention(q, k_layer, v_layer, list(slots), q_lens)
+                return paged_decode_attention(q, k_layer, v_layer, slots, check_bounds=False)
+            return paged_attention(q, k_layer, v_layer, slots, q_lens, check_bounds=False)
 
         h = self._run(ids, positions, attend)
         if last_only:
