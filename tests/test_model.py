@@ -311,9 +311,10 @@ def test_misuse_raises(model, torch_store):
     e.flow.check_integrity()
 
 
-def test_forward_checks_slots_once_not_per_layer(model, torch_store, monkeypatch):
-    """The model checks a batch's slots with one read-back (a host sync on a GPU); its layers'
-    stores and attention skip theirs. A bad slot still raises, naming its request."""
+def test_forward_checks_slots_once_not_per_request_and_layer(model, torch_store, monkeypatch):
+    """The model checks a batch's slots with one read-back (a host sync on a GPU), and its
+    layers' attention skips its own; each layer's ``store_kv`` (the pool's contract, called with
+    its four arguments) keeps one. A bad slot still raises, naming its request."""
     e = make_engine(model, KVCacheLayout.LayerFirst, 1)
     a, b = e.prefill(ids(SYSTEM))[0], e.prefill(ids("Hi!"))[0]
     calls = [0]
@@ -328,7 +329,8 @@ def test_forward_checks_slots_once_not_per_layer(model, torch_store, monkeypatch
     for decode_kernel in (False, True):
         before = calls[0]
         model(ids("ab"), slots, [1, 1], e.kv_cache, decode_kernel=decode_kernel)
-        assert calls[0] - before == 1  # model.config.num_layers == 2 layers, one read-back
+        # one for the batch, one per layer's store; none per request, none in attention
+        assert calls[0] - before == 1 + model.config.num_layers
     with pytest.raises(ValueError, match=r"slots\[1\]: 999 is outside"):
         model(ids("ab"), [slots[0], torch.tensor([0, 999])], [1, 1], e.kv_cache)
     e.finish(a), e.finish(b)

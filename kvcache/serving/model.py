@@ -248,8 +248,10 @@ class TinyLlama(nn.Module):
                 f"need one q_len per request and at least one request; got {len(q_lens)} and {len(slots)}"
             )
         num_slots = kv_cache.num_pages * kv_cache.page_size
-        # Checked here once, with one read-back for the batch; the layers below skip their own
-        # range checks (each a host sync on a GPU: one per layer to store, one to attend).
+        # Checked here once, with one read-back for the batch, so that attention in every layer
+        # skips its own range check (a host sync on a GPU). The store keeps its check: it goes
+        # through ``store_kv(k, v, out_loc, layer_id)``, the pool's contract, which a subclass
+        # or a wrapper may override with exactly that signature.
         slots = check_slot_tensors(slots, "slots", num_slots, kv_cache.device)
         q_lens = [
             check_int_in(ql, f"q_lens[{r}]", 1, len(s))
@@ -264,7 +266,7 @@ class TinyLlama(nn.Module):
         use_kernel = decode_kernel and all(ql == 1 for ql in q_lens)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            kv_cache.store_kv(k, v, out_loc, layer, check_bounds=False)
+            kv_cache.store_kv(k, v, out_loc, layer)
             k_layer, v_layer = kv_cache.k_cache(layer), kv_cache.v_cache(layer)
             if use_kernel:
                 return paged_decode_attention(q, k_layer, v_layer, slots, check_bounds=False)
