@@ -144,46 +144,43 @@ def check_slot_tensor(
     """Token slots of a pool: a 1-D integer tensor on ``device`` of values in ``[0, num_slots)``.
 
     Checked on the values as given, before any cast (on a GPU the range check reads two
-    numbers back to the host). ``TypeError`` for a non-integer dtype (bool, float, complex),
-    ``ValueError`` for a wrong shape, device or range.
+    numbers back to the host, in one transfer). ``TypeError`` for a non-integer dtype (bool,
+    float, complex), ``ValueError`` for a wrong shape, device or range.
     """
-    if not isinstance(slots, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(slots).__name__}")
-    if slots.dim() != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {tuple(slots.shape)}")
-    if slots.dtype not in _INT_DTYPES:
-        raise TypeError(f"{name} must have an integer dtype, got {slots.dtype}")
-    if slots.device != device:
-        raise ValueError(f"{name} must be on device {device}, got {slots.device}")
-    if slots.shape[0]:
-        lo, hi = min_max(slots)
-        if lo < 0 or hi >= num_slots:
-            raise ValueError(f"{name}: {lo if lo < 0 else hi} is outside [0, {num_slots})")
-    return slots
+    return check_slot_tensors([slots], name, num_slots, device, names=[name])[0]
 
 
 def check_slot_tensors(
-    slots: Sequence[object], name: str, num_slots: int, device: torch.device
+    slots: Sequence[object],
+    name: str,
+    num_slots: int,
+    device: torch.device,
+    names: Sequence[str] | None = None,
 ) -> list[torch.Tensor]:
-    """:func:`check_slot_tensor` for each of a batch's slot tensors (named ``name[r]``), with one
-    range read-back for the whole batch: on a GPU one sync, not one per request. The tensor at
-    fault is looked for only when a value is out of range, so the error names it."""
-    for r, s in enumerate(slots):
+    """:func:`check_slot_tensor` for each of a batch's slot tensors (named ``name[r]``, or
+    ``names[r]``), with one range read-back for the whole batch: on a GPU one sync, not one per
+    request. The tensor at fault is looked for only when a value is out of range, so the error
+    names it."""
+    labels = list(names) if names is not None else [f"{name}[{r}]" for r in range(len(slots))]
+    checked: list[torch.Tensor] = []
+    for label, s in zip(labels, slots, strict=True):
         if not isinstance(s, torch.Tensor):
-            raise TypeError(f"{name}[{r}] must be a torch.Tensor, got {type(s).__name__}")
+            raise TypeError(f"{label} must be a torch.Tensor, got {type(s).__name__}")
         if s.dim() != 1:
-            raise ValueError(f"{name}[{r}] must be 1-D, got shape {tuple(s.shape)}")
+            raise ValueError(f"{label} must be 1-D, got shape {tuple(s.shape)}")
         if s.dtype not in _INT_DTYPES:
-            raise TypeError(f"{name}[{r}] must have an integer dtype, got {s.dtype}")
+            raise TypeError(f"{label} must have an integer dtype, got {s.dtype}")
         if s.device != device:
-            raise ValueError(f"{name}[{r}] must be on device {device}, got {s.device}")
-    checked: list[torch.Tensor] = list(slots)  # type: ignore[arg-type]  # each checked above
+            raise ValueError(f"{label} must be on device {device}, got {s.device}")
+        checked.append(s)
     nonempty = [s for s in checked if s.shape[0]]
     if nonempty:
         lo, hi = min_max(nonempty[0] if len(nonempty) == 1 else torch.cat(nonempty))
         if lo < 0 or hi >= num_slots:
-            for r, s in enumerate(checked):
-                check_slot_tensor(s, f"{name}[{r}]", num_slots, device)
+            for label, s in zip(labels, checked, strict=True):
+                lo, hi = min_max(s) if s.shape[0] else (0, 0)
+                if lo < 0 or hi >= num_slots:
+                    raise ValueError(f"{label}: {lo if lo < 0 else hi} is outside [0, {num_slots})")
     return checked
 
 

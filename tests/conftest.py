@@ -15,7 +15,8 @@
 - Fixtures: TP info is unset before and after every test (autouse: it is process-global state
   that `MHAKVCache` reads); ``torch_store`` makes the pool store through the bit-identical torch
   path instead of the Triton interpreter (about 40 ms a call on this CPU; the Triton store is
-  checked against the torch one in ``tests/test_store_cache.py``).
+  checked against the torch one in ``tests/test_store_cache.py``); ``read_backs`` counts the
+  range checks that read values back to the host (``torch.aminmax`` calls; each a sync on a GPU).
 
 Test files import the functions with ``from conftest import ids, slots, unchanged`` (``tests/``
 is on ``sys.path`` under pytest's default import mode, as for ``radix_reference``).
@@ -232,3 +233,18 @@ def _tp_info_unset() -> Iterator[None]:
 def torch_store(monkeypatch: pytest.MonkeyPatch) -> None:
     """Store K/V through the torch path even when ``TRITON_INTERPRET=1`` (much faster on a CPU)."""
     monkeypatch.setattr(store_module, "TRITON_INTERPRET", False)
+
+
+@pytest.fixture
+def read_backs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """``[n]``: how many ``torch.aminmax`` calls ran since the test began (every range check
+    reads its result back to the host: on a GPU, a sync)."""
+    calls = [0]
+    real = torch.aminmax
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "aminmax", counted)
+    return calls

@@ -311,20 +311,13 @@ def test_misuse_raises(model, torch_store):
     e.flow.check_integrity()
 
 
-def test_forward_checks_slots_once_not_per_request_and_layer(model, torch_store, monkeypatch):
+def test_forward_checks_slots_once_not_per_request_and_layer(model, torch_store, read_backs):
     """The model checks a batch's slots with one read-back (a host sync on a GPU), and its
     layers' attention skips its own; each layer's ``store_kv`` (the pool's contract, called with
     its four arguments) keeps one. A bad slot still raises, naming its request."""
     e = make_engine(model, KVCacheLayout.LayerFirst, 1)
     a, b = e.prefill(ids(SYSTEM))[0], e.prefill(ids("Hi!"))[0]
-    calls = [0]
-    real = torch.aminmax
-
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(torch, "aminmax", counted)
+    calls = read_backs
     slots = [torch.arange(len(SYSTEM), dtype=torch.int32), torch.arange(3, dtype=torch.int32)]
     for decode_kernel in (False, True):
         before = calls[0]
