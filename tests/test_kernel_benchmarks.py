@@ -10,6 +10,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+import host_cost
 import paged_decode
 import store_kv
 
@@ -73,3 +74,13 @@ def test_paged_decode_runs_and_labels_its_json(tmp_path):
     methods = {r["method"] for r in rec["rows"]}
     assert "paged_attention[torch]" in methods and "sdpa on dense K/V" in methods
     assert all(r["bandwidth_Bps"] > 0 for r in rec["rows"])
+
+
+def test_host_cost_runs_and_labels_its_json(tmp_path):
+    out = tmp_path / "h.json"
+    host_cost.main(host_cost.parse_args(["--device", "cpu", "--quick", "--out", str(out)]))
+    rec = json.loads(out.read_text())
+    assert set(rec) >= LABEL - {"copy_bandwidth_Bps"} and rec["benchmark"] == "host_cost"
+    calls = {r["call"] for r in rec["rows"]}
+    assert "store_cache (check_bounds=False)" in calls and len(calls) == 6
+    assert all(r["device_s"] > 0 and r["wall_s"] > 0 for r in rec["rows"])
