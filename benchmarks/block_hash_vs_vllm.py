@@ -18,7 +18,7 @@ measurement of its manager calls alone may leave that time out; ours hashes insi
 See `vllm_standin` for what the stand-in does per block (no more than vLLM).
 
 Run: ``python benchmarks/block_hash_vs_vllm.py [--page-size 16 1] [--repeats 3] [--clock cpu]
-[--json PATH]``.
+[--traces chat agent] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -181,7 +181,9 @@ def drive(
     )
 
 
-def compare(page_size: int, repeats: int, pool_tokens: int) -> dict[str, dict[str, float]]:
+def compare(
+    page_size: int, repeats: int, pool_tokens: int, traces: tuple[str, ...] = tuple(TRACES)
+) -> dict[str, dict[str, float]]:
     makers: dict[str, Callable[[], BaseCacheManager]] = {
         "BlockHashCacheManager": lambda: BlockHashCacheManager("cpu", page_size),
         "vLLM stand-in": lambda: VllmStandIn("cpu", page_size),
@@ -190,8 +192,8 @@ def compare(page_size: int, repeats: int, pool_tokens: int) -> dict[str, dict[st
         ),
     }
     out: dict[str, dict[str, float]] = {}
-    for trace, gen in TRACES.items():
-        jobs = gen()
+    for trace in traces:
+        jobs = TRACES[trace]()
         best: dict[str, tuple[float, tuple[float, float]]] = {}
         ref = None
         for _ in range(repeats):  # interleaved, best of each: load on the machine hits both alike
@@ -270,6 +272,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--pool", type=int, default=49152, help="pool size in tokens")
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
+    ap.add_argument("--traces", nargs="+", choices=list(TRACES), default=list(TRACES))
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     global clock
@@ -285,7 +288,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     print(f"ran on: {info}")
     result: dict[str, object] = {"machine": info}
     for ps in args.page_size:
-        rows = compare(ps, args.repeats, args.pool)
+        rows = compare(ps, args.repeats, args.pool, tuple(args.traces))
         result[f"page_size_{ps}"] = rows
         print(
             f"\npage size {ps}, pool {args.pool} tokens; seconds inside manager calls (best of {args.repeats}):"

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
-from itertools import islice
 
 import numpy as np
 
@@ -46,8 +45,8 @@ def evict_blocks(table: BlockTable, size: int, events: EventLog | None) -> np.nd
     ``RuntimeError``, changing nothing, if a victim still has a child that is not a victim.
     """
     ps = table.page_size
-    victims: list[int] = list(islice(table.free, -(-size // ps)))
-    pages = np.array(victims, dtype=np.int64)
+    pages, plan = table.free.head(-(-size // ps))
+    victims: list[int] = pages.tolist()
     ups: list[int] = table.parent[pages].tolist()
     chosen = set(victims)
     outer = [up for up in ups if up not in chosen]  # parents that stay (-1: none)
@@ -64,6 +63,7 @@ def evict_blocks(table: BlockTable, size: int, events: EventLog | None) -> np.nd
             f"internal error: free block {int(table.key[page]):#018x} would be evicted before "
             f"its {int(table.nchild[page])} children; nothing was evicted"
         )
+    table.free.drop(pages, plan)
     table.gen[pages] = -1
     if events is not None:
         for page in victims:
@@ -71,8 +71,7 @@ def evict_blocks(table: BlockTable, size: int, events: EventLog | None) -> np.nd
             events.removed(
                 table.namespace(page), prefix_tokens(table, page), list(range(first, first + ps))
             )
-    free, page_of, ns = table.free, table.page_of, table.ns
-    deque(map(free.pop, victims), 0)
+    page_of, ns = table.page_of, table.ns
     deque(map(page_of.pop, table.key[pages].tolist()), 0)
     if ns:
         for page, up in zip(victims, ups, strict=True):
@@ -122,7 +121,13 @@ def check_table(
             raise RuntimeError(f"handle {handle} recorded with lock count {n}")
         for key in handle.block_hashes:
             expected_refs[key] = expected_refs.get(key, 0) + n
-    free_list = list(table.free)
+    free_list: list[int] = table.free.pages().tolist()
+    queued = int(np.count_nonzero(table.free.where >= 0))
+    if not len(free_list) == len(set(free_list)) == queued == len(table.free):
+        raise RuntimeError(
+            f"free queue: {len(free_list)} pages listed ({len(set(free_list))} distinct), "
+            f"{queued} marked queued, {len(table.free)} counted"
+        )
     extra = [p for p in free_list if p not in cached]
     if extra:
         raise RuntimeError(f"free queue holds {len(extra)} pages that are not cached: {extra[:4]}")

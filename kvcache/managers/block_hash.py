@@ -9,8 +9,8 @@ prefix without any tree. The manager keeps:
 - a table of blocks indexed by page (`block_pool.BlockTable`): per page, in NumPy arrays, the
   tokens, the key, the parent's page, a ref count, a child count and the logical time of last
   use; and ``key -> page`` in a dict;
-- a *free queue* (a ``dict`` in insertion order) of the pages whose ref count is 0. It is also the eviction
-  order: ``evict`` takes blocks from its head;
+- a *free queue* (`block_queue.FreeQueue`: runs of pages, a chain's run one entry) of the pages
+  whose ref count is 0. It is also the eviction order: ``evict`` takes blocks from its head;
 - the locked handles and how often each is locked, so that unlocking a handle that is not locked
   is refused even while its blocks are locked through another handle.
 
@@ -50,7 +50,8 @@ from .block_hash_chain import (
     default_block_hash,
     token_array,
 )
-from .block_lookup import RequestHashes, file_keys, handle_pages, hash_rest, new_pages, walk
+from .block_insert import file_keys, new_pages
+from .block_lookup import RequestHashes, handle_pages, hash_rest, walk
 from .block_pool import BlockHashCacheHandle, BlockTable, CachedBlock, new_handle
 from .cache_events import CacheEvent, EventLog, check_extra_key, events_off
 
@@ -159,7 +160,7 @@ class BlockHashCacheManager(BaseCacheManager):
         """Keys of the evictable blocks in eviction order (head first)."""
         self._flush()
         t = self._table
-        return t.keys_of(np.fromiter(t.free, dtype=np.int64, count=len(t.free)))
+        return t.keys_of(t.free.pages())
 
     def locked_handles(self) -> dict[BlockHashCacheHandle, int]:
         """Each locked handle and how many times it is locked (a copy)."""
@@ -276,8 +277,14 @@ class BlockHashCacheManager(BaseCacheManager):
         return InsertResult(cached, handle)
 
     def _insert(
-        self, input_ids: torch.Tensor, indices: torch.Tensor, extra_key: Hashable
+        self,
+        input_ids: torch.Tensor,
+        indices: torch.Tensor,
+        extra_key: Hashable,
+        held: BlockHashCacheHandle | None = None,
     ) -> tuple[int, BlockHashCacheHandle]:
+        """The insert; ``held``: a handle of this manager's that is locked (by the caller), whose
+        chain (still cached, then) is taken as known when ``input_ids`` extends its tokens."""
         rows = self._rows(input_ids)
         if extra_key is not None:
             check_extra_key(extra_key)
@@ -295,7 +302,12 @@ class BlockHashCacheManager(BaseCacheManager):
         self._flush()
         table = self._table
         raw = rows.tobytes()
-        hashes, known, gens = self._pending.recall(rows, raw, table, self._hasher, extra_key)
+        hasher = self._hasher
+        if held is None or not (
+            carried := self._pending.carried(held, rows, raw, table, hasher, extra_key)
+        ):
+            carried = self._pending.recall(rows, raw, table, hasher, extra_key)
+        hashes, known, gens = carried
         pages = walk(table, rows, hashes, known, extra_key)
         ps, m, nb = self.page_size, len(pages), len(rows)
         if m == nb:

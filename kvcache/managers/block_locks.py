@@ -35,7 +35,11 @@ class _Manager(Protocol):
         self, input_ids: torch.Tensor, extra_key: Hashable = None
     ) -> tuple[BlockHashCacheHandle, torch.Tensor]: ...
     def _insert(
-        self, input_ids: torch.Tensor, indices: torch.Tensor, extra_key: Hashable
+        self,
+        input_ids: torch.Tensor,
+        indices: torch.Tensor,
+        extra_key: Hashable,
+        held: BlockHashCacheHandle | None = None,
     ) -> tuple[int, BlockHashCacheHandle]: ...
 
 
@@ -143,7 +147,8 @@ def insert_and_unlock(
                 extra_key,
                 relock=relock,
             )
-    cached, made = self._insert(input_ids, indices, extra_key)  # may raise: nothing changed
+    # May raise: nothing changed. A locked handle's chain is known to be cached.
+    cached, made = self._insert(input_ids, indices, extra_key, handle if record else None)
     if relock and made.cached_len:
         _lock(self, made, made.pages)  # type: ignore[arg-type]
     if record is not None:
