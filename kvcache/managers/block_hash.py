@@ -112,6 +112,7 @@ class BlockHashCacheManager(BaseCacheManager):
         self._token = object()  # names this manager in the handles it makes
         self._epoch = 0  # bumped whenever a block leaves the cache
         self._events = EventLog() if events else None
+        self._plain_match = type(self).match_prefix is BlockHashCacheManager.match_prefix
         self._init_state()
 
     # ------------------------------------------------------------------ state
@@ -233,6 +234,13 @@ class BlockHashCacheManager(BaseCacheManager):
         once (`match_and_lock`), which takes the blocks out of the queue, so only a match that
         is not locked decides differently.
         """
+        return self._match(input_ids, extra_key, True)
+
+    def _match(
+        self, input_ids: torch.Tensor, extra_key: Hashable, keep: bool
+    ) -> tuple[BlockHashCacheHandle, torch.Tensor]:
+        """`match_prefix`; ``keep``: remember its hashes for the insert (the fused insert takes
+        them from the handle it releases)."""
         rows = self._rows(input_ids)
         if extra_key is not None:
             check_extra_key(extra_key)
@@ -245,9 +253,10 @@ class BlockHashCacheManager(BaseCacheManager):
         if len(pages) == len(hashes) < len(rows) and table.nchild[pages[-1]]:  # all cached: on
             hashes = hash_rest(hasher, rows, hashes, extra_key)
             pages = walk(table, rows, hashes, pages, extra_key)
-        if pages is not known:
-            gens = table.gen[pages].tobytes()
-        self._pending.remember(raw, hashes, pages, gens, extra_key)
+        if keep:
+            if pages is not known:
+                gens = table.gen[pages].tobytes()
+            self._pending.remember(raw, hashes, pages, gens, extra_key)
         self._clock += 1
         handle = self._handle(pages, hashes, raw)
         if len(pages):
@@ -303,16 +312,21 @@ class BlockHashCacheManager(BaseCacheManager):
         table = self._table
         raw = rows.tobytes()
         hasher = self._hasher
-        if held is None or not (
-            carried := self._pending.carried(held, rows, raw, table, hasher, extra_key)
-        ):
+        carried = (
+            None
+            if held is None
+            else self._pending.carried(held, rows, raw, table, hasher, extra_key)
+        )
+        if carried is None:
             carried = self._pending.recall(rows, raw, table, hasher, extra_key)
-        hashes, known, gens = carried
+            held = None
+        hashes, known, gens = carried  # with ``held``: ``known`` is locked (no LRU refresh)
         pages = walk(table, rows, hashes, known, extra_key)
         ps, m, nb = self.page_size, len(pages), len(rows)
         if m == nb:
             self._clock += 1
-            table.use(pages, self._clock)
+            if held is None or pages is not known:
+                table.use(pages, self._clock)
             if pages is not known:
                 gens = table.gen[pages].tobytes()
             self._pending.remember(raw, hashes, pages, gens, extra_key)
@@ -325,7 +339,8 @@ class BlockHashCacheManager(BaseCacheManager):
         tic = self._clock
         up = int(pages[-1]) if m else -1
         serial = table.add(fresh, listed, top, keys, probes, rows[m:], up, tic, extra_key)
-        table.use(pages, tic)
+        if held is None or pages is not known:
+            table.use(pages, tic)
         if pages is not known:
             gens = table.gen[pages].tobytes()
         gens += serial.to_bytes(8, sys.byteorder) * len(listed)  # the int64 serials of the new

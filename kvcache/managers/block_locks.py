@@ -26,11 +26,15 @@ class _Manager(Protocol):
     _locks: dict[BlockHashCacheHandle, tuple[int, np.ndarray]]
     _table: BlockTable
     _touch: tuple[np.ndarray, int] | None
+    _plain_match: bool  # match_prefix is the class's own (no subclass overrides it)
 
     @property
     def clock(self) -> int: ...
     def _flush(self) -> None: ...
     def _chain(self, handle: BaseCacheHandle) -> np.ndarray: ...
+    def _match(
+        self, input_ids: torch.Tensor, extra_key: Hashable, keep: bool
+    ) -> tuple[BlockHashCacheHandle, torch.Tensor]: ...
     def match_prefix(
         self, input_ids: torch.Tensor, extra_key: Hashable = None
     ) -> tuple[BlockHashCacheHandle, torch.Tensor]: ...
@@ -112,7 +116,10 @@ def match_and_lock(
     self: _Manager, input_ids: torch.Tensor, extra_key: Hashable = None
 ) -> tuple[BlockHashCacheHandle, torch.Tensor]:
     """`match_prefix`, then `lock_handle` of its handle (the same decisions, one call)."""
-    handle, slots = self.match_prefix(input_ids, extra_key)
+    if self._plain_match:
+        handle, slots = self._match(input_ids, extra_key, False)  # the insert reads the handle
+    else:  # a subclass's own match_prefix
+        handle, slots = self.match_prefix(input_ids, extra_key)
     pages = handle.pages
     if pages is not None and len(pages):
         self._touch = None  # this very chain: the lock makes the refresh moot
