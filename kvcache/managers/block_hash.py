@@ -39,23 +39,21 @@ from collections.abc import Hashable, Iterator
 import numpy as np
 import torch
 
-from .._validate import check_count, check_indices, check_positive_int, check_token_ids
+from .._validate import check_count, check_positive_int
 from . import block_locks
-from .base import BaseCacheHandle, BaseCacheManager, InsertResult, SizeInfo
+from .base import BaseCacheHandle, BaseCacheManager, InsertResult, SizeInfo, takes_host_arrays
 from .block_evict import check_table, evict_blocks
 from .block_hash_chain import (
     ROOT_HASH_SEED,
     ChainHasher,
     HashFn,
+    block_rows,
     default_block_hash,
-    token_array,
 )
-from .block_insert import file_keys, new_pages
+from .block_insert import file_keys, new_pages, slot_rows
 from .block_lookup import RequestHashes, handle_pages, hash_rest, walk
 from .block_pool import BlockHashCacheHandle, BlockTable, CachedBlock, new_handle
 from .cache_events import CacheEvent, EventLog, check_extra_key, events_off
-
-_INT64, _INT32 = np.dtype(np.int64), np.dtype(np.int32)
 
 __all__ = [
     "CachedBlock",
@@ -201,14 +199,6 @@ class BlockHashCacheManager(BaseCacheManager):
         return self._events.take()
 
     # ----------------------------------------------------------- lookups
-    def _rows(self, input_ids: torch.Tensor) -> np.ndarray:
-        """The full blocks of ``input_ids`` (validated) as an ``(n, page_size)`` int64 array."""
-        ids = input_ids.numpy() if type(input_ids) is torch.Tensor and input_ids.is_cpu else None
-        if ids is None or ids.ndim != 1 or ids.dtype != _INT64:  # the usual case skips the checks
-            ids = token_array(check_token_ids(input_ids))
-        nb = len(ids) // self.page_size
-        return ids[: nb * self.page_size].reshape(nb, self.page_size)
-
     def _flush(self) -> None:
         """Apply the last match's deferred LRU refresh, if any."""
         if self._touch is not None:
@@ -237,11 +227,11 @@ class BlockHashCacheManager(BaseCacheManager):
         return self._match(input_ids, extra_key, True)
 
     def _match(
-        self, input_ids: torch.Tensor, extra_key: Hashable, keep: bool
+        self, input_ids: torch.Tensor, extra_key: Hashable, keep: bool, host: bool = False
     ) -> tuple[BlockHashCacheHandle, torch.Tensor]:
         """`match_prefix`; ``keep``: remember its hashes for the insert (the fused insert takes
-        them from the handle it releases)."""
-        rows = self._rows(input_ids)
+        them from the handle it releases); ``host``: the NumPy form (ids and slots)."""
+        rows = block_rows(input_ids, self.page_size, host)
         if extra_key is not None:
             check_extra_key(extra_key)
         table = self._table
@@ -261,6 +251,8 @@ class BlockHashCacheManager(BaseCacheManager):
         handle = self._handle(pages, hashes, raw)
         if len(pages):
             self._touch = (pages, self._clock)
+        if host:
+            return handle, self._table.slots.take(pages, axis=0).reshape(-1)  # type: ignore[return-value]
         return handle, self._slots(pages)
 
     def insert_prefix(
@@ -291,22 +283,18 @@ class BlockHashCacheManager(BaseCacheManager):
         indices: torch.Tensor,
         extra_key: Hashable,
         held: BlockHashCacheHandle | None = None,
+        host: bool = False,
     ) -> tuple[int, BlockHashCacheHandle]:
         """The insert; ``held``: a handle of this manager's that is locked (by the caller), whose
-        chain (still cached, then) is taken as known when ``input_ids`` extends its tokens."""
-        rows = self._rows(input_ids)
+        chain (still cached, then) is taken as known when ``input_ids`` extends its tokens;
+        ``host``: NumPy ids and slots are taken too."""
+        rows = block_rows(input_ids, self.page_size, host)
         if extra_key is not None:
             check_extra_key(extra_key)
-        if type(indices) is torch.Tensor and indices.is_cpu and self._on_cpu:
-            slots = indices.numpy()
-            if slots.ndim != 1 or slots.dtype != _INT32:
-                check_indices(indices, self.device)  # raises
-        else:
-            check_indices(indices, self.device)
-            slots = indices.cpu().numpy()
+        slots = slot_rows(indices, self.device, self._on_cpu, host)
         if len(slots) != input_ids.shape[0]:
             raise ValueError(
-                f"len(indices) ({len(indices)}) must equal len(input_ids) ({len(input_ids)})"
+                f"len(indices) ({len(slots)}) must equal len(input_ids) ({input_ids.shape[0]})"
             )
         self._flush()
         table = self._table
@@ -358,17 +346,21 @@ class BlockHashCacheManager(BaseCacheManager):
         """The slots of the prefix behind ``handle`` (read-only: the LRU order does not change)."""
         return self._slots(self._chain(handle))
 
-    def evict(self, size: int) -> torch.Tensor:
+    @takes_host_arrays
+    def evict(self, size: int, *, host: bool = False) -> torch.Tensor:
         """Evict free blocks from the head of the free queue until at least ``size`` tokens are freed.
 
-        Returns their slots, block after block. Only blocks no cached block chains from are
-        evicted (the queue's order guarantees the head is one). Raises ``RuntimeError``
-        (evicting nothing) when fewer than ``size`` tokens are evictable.
+        Returns their slots, block after block (``host=True``: as a 1-D NumPy int32 array). Only
+        blocks no cached block chains from are evicted (the queue's order guarantees the head is
+        one). Raises ``RuntimeError`` (evicting nothing) when fewer than ``size`` tokens are
+        evictable.
         """
         if type(size) is not int or size < 0:
             size = check_count(size)
+        if type(host) is not bool:
+            raise TypeError(f"host must be a bool, got {type(host).__name__}")
         if size == 0:
-            return self.empty_tensor
+            return np.zeros(0, dtype=np.int32) if host else self.empty_tensor  # type: ignore[return-value]
         self._flush()
         evictable = len(self._table.free) * self.page_size
         if size > evictable:
@@ -378,6 +370,8 @@ class BlockHashCacheManager(BaseCacheManager):
             )
         victims = evict_blocks(self._table, size, self._events)
         self._epoch += 1
+        if host:
+            return self._table.slots.take(victims, axis=0).reshape(-1)  # type: ignore[return-value]
         return self._slots(victims)
 
     def check_integrity(self) -> None:

@@ -5,10 +5,32 @@ their keys (with the collision probing `block_lookup` describes).
 from __future__ import annotations
 
 import numpy as np
+import torch
 
+from .._validate import check_indices
+from .base import SLOT_DTYPES, host_array
 from .block_pool import BlockTable
 
-__all__ = ["new_pages", "file_keys"]
+__all__ = ["slot_rows", "new_pages", "file_keys"]
+
+_INT32 = np.dtype(np.int32)
+
+
+def slot_rows(
+    indices: torch.Tensor | np.ndarray, device: torch.device, on_cpu: bool, host: bool
+) -> np.ndarray:
+    """``indices`` as 1-D int32 NumPy on the host, checked as `check_indices` checks a tensor;
+    ``host``: a NumPy array is taken too (1-D int32, checked as `host_array` checks)."""
+    if type(indices) is torch.Tensor and indices.is_cpu and on_cpu:
+        slots: np.ndarray = indices.numpy()
+        if slots.ndim != 1 or slots.dtype != _INT32:
+            check_indices(indices, device)  # raises
+        return slots
+    if host and isinstance(indices, np.ndarray):
+        return host_array(indices, "indices", SLOT_DTYPES)
+    out: np.ndarray = check_indices(indices, device).cpu().numpy()  # type: ignore[arg-type]
+    return out
+
 
 _MASK = (1 << 64) - 1
 

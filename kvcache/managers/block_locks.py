@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from .base import BaseCacheHandle, BaseCacheManager, InsertResult
+from .base import BaseCacheHandle, BaseCacheManager, InsertResult, takes_host_arrays
 from .block_pool import BlockHashCacheHandle, BlockTable
 
 
@@ -33,7 +33,7 @@ class _Manager(Protocol):
     def _flush(self) -> None: ...
     def _chain(self, handle: BaseCacheHandle) -> np.ndarray: ...
     def _match(
-        self, input_ids: torch.Tensor, extra_key: Hashable, keep: bool
+        self, input_ids: torch.Tensor, extra_key: Hashable, keep: bool, host: bool = False
     ) -> tuple[BlockHashCacheHandle, torch.Tensor]: ...
     def match_prefix(
         self, input_ids: torch.Tensor, extra_key: Hashable = None
@@ -44,6 +44,7 @@ class _Manager(Protocol):
         indices: torch.Tensor,
         extra_key: Hashable,
         held: BlockHashCacheHandle | None = None,
+        host: bool = False,
     ) -> tuple[int, BlockHashCacheHandle]: ...
 
 
@@ -112,13 +113,17 @@ def _release(
     self._table.release(locked, self.clock)
 
 
+@takes_host_arrays
 def match_and_lock(
     self: _Manager, input_ids: torch.Tensor, extra_key: Hashable = None
 ) -> tuple[BlockHashCacheHandle, torch.Tensor]:
-    """`match_prefix`, then `lock_handle` of its handle (the same decisions, one call)."""
-    if self._plain_match:
-        handle, slots = self._match(input_ids, extra_key, False)  # the insert reads the handle
-    else:  # a subclass's own match_prefix
+    """`match_prefix`, then `lock_handle` of its handle (the same decisions, one call); the
+    NumPy form as `BaseCacheManager.match_and_lock` describes it."""
+    if self._plain_match:  # the insert reads the handle: no memo entry
+        handle, slots = self._match(input_ids, extra_key, False, isinstance(input_ids, np.ndarray))
+    elif isinstance(input_ids, np.ndarray):  # a subclass's own match_prefix takes tensors
+        return BaseCacheManager.match_and_lock(self, input_ids, extra_key)  # type: ignore[arg-type, return-value]
+    else:
         handle, slots = self.match_prefix(input_ids, extra_key)
     pages = handle.pages
     if pages is not None and len(pages):
@@ -127,6 +132,7 @@ def match_and_lock(
     return handle, slots
 
 
+@takes_host_arrays
 def insert_and_unlock(
     self: _Manager,
     handle: BaseCacheHandle,
@@ -155,7 +161,7 @@ def insert_and_unlock(
                 relock=relock,
             )
     # May raise: nothing changed. A locked handle's chain is known to be cached.
-    cached, made = self._insert(input_ids, indices, extra_key, handle if record else None)
+    cached, made = self._insert(input_ids, indices, extra_key, handle if record else None, True)
     if relock and made.cached_len:
         _lock(self, made, made.pages)  # type: ignore[arg-type]
     if record is not None:
