@@ -9,8 +9,9 @@ prefix without any tree. The manager keeps:
 - a table of blocks indexed by page (`block_pool.BlockTable`): per page, in NumPy arrays, the
   tokens, the key, the parent's page, a ref count, a child count and the logical time of last
   use; and ``key -> page`` in a dict;
-- a *free queue* (`block_queue.FreeQueue`: runs of pages, a chain's run one entry) of the pages
-  whose ref count is 0. It is also the eviction order: ``evict`` takes blocks from its head;
+- a *free queue* (`block_queue.FreeQueue`: a log of pages with lazy removal, a chain's run
+  appended in one slice) of the pages whose ref count is 0. It is also the eviction order:
+  ``evict`` takes blocks from its head;
 - the locked handles and how often each is locked, so that unlocking a handle that is not locked
   is refused even while its blocks are locked through another handle.
 
@@ -18,15 +19,18 @@ Speed. The default hash (`block_hash_chain`) is computed for every block of a se
 with a few NumPy passes; a lookup is then one dict probe per block (``map`` in C), and the
 parents and tokens of the whole matched chain are compared in one array operation each
 (`block_lookup.walk`). The hashes and chains of recent sequences are remembered
-(`block_lookup.RequestHashes`): a request's insert reuses what its match found (vLLM's
-``Request.block_hashes``), and a conversation's next turn, which resends its whole history,
-reuses what the last turn's insert left, so neither hashes nor walks again what is still cached
-(the bytes are compared, and each remembered page's serial). A match hashes only up to the first
-block past that chain; the insert hashes the rest. Locking, unlocking and the LRU refresh
-are array operations on the chain's pages; slots are built in NumPy; an insert validates its new
-blocks only, in NumPy. No per-block Python object exists: a handle carries its chain's pages, so
+(`block_lookup.RequestHashes`): a conversation's next turn, which resends its whole history,
+reuses what the last turn's insert left, so it neither hashes nor walks again what is still
+cached (the bytes are compared, and each remembered page's serial); a request's insert reuses
+what its match found (vLLM's ``Request.block_hashes``): the fused insert reads it off the handle
+it releases (locked, so still cached), a separate insert off the memo. A match hashes only up to
+the first block past that chain; the insert hashes the rest. Locking, unlocking, queueing and
+the LRU refresh are array operations on the chain's pages; slots are built in NumPy; an insert
+validates its new blocks only, in NumPy; eviction is array operations on its victims but for
+the key index. No per-block Python object exists: a handle carries its chain's pages, so
 locking one made since the last eviction re-checks nothing, and a match's LRU refresh waits for
-the next call, which skips it when it locks that very chain.
+the next call, which skips it when it locks that very chain. The fused calls and ``evict`` also
+take and give the flow's host NumPy arrays (`takes_host_arrays`).
 
 Locking and the flow's fused calls: see `block_locks`. Collisions: see `block_lookup`. Eviction rule: see `block_evict`; ``check_integrity`` verifies the free queue's order.
 """
