@@ -94,8 +94,10 @@ def block_rows(input_ids: torch.Tensor | np.ndarray, page_size: int, host: bool)
     ids: np.ndarray | None
     if type(input_ids) is torch.Tensor and input_ids.is_cpu:
         ids = input_ids.numpy()
-    elif host and type(input_ids) is np.ndarray and input_ids.dtype == _INT64:
-        ids = input_ids  # the flow's usual form: the 1-D check below is all it needs
+    elif (
+        host and type(input_ids) is np.ndarray and input_ids.dtype == _INT64 and input_ids.ndim == 1
+    ):
+        ids = input_ids  # the flow's usual form, checked
     elif host and isinstance(input_ids, np.ndarray):
         ids = host_array(input_ids, "input_ids", TOKEN_DTYPES)
     else:
