@@ -313,7 +313,11 @@ class BlockHashCacheManager(BaseCacheManager):
             carried = self._pending.recall(rows, raw, table, hasher, extra_key)
             held = None
         hashes, known, gens = carried  # with ``held``: ``known`` is locked (no LRU refresh)
-        pages = walk(table, rows, hashes, known, extra_key)
+        i0 = len(known)
+        if i0 and not table.max_probe and (i0 == len(hashes) or hashes[i0] not in table.page_of):
+            pages = known  # `walk`'s usual case for an insert: nothing cached past the match
+        else:
+            pages = walk(table, rows, hashes, known, extra_key)
         ps, m, nb = self.page_size, len(pages), len(rows)
         if m == nb:
             self._clock += 1

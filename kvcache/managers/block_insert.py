@@ -27,6 +27,8 @@ def slot_rows(
             check_indices(indices, device)  # raises
         return slots
     if host and isinstance(indices, np.ndarray):
+        if indices.dtype == _INT32 and indices.ndim == 1:  # the flow's form
+            return indices
         return host_array(indices, "indices", SLOT_DTYPES)
     out: np.ndarray = check_indices(indices, device).cpu().numpy()  # type: ignore[arg-type]
     return out

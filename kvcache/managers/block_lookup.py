@@ -243,7 +243,8 @@ class RequestHashes:
         # Lazily, rows are hashed only up to the first one past the chain still cached, and not
         # even that one when the chain's last block has no cached child.
         if lazy:
-            upto = min(len(pages) + (not len(pages) or bool(table.nchild[pages[-1]])), len(rows))
+            more = not len(pages) or table.nchild.item(pages.item(-1)) > 0
+            upto = min(len(pages) + more, len(rows))
         else:
             upto = len(rows)
         if k < upto:
