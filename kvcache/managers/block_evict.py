@@ -45,7 +45,8 @@ _VICTIM = -3
 
 def evict_blocks(table: BlockTable, size: int, events: EventLog | None) -> np.ndarray:
     """Take blocks from the head of the free queue until ``size`` tokens (``0 <`` ``size <=``
-    the evictable ones) are freed, forget them, and return their pages (int64) in order.
+    the evictable ones) are freed, forget them, and return their pages (int64, in order;
+    read-only, valid until the free queue next changes).
 
     ``RuntimeError``, changing nothing, if a victim still has a child that is not a victim.
     Array operations on the victims, whatever their number, but for the key index (``dict``

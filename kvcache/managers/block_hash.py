@@ -288,10 +288,13 @@ class BlockHashCacheManager(BaseCacheManager):
         extra_key: Hashable,
         held: BlockHashCacheHandle | None = None,
         host: bool = False,
+        defer: list[int] | None = None,
     ) -> tuple[int, BlockHashCacheHandle]:
         """The insert; ``held``: a handle of this manager's that is locked (by the caller), whose
         chain (still cached, then) is taken as known when ``input_ids`` extends its tokens;
-        ``host``: NumPy ids and slots are taken too."""
+        ``host``: NumPy ids and slots are taken too; ``defer``: when the new blocks extend
+        ``held``'s chain, they are left out of the free queue and their number appended to it
+        (the caller releases ``held`` at once and queues them with it: `BlockTable.release`)."""
         rows = block_rows(input_ids, self.page_size, host)
         if extra_key is not None:
             check_extra_key(extra_key)
@@ -334,7 +337,10 @@ class BlockHashCacheManager(BaseCacheManager):
         self._clock += 1
         tic = self._clock
         up = int(pages[-1]) if m else -1
-        serial = table.add(fresh, listed, top, keys, probes, rows[m:], up, tic, extra_key)
+        queue = defer is None or held is None or pages is not known
+        serial = table.add(fresh, listed, top, keys, probes, rows[m:], up, tic, extra_key, queue)
+        if not queue:
+            defer.append(len(listed))  # type: ignore[union-attr]
         if held is None or pages is not known:
             table.use(pages, tic)
         if pages is not known:

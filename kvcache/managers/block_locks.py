@@ -45,6 +45,7 @@ class _Manager(Protocol):
         extra_key: Hashable,
         held: BlockHashCacheHandle | None = None,
         host: bool = False,
+        defer: list[int] | None = None,
     ) -> tuple[int, BlockHashCacheHandle]: ...
 
 
@@ -103,14 +104,17 @@ def _release(
     self: _Manager,
     handle: BlockHashCacheHandle,
     record: tuple[int, np.ndarray],
+    chain: np.ndarray | None = None,
+    new: int = 0,
 ) -> None:
+    """One lock of ``handle`` released; ``chain``, ``new``: see `BlockTable.release`."""
     times, locked = self._locks.get(handle, record)  # re-read: a relock may have just added one
     self._flush()
     if times == 1:
         del self._locks[handle]
     else:
         self._locks[handle] = (times - 1, locked)
-    self._table.release(locked, self.clock)
+    self._table.release(locked, self.clock, chain, new)
 
 
 @takes_host_arrays
@@ -161,9 +165,17 @@ def insert_and_unlock(
                 relock=relock,
             )
     # May raise: nothing changed. A locked handle's chain is known to be cached.
-    cached, made = self._insert(input_ids, indices, extra_key, handle if record else None, True)
+    # Without relock, new blocks that extend the handle's chain join the free queue with its
+    # released blocks, in one run (the order of an insert followed by the unlock).
+    defer: list[int] | None = [] if record is not None and not relock else None
+    cached, made = self._insert(
+        input_ids, indices, extra_key, handle if record else None, True, defer
+    )
     if relock and made.cached_len:
         _lock(self, made, made.pages)  # type: ignore[arg-type]
     if record is not None:
-        _release(self, handle, record)  # type: ignore[arg-type]
+        if defer:
+            _release(self, handle, record, made.pages, defer[0])  # type: ignore[arg-type]
+        else:
+            _release(self, handle, record)  # type: ignore[arg-type]
     return InsertResult(cached, made)

@@ -222,12 +222,13 @@ class BlockTable:
         parent: int,
         tic: int,
         extra_key: Hashable,
+        queue: bool = True,
     ) -> int:
         """Cache a chain: ``rows[i]`` (int64 tokens) under ``keys[i]`` (already filed in
         ``page_of``) on ``pages[i]`` (int64, unused, none twice; ``listed`` the same as a list,
         ``top`` the largest), the first chaining from page ``parent`` (``-1``: none). The new
-        blocks are free, used at ``tic``, and join the free queue deepest first. Returns their
-        serial."""
+        blocks are free, used at ``tic``, and join the free queue deepest first (not ``queue``:
+        the caller's `release` queues them). Returns their serial."""
         if top >= self.capacity:
             self.reserve(top)
         self.tok[pages] = rows
@@ -244,7 +245,8 @@ class BlockTable:
             meta[parent, NCHILD] += 1
         elif extra_key is not None:
             self.ns[listed[0]] = extra_key
-        self.free.push(pages[::-1], len(listed))
+        if queue:
+            self.free.push(pages[::-1], len(listed))
         return serial
 
     # Along a chain (root first) ref counts never grow (a lock covers a whole chain from its
@@ -267,16 +269,24 @@ class BlockTable:
             self.free.remove(pages[held:] if held else pages)
             self.num_locked += len(pages) - held
 
-    def release(self, pages: np.ndarray, clock: int) -> None:
+    def release(
+        self, pages: np.ndarray, clock: int, chain: np.ndarray | None = None, new: int = 0
+    ) -> None:
         """``ref -= 1`` on every page of a chain; those left unlocked join the queue's tail,
-        deepest first, used at ``clock``."""
+        deepest first, used at ``clock``. ``chain``: ``pages`` followed by ``new`` blocks that
+        `add` left out of the queue: they join first, deepest first, in the same run."""
         self.ref[pages] -= 1
         held = self._held(pages)
-        if held < len(pages):
+        n = len(pages) - held
+        if n:
             zero = pages[: held - 1 if held else None : -1]
             self.last[zero] = clock
-            self.free.push(zero, len(zero))
-            self.num_locked -= len(zero)
+            self.num_locked -= n
+        if chain is not None:
+            if new + n:
+                self.free.push(chain[::-1][: new + n], new + n)
+        elif n:
+            self.free.push(zero, n)
 
     def use(self, pages: np.ndarray, tic: int) -> None:
         """Mark a chain used at ``tic``: its free blocks move to the queue's tail, deepest first."""

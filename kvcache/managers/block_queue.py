@@ -76,12 +76,13 @@ class FreeQueue:
         self.size -= len(pages)
 
     def head(self, n: int) -> tuple[np.ndarray, int]:
-        """The first ``n`` queued pages (``0 < n <= len(self)``), and where the head moves once
-        they are gone (for `drop`; nothing changes here)."""
+        """The first ``n`` queued pages (``0 < n <= len(self)``; read-only, valid until the next
+        change), and where the head moves once they are gone (for `drop`; nothing changes
+        here)."""
         lo, hi, log, where, pos = self.lo, self.hi, self.log, self.where, self.pos
         window = log[lo : lo + n]
         if where[window].tobytes() == pos[lo : lo + n].tobytes():  # no stale entry among them
-            return window.copy(), lo + n
+            return window, lo + n
         span = 2 * n + 16
         while True:
             end = min(lo + span, hi)
