@@ -132,7 +132,7 @@ class BlockHashCacheManager(BaseCacheManager):
     @property
     def size_info(self) -> SizeInfo:
         t, ps = self._table, self.page_size
-        return SizeInfo(len(t.free) * ps, t.num_locked * ps)  # (evictable, protected)
+        return SizeInfo(t.free.size * ps, t.num_locked * ps)  # (evictable, protected)
 
     @property
     def num_blocks(self) -> int:
@@ -212,7 +212,10 @@ class BlockHashCacheManager(BaseCacheManager):
 
     def _handle(self, pages: np.ndarray, hashes: list[int], raw: bytes) -> BlockHashCacheHandle:
         k = len(pages)
-        keys = tuple(hashes[:k] if not self._table.max_probe else self._table.keys_of(pages))
+        if self._table.max_probe:
+            keys = tuple(self._table.keys_of(pages))
+        else:
+            keys = tuple(hashes if k == len(hashes) else hashes[:k])
         pages.setflags(write=False)  # shared by the handle, its lock record and the memo
         # ``raw``: the request's tokens; the chain's are its first ``k`` blocks.
         return new_handle(k * self.page_size, keys, raw, pages, (self._token, self._epoch, keys))
@@ -376,7 +379,7 @@ class BlockHashCacheManager(BaseCacheManager):
         if size == 0:
             return np.zeros(0, dtype=np.int32) if host else self.empty_tensor  # type: ignore[return-value]
         self._flush()
-        evictable = len(self._table.free) * self.page_size
+        evictable = self._table.free.size * self.page_size
         if size > evictable:
             raise RuntimeError(
                 f"cannot evict {size} tokens: only {evictable} are evictable "

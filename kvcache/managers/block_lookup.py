@@ -213,7 +213,7 @@ class RequestHashes:
         known = held.pages
         if known is None or not len(known) or table.max_probe or not raw.startswith(held.tokens):
             return None
-        if table.ns.get(int(known[0])) != extra_key:
+        if (table.ns.get(known.item(0)) if table.ns else None) != extra_key:
             return None
         hashes = list(held.block_hashes)
         if len(hashes) < len(rows):
