@@ -23,9 +23,11 @@ Our own code, written from vLLM's published design (``vllm/v1/core``: ``kv_cache
 It speaks this package's `BaseCacheManager` API so that the same `RequestFlow` drives both. A
 request is recognised at insert by its tokens (its first block, then an exact comparison of the
 whole remembered prefix), which is what carrying ``block_hashes`` on a request object amounts to.
-Converting the API's tensors (token ids to a list, pages to a slot tensor) and finding the
-request's record are timed separately in ``boundary_seconds``: vLLM's own manager receives
-lists and a request object and returns block ids.
+Converting the API's arrays (token ids, a tensor or the flow's NumPy array, to a list; pages to
+slots, a tensor or, for the fused calls and ``evict(host=True)`` that take the flow's NumPy
+forms as the package's managers do, a NumPy array) and finding the request's record are timed
+separately in ``boundary_seconds``: vLLM's own manager receives lists and a request object and
+returns block ids.
 
 Per block it does no more than vLLM, and in places less: a lookup is one dict probe (vLLM also
 builds a ``BlockHashWithGroupId`` key and goes through ``BlockHashToBlockMap.get_one_block``);

@@ -255,9 +255,9 @@ class BlockTable:
     def _held(self, pages: np.ndarray) -> int:
         """How many blocks of the chain ``pages`` (not empty) are locked: a prefix of it."""
         ref = self.ref
-        if not ref[pages[0]]:
+        if not ref.item(pages.item(0)):  # item(): plain ints, no NumPy scalars
             return 0
-        if ref[pages[-1]]:
+        if ref.item(pages.item(-1)):
             return len(pages)
         return int(np.count_nonzero(ref[pages]))
 
