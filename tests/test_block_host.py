@@ -15,7 +15,7 @@ from conftest import unchanged as watch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache import BlockHashCacheManager, PageAllocator, RequestFlow
+from kvcache import BaseCacheManager, BlockHashCacheManager, PageAllocator, RequestFlow
 from kvcache.managers.base import fused_calls_safe, host_arrays_safe, takes_host_arrays
 
 OPS = st.lists(
@@ -198,3 +198,54 @@ def test_the_flow_drives_it_with_host_arrays():
         results.append((reused, flow.stats.evicted_tokens, sorted(m.cached_indices().tolist())))
     assert results[0] == results[1]
     assert seen and set(seen) == {np.ndarray}
+
+
+class SeparateCalls(BlockHashCacheManager):
+    """The same manager driven through the base class's fused calls (the separate public calls)."""
+
+    match_and_lock = BaseCacheManager.match_and_lock
+    insert_and_unlock = BaseCacheManager.insert_and_unlock
+
+
+def decided(m: BlockHashCacheManager) -> Any:
+    """What the cache decided (blocks, their pages and locks, the eviction order), not when."""
+    blocks = sorted((b.tokens, b.page, b.ref_count, b.num_children) for b in m.blocks())
+    return blocks, m.free_queue(), m.size_info, sorted(m.locked_handles().values())
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=OPS, ps=st.sampled_from([1, 2]))
+def test_own_fused_calls_decide_as_the_separate_calls(ops: list, ps: int) -> None:
+    """The fused calls' shortcuts (the handle's chain as the insert's start, the new blocks
+    queued with the released ones in one run, no memo entry from the match) change nothing
+    the cache decides: same answers, blocks, locks and eviction order after every step."""
+    fm, sm = BlockHashCacheManager(page_size=ps), SeparateCalls(page_size=ps)
+    held: list[tuple[Any, Any, list[int]]] = []
+    fresh = 0
+    for kind, toks, k in ops:
+        if kind == "match" or (not held and kind in ("insert", "relock")):
+            fh, fidx = fm.match_and_lock(np.array(toks, dtype=np.int64))
+            sh, sidx = sm.match_and_lock(np.array(toks, dtype=np.int64))
+            assert fh == sh and fidx.tolist() == sidx.tolist()
+            held.append((fh, sh, toks))
+        elif kind in ("insert", "relock"):
+            fh, sh, base = held.pop(k % len(held))
+            seq = base + toks
+            n = len(seq)
+            prefix = fm.handle_indices(fh).tolist() if fh.cached_len else []
+            new = [fresh * ps + j for j in range(-(-(n - len(prefix)) // ps) * ps)]
+            fresh += -(-(n - len(prefix)) // ps)
+            slots = np.array((prefix + new)[:n], dtype=np.int32)
+            relock = kind == "relock"
+            ids = np.array(seq, dtype=np.int64)
+            fres = fm.insert_and_unlock(fh, ids, slots, relock=relock)
+            sres = sm.insert_and_unlock(sh, ids, slots, relock=relock)
+            assert fres.cached_len == sres.cached_len and fres.handle == sres.handle
+            if relock:
+                held.append((fres.handle, sres.handle, seq))
+        else:
+            size = min(k * ps, fm.size_info.evictable_size)
+            assert fm.evict(size, host=True).tolist() == sm.evict(size, host=True).tolist()
+        assert decided(fm) == decided(sm)
+        fm.check_integrity()
+        sm.check_integrity()
