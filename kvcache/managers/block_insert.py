@@ -30,7 +30,7 @@ def slot_rows(
         if indices.dtype == _INT32 and indices.ndim == 1:  # the flow's form
             return indices
         return host_array(indices, "indices", SLOT_DTYPES)
-    out: np.ndarray = check_indices(indices, device).cpu().numpy()  # type: ignore[arg-type]
+    out: np.ndarray = check_indices(indices, device).cpu().numpy()
     return out
 
 

@@ -11,7 +11,7 @@ manager's) goes through the separate calls, with their checks and errors.
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -123,10 +123,11 @@ def match_and_lock(
 ) -> tuple[BlockHashCacheHandle, torch.Tensor]:
     """`match_prefix`, then `lock_handle` of its handle (the same decisions, one call); the
     NumPy form as `BaseCacheManager.match_and_lock` describes it."""
+    given: Any = input_ids  # the NumPy form too (the annotations name the tensor form only)
     if self._plain_match:  # the insert reads the handle: no memo entry
-        handle, slots = self._match(input_ids, extra_key, False, isinstance(input_ids, np.ndarray))
-    elif isinstance(input_ids, np.ndarray):  # a subclass's own match_prefix takes tensors
-        return BaseCacheManager.match_and_lock(self, input_ids, extra_key)  # type: ignore[arg-type, return-value]
+        handle, slots = self._match(input_ids, extra_key, False, isinstance(given, np.ndarray))
+    elif isinstance(given, np.ndarray):  # a subclass's own match_prefix takes tensors
+        return BaseCacheManager.match_and_lock(self, given, extra_key)  # type: ignore[arg-type, return-value]
     else:
         handle, slots = self.match_prefix(input_ids, extra_key)
     pages = handle.pages
@@ -169,7 +170,12 @@ def insert_and_unlock(
     # released blocks, in one run (the order of an insert followed by the unlock).
     defer: list[int] | None = [] if record is not None and not relock else None
     cached, made = self._insert(
-        input_ids, indices, extra_key, handle if record else None, True, defer
+        input_ids,
+        indices,
+        extra_key,
+        cast(BlockHashCacheHandle, handle) if record is not None else None,
+        True,
+        defer,
     )
     if relock and made.cached_len:
         _lock(self, made, made.pages)  # type: ignore[arg-type]
