@@ -17,8 +17,11 @@ stand-in's hashing (vLLM computes ``Request.block_hashes`` when a request arrive
 measurement of its manager calls alone may leave that time out; ours hashes inside its calls).
 See `vllm_standin` for what the stand-in does per block (no more than vLLM).
 
+The flow hands both managers its host NumPy arrays (ids, slots; slots back), as it does any
+manager whose fused calls take them (`takes_host_arrays`); ``--tensors`` hands both tensors.
+
 Run: ``python benchmarks/block_hash_vs_vllm.py [--page-size 16 1] [--repeats 3] [--clock cpu]
-[--json PATH]``.
+[--traces chat agent] [--tensors] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vllm_standin import VllmStandIn
 
 from kvcache import BaseCacheManager, BlockHashCacheManager, PageAllocator, RequestFlow
+from kvcache.managers.base import host_arrays_safe, takes_host_arrays
 from kvcache.serving.workloads import Job, multi_turn_chat
 
 VOCAB = 32000
@@ -153,16 +157,46 @@ class Timed(BaseCacheManager):
         return out
 
 
+class TimedHost(Timed):
+    """`Timed` for a manager whose fused calls and ``evict`` take the flow's host NumPy arrays
+    (`takes_host_arrays`): the flow then hands them over as they are, as it does unwrapped."""
+
+    @takes_host_arrays
+    def match_and_lock(self, *a, **k):
+        return self._call("match_and_lock", *a, **k)
+
+    @takes_host_arrays
+    def insert_and_unlock(self, *a, **k):
+        return self._call("insert_and_unlock", *a, **k)
+
+    @takes_host_arrays
+    def evict(self, *a, **k):
+        return self._call("evict", *a, **k)
+
+
+def timed(manager: BaseCacheManager, host: bool = True) -> Timed:
+    """``manager`` wrapped to time its calls, in the forms the flow would use on it (``host``:
+    the NumPy forms where all three calls take them)."""
+    names = ("match_and_lock", "insert_and_unlock", "evict")
+    use_host = host and all(host_arrays_safe(type(manager), n) for n in names)
+    return (TimedHost if use_host else Timed)(manager)
+
+
 def drive(
-    make: Callable[[], BaseCacheManager], jobs: list[Job], pool_tokens: int, page_size: int
+    make: Callable[[], BaseCacheManager],
+    jobs: list[Job],
+    pool_tokens: int,
+    page_size: int,
+    host: bool = True,
 ) -> tuple[float, float, dict[str, object]]:
     """Replay ``jobs`` (prompt, then the output appended, then finish) and return
-    (seconds inside manager calls, of which boundary conversions, decisions)."""
+    (seconds inside manager calls, of which boundary conversions, decisions); ``host``: the
+    flow hands over its NumPy arrays where the manager takes them (else tensors)."""
     inner = make()
     if isinstance(inner, VllmStandIn):
         inner.clock = clock
-    timed = Timed(inner)
-    flow = RequestFlow(timed, PageAllocator(pool_tokens // page_size, page_size))
+    wrapped = timed(inner, host)
+    flow = RequestFlow(wrapped, PageAllocator(pool_tokens // page_size, page_size))
     reused = []
     for job in jobs:
         req = flow.begin(job.prompt)
@@ -175,13 +209,19 @@ def drive(
     cached = sorted(inner.cached_indices().tolist())
     decisions = {"reused": reused, "evicted_tokens": flow.stats.evicted_tokens, "cached": cached}
     return (
-        timed.seconds,
+        wrapped.seconds,
         (getattr(inner, "boundary_seconds", 0.0), getattr(inner, "hash_seconds", 0.0)),
         decisions,
     )
 
 
-def compare(page_size: int, repeats: int, pool_tokens: int) -> dict[str, dict[str, float]]:
+def compare(
+    page_size: int,
+    repeats: int,
+    pool_tokens: int,
+    traces: tuple[str, ...] = tuple(TRACES),
+    host: bool = True,
+) -> dict[str, dict[str, float]]:
     makers: dict[str, Callable[[], BaseCacheManager]] = {
         "BlockHashCacheManager": lambda: BlockHashCacheManager("cpu", page_size),
         "vLLM stand-in": lambda: VllmStandIn("cpu", page_size),
@@ -190,13 +230,13 @@ def compare(page_size: int, repeats: int, pool_tokens: int) -> dict[str, dict[st
         ),
     }
     out: dict[str, dict[str, float]] = {}
-    for trace, gen in TRACES.items():
-        jobs = gen()
+    for trace in traces:
+        jobs = TRACES[trace]()
         best: dict[str, tuple[float, tuple[float, float]]] = {}
         ref = None
         for _ in range(repeats):  # interleaved, best of each: load on the machine hits both alike
             for name, make in makers.items():
-                secs, boundary, decisions = drive(make, jobs, pool_tokens, page_size)
+                secs, boundary, decisions = drive(make, jobs, pool_tokens, page_size, host)
                 if ref is None:
                     ref = decisions
                 elif decisions != ref:
@@ -234,8 +274,8 @@ def radix_ops_rows(
     for ps in page_sizes:
         flow_s, manager_s = [], []
         for _ in range(repeats):
-            timed = Timed(BlockHashCacheManager("cpu", ps))
-            flow = RequestFlow(timed, PageAllocator(pool_tokens // ps, ps))
+            wrapped = timed(BlockHashCacheManager("cpu", ps))
+            flow = RequestFlow(wrapped, PageAllocator(pool_tokens // ps, ps))
             t0 = time.perf_counter()
             for job in jobs:
                 req = flow.begin(job.prompt)
@@ -245,7 +285,7 @@ def radix_ops_rows(
                     flow.mark_computed(req)
                 flow.finish(req)
             flow_s.append(time.perf_counter() - t0)
-            manager_s.append(timed.seconds)
+            manager_s.append(wrapped.seconds)
         rows[f"page_size_{ps}"] = {
             "flow_seconds": min(flow_s),
             "manager_seconds": min(manager_s),
@@ -270,6 +310,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--pool", type=int, default=49152, help="pool size in tokens")
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
+    ap.add_argument("--traces", nargs="+", choices=list(TRACES), default=list(TRACES))
+    ap.add_argument(
+        "--tensors",
+        action="store_true",
+        help="hand both managers tensors (the flow's form for a manager without NumPy forms)",
+    )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     global clock
@@ -281,11 +327,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
         "clock": args.clock,
+        "calls": "tensors" if args.tensors else "host NumPy arrays",
     }
     print(f"ran on: {info}")
     result: dict[str, object] = {"machine": info}
     for ps in args.page_size:
-        rows = compare(ps, args.repeats, args.pool)
+        rows = compare(ps, args.repeats, args.pool, tuple(args.traces), not args.tensors)
         result[f"page_size_{ps}"] = rows
         print(
             f"\npage size {ps}, pool {args.pool} tokens; seconds inside manager calls (best of {args.repeats}):"

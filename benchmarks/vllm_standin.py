@@ -23,9 +23,11 @@ Our own code, written from vLLM's published design (``vllm/v1/core``: ``kv_cache
 It speaks this package's `BaseCacheManager` API so that the same `RequestFlow` drives both. A
 request is recognised at insert by its tokens (its first block, then an exact comparison of the
 whole remembered prefix), which is what carrying ``block_hashes`` on a request object amounts to.
-Converting the API's tensors (token ids to a list, pages to a slot tensor) and finding the
-request's record are timed separately in ``boundary_seconds``: vLLM's own manager receives
-lists and a request object and returns block ids.
+Converting the API's arrays (token ids, a tensor or the flow's NumPy array, to a list; pages to
+slots, a tensor or, for the fused calls and ``evict(host=True)`` that take the flow's NumPy
+forms as the package's managers do, a NumPy array) and finding the request's record are timed
+separately in ``boundary_seconds``: vLLM's own manager receives lists and a request object and
+returns block ids.
 
 Per block it does no more than vLLM, and in places less: a lookup is one dict probe (vLLM also
 builds a ``BlockHashWithGroupId`` key and goes through ``BlockHashToBlockMap.get_one_block``);
@@ -46,6 +48,7 @@ import numpy as np
 import torch
 
 from kvcache import BaseCacheHandle, BaseCacheManager, InsertResult, SizeInfo
+from kvcache.managers.base import takes_host_arrays
 
 __all__ = ["VllmStandIn", "StandInHandle"]
 
@@ -122,19 +125,19 @@ class VllmStandIn(BaseCacheManager):
         self.requests: dict[tuple[int, ...], tuple[list[int], list[bytes], list[_Block]]] = {}
 
     # --------------------------------------------------------- boundary
-    def _tokens(self, input_ids: torch.Tensor) -> list[int]:
+    def _tokens(self, input_ids: torch.Tensor | np.ndarray) -> list[int]:
         t0 = self.clock()
-        out = input_ids.numpy().tolist()
+        out = (input_ids if isinstance(input_ids, np.ndarray) else input_ids.numpy()).tolist()
         self.boundary_seconds += self.clock() - t0
         return out
 
-    def _slots(self, blocks: list[_Block]) -> torch.Tensor:
+    def _slots(self, blocks: list[_Block], host: bool = False) -> torch.Tensor:
         t0 = self.clock()
         ps = self.page_size
         pages = np.fromiter([b.page for b in blocks], dtype=np.int64, count=len(blocks))
-        out = torch.from_numpy((pages[:, None] * ps + np.arange(ps)).reshape(-1).astype(np.int32))
+        out = (pages[:, None] * ps + np.arange(ps)).reshape(-1).astype(np.int32)
         self.boundary_seconds += self.clock() - t0
-        return out
+        return out if host else torch.from_numpy(out)  # type: ignore[return-value]
 
     # ------------------------------------------------------------ hashes
     def _block_hashes(self, ids: list[int], arrival: bool) -> tuple[list[bytes], list[_Block]]:
@@ -185,12 +188,15 @@ class VllmStandIn(BaseCacheManager):
             self.requests[tuple(ids[: self.page_size])] = (ids, hashes, blocks)
             self.boundary_seconds += self.clock() - t0
 
-    def match_prefix(self, input_ids: torch.Tensor) -> tuple[StandInHandle, torch.Tensor]:
+    def match_prefix(
+        self, input_ids: torch.Tensor, *, host: bool = False
+    ) -> tuple[StandInHandle, torch.Tensor]:
         ids = self._tokens(input_ids)
         hashes, _ = self._block_hashes(ids, arrival=True)
         blocks = self._computed(hashes)
         self._remember(ids, hashes, blocks)
-        return StandInHandle(len(blocks) * self.page_size, tuple(blocks)), self._slots(blocks)
+        slots = self._slots(blocks, host)
+        return StandInHandle(len(blocks) * self.page_size, tuple(blocks)), slots
 
     def lock_handle(self, handle: BaseCacheHandle, unlock: bool = False) -> None:
         blocks = handle.blocks  # type: ignore[attr-defined]
@@ -208,14 +214,17 @@ class VllmStandIn(BaseCacheManager):
                 block.ref_cnt += 1
 
     # The flow's fused calls: the same work as the separate calls (vLLM's allocate_slots looks
-    # up and touches in one call; its request's end caches and frees).
+    # up and touches in one call; its request's end caches and frees). Like the managers, they
+    # take the flow's host NumPy arrays as they are (vLLM is handed lists and gives block ids).
+    @takes_host_arrays
     def match_and_lock(
         self, input_ids: torch.Tensor, extra_key: object = None
     ) -> tuple[StandInHandle, torch.Tensor]:
-        handle, slots = self.match_prefix(input_ids)
+        handle, slots = self.match_prefix(input_ids, host=isinstance(input_ids, np.ndarray))
         self.lock_handle(handle)
         return handle, slots
 
+    @takes_host_arrays
     def insert_and_unlock(
         self,
         handle: BaseCacheHandle,
@@ -251,7 +260,8 @@ class VllmStandIn(BaseCacheManager):
         blocks = held + self._computed(hashes, len(held))
         m = len(blocks)
         t0 = self.clock()
-        pages = (indices[m * ps : len(hashes) * ps : ps].numpy() // ps).tolist()
+        cut = indices[m * ps : len(hashes) * ps : ps]
+        pages = ((cut if isinstance(cut, np.ndarray) else cut.numpy()) // ps).tolist()
         self.boundary_seconds += self.clock() - t0
         new = []
         pool = self.pool
@@ -279,7 +289,8 @@ class VllmStandIn(BaseCacheManager):
         self._remember(ids, hashes, blocks)
         return m * ps, blocks
 
-    def evict(self, size: int) -> torch.Tensor:
+    @takes_host_arrays
+    def evict(self, size: int, *, host: bool = False) -> torch.Tensor:
         n = -(-size // self.page_size)
         if n > self.free.num_free:
             raise RuntimeError(f"cannot evict {size} tokens")
@@ -287,7 +298,7 @@ class VllmStandIn(BaseCacheManager):
         for block in victims:
             del self.cached[block.block_hash]
             block.block_hash = b""  # vLLM's reset_hash
-        return self._slots(victims) if victims else torch.empty(0, dtype=torch.int32)
+        return self._slots(victims, host)
 
     @property
     def size_info(self) -> SizeInfo:

@@ -215,6 +215,9 @@ def _filled() -> BlockHashCacheManager:
             "consecutive slots",
         ),
         (ids(*range(12)), slots_of([5, 6, -1], 4), ValueError, ">= 0"),
+        (ids(99, 98, 97, 96), torch.full((4,), -1, dtype=torch.int32), ValueError, ">= 0"),
+        (ids(*range(90, 98)), torch.zeros(8, dtype=torch.int32), ValueError, "consecutive slots"),
+        (ids(99, 98, 97, 96), slots_of([10**6], 4) - 1, ValueError, "consecutive slots"),
         (
             ids(*range(4), 9, 9, 9, 9),
             slots_of([5, 3], 4),
@@ -232,6 +235,61 @@ def _filled() -> BlockHashCacheManager:
 def test_insert_misuse_changes_nothing(input_ids, indices, exc, match):
     m = _filled()
     unchanged(m, exc, match, m.insert_prefix, input_ids, indices)
+
+
+@pytest.mark.parametrize("slots", [[0, 0], [-1, -1], [-2, -1], [1, 2]])
+def test_an_empty_table_checks_slots_too(slots):
+    """The first insert (no page known yet, only the spare row) checks its slots all the same."""
+    m = BlockHashCacheManager(page_size=2)
+    unchanged(
+        m,
+        ValueError,
+        "consecutive slots|>= 0",
+        m.insert_prefix,
+        ids(1, 2),
+        torch.tensor(slots, dtype=torch.int32),
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    ps=st.sampled_from([1, 2, 4]),
+    cached=st.lists(st.integers(0, 6), max_size=3, unique=True),
+    new=st.lists(st.integers(-2, 9) | st.integers(62, 66), min_size=1, max_size=3),
+    shift=st.lists(st.integers(-1, 1), min_size=12, max_size=12),
+)
+def test_new_block_slots_are_accepted_exactly_when_valid(ps, cached, new, shift):
+    """An insert's new slots against a plain reference: accepted iff every block's slots are the
+    consecutive slots of one page ``>= 0`` that is neither cached nor used twice (the pages
+    straddle the table's edge, so the array fast path and the growing path both run)."""
+    m = BlockHashCacheManager(page_size=ps)
+    for i, page in enumerate(cached):  # one-block chains on these pages
+        m.insert_prefix(ids(*[100 + i] * ps), slots_of([page], ps))
+    got = [
+        p * ps + j + shift[i] * (i % 3 == 1)
+        for i, (p, j) in enumerate((p, j) for p in new for j in range(ps))
+    ]
+    blocks = [got[i : i + ps] for i in range(0, len(got), ps)]
+    pages = [b[0] // ps for b in blocks]
+    valid = all(b == list(range(b[0], b[0] + ps)) and b[0] >= 0 for b in blocks)
+    valid = valid and all(b[0] % ps == 0 for b in blocks)
+    valid = valid and len(set(pages)) == len(pages) and not set(pages) & set(cached)
+    tokens = ids(*range(len(got)))
+    if valid:
+        assert m.insert_prefix(tokens, torch.tensor(got, dtype=torch.int32)) == 0
+        assert sorted(m.cached_indices().tolist()) == sorted(
+            [p * ps + j for p in [*cached, *pages] for j in range(ps)]
+        )
+        m.check_integrity()
+    else:
+        unchanged(
+            m,
+            ValueError,
+            "indices|page",
+            m.insert_prefix,
+            tokens,
+            torch.tensor(got, dtype=torch.int32),
+        )
 
 
 def test_unaligned_tail_is_not_checked_and_stays_the_callers():
@@ -427,7 +485,7 @@ def test_evict_refuses_if_the_queue_order_were_broken():
     key = m.match_prefix(ids(1, 2))[0].block_hashes[1]
     m.free_queue()
     page = m.get_block(key).page
-    m._table.free[page] = m._table.free.pop(page)  # corrupt: parent now first
+    m._table.free.push(np.array([page]), 0)  # corrupt: moved to the tail, the parent now first
     with pytest.raises(RuntimeError, match="queued after its parent"):
         m.check_integrity()
     unchanged_dump = dump(m)
@@ -471,9 +529,14 @@ def _corrupt(fn):
         (lambda m, b: m._table.ref.__setitem__(b[2].page, -1), "negative ref_count|free queue"),
         (lambda m, b: m._table.ref.__setitem__(b[1].page, 2), "exceeds its parent"),
         (lambda m, b: m._table.tok.__setitem__(b[2].page, [5, 9]), "hash does not match"),
-        (lambda m, b: m._table.free.pop(b[3].page), "not in the free queue"),
-        (lambda m, b: m._table.free.__setitem__(b[0].page, None), "in the free queue"),
-        (lambda m, b: m._table.free.__setitem__(999, None), "not cached"),
+        (lambda m, b: m._table.free.remove(np.array([b[3].page])), "not in the free queue"),
+        (lambda m, b: m._table.free.push(np.array([b[0].page]), 1), "in the free queue"),
+        (
+            lambda m, b: (m._table.reserve(999), m._table.free.push(np.array([999]), 1)),
+            "not cached",
+        ),
+        (lambda m, b: m._table.free.where.__setitem__(b[3].page, -1), "free queue: 1 pages"),
+        (lambda m, b: setattr(m._table.free, "size", 3), "3 counted"),
         (lambda m, b: m._table.page_of.pop(b[1].block_hash), "pages recorded"),
         (lambda m, b: m._table.gen.__setitem__(b[1].page, -1), "pages recorded"),
         (

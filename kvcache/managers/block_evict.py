@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
-from itertools import islice
 
 import numpy as np
 
@@ -39,54 +38,69 @@ def prefix_tokens(table: BlockTable, page: int) -> list[int]:
     return tokens
 
 
+#: What ``gen`` holds for a victim while `evict_blocks` checks its children (a page that holds no
+#: block has -1).
+_VICTIM = -3
+
+
 def evict_blocks(table: BlockTable, size: int, events: EventLog | None) -> np.ndarray:
-    """Take blocks from the head of the free queue until ``size`` tokens (``<=`` the evictable
-    ones) are freed, forget them, and return their pages (int64) in order.
+    """Take blocks from the head of the free queue until ``size`` tokens (``0 <`` ``size <=``
+    the evictable ones) are freed, forget them, and return their pages (int64, in order;
+    read-only, valid until the free queue next changes).
 
     ``RuntimeError``, changing nothing, if a victim still has a child that is not a victim.
+    Array operations on the victims, whatever their number, but for the key index (``dict``
+    deletions in C) and the parents that stay (usually one).
     """
-    ps = table.page_size
-    victims: list[int] = list(islice(table.free, -(-size // ps)))
-    pages = np.array(victims, dtype=np.int64)
-    ups: list[int] = table.parent[pages].tolist()
-    chosen = set(victims)
-    outer = [up for up in ups if up not in chosen]  # parents that stay (-1: none)
+    pages, lo = table.free.head(-(-size // table.page_size))
+    gen = table.gen
+    before = gen[pages]
+    gen[pages] = _VICTIM
+    ups = table.parent[pages]
+    up_gen = gen[ups]  # a first block's parent is the spare row: -1
     # Every victim's children must be victims too (the queue's order promises it): the victims
-    # chaining from a victim are among its children, so equal totals mean all of them. Plain
-    # Python on the (short) list of victims: cheaper than more NumPy calls.
-    if len(ups) - len(outer) != int(np.add.reduce(table.nchild[pages])):
-        inner_of = dict.fromkeys(victims, 0)
-        for up in ups:
-            if up in chosen:
-                inner_of[up] += 1
-        page = next(v for v in victims if table.nchild[v] != inner_of[v])
-        raise RuntimeError(
-            f"internal error: free block {int(table.key[page]):#018x} would be evicted before "
-            f"its {int(table.nchild[page])} children; nothing was evicted"
-        )
-    table.gen[pages] = -1
+    # chaining from a victim are among its children, so equal totals mean all of them.
+    # (Lists: a few dozen victims are counted faster in Python than by a ufunc call.)
+    if up_gen.tolist().count(_VICTIM) != sum(table.nchild[pages].tolist()):
+        gen[pages] = before
+        _refuse(table, pages.tolist(), ups.tolist())
+    gen[pages] = -1
+    outer: list[int] = ups[up_gen >= 0].tolist()  # parents that stay
+    table.free.drop(pages, lo)
     if events is not None:
-        for page in victims:
+        ps = table.page_size
+        for page in pages.tolist():
             first = page * ps
             events.removed(
                 table.namespace(page), prefix_tokens(table, page), list(range(first, first + ps))
             )
-    free, page_of, ns = table.free, table.page_of, table.ns
-    deque(map(free.pop, victims), 0)
-    deque(map(page_of.pop, table.key[pages].tolist()), 0)
+    deque(map(table.page_of.pop, table.key[pages].tolist()), 0)
+    ns = table.ns
     if ns:
-        for page, up in zip(victims, ups, strict=True):
+        for page, up in zip(pages.tolist(), ups.tolist(), strict=True):
             if up < 0:
                 ns.pop(page, None)
     nchild = table.nchild  # victims' own counts drop to 0 with them
     if len(outer) > 8:
         np.subtract.at(nchild, outer, 1)
-        nchild[-1] = 0  # the spare row took the first blocks' decrements
     else:
         for up in outer:
-            if up >= 0:
-                nchild[up] -= 1
+            nchild[up] -= 1
     return pages
+
+
+def _refuse(table: BlockTable, victims: list[int], ups: list[int]) -> None:
+    """``RuntimeError`` naming a victim that has a child outside ``victims``."""
+    chosen = set(victims)
+    inner_of = dict.fromkeys(victims, 0)
+    for up in ups:
+        if up in chosen:
+            inner_of[up] += 1
+    page = next(v for v in victims if table.nchild[v] != inner_of[v])
+    raise RuntimeError(
+        f"internal error: free block {int(table.key[page]):#018x} would be evicted before "
+        f"its {int(table.nchild[page])} children; nothing was evicted"
+    )
 
 
 def check_table(
@@ -122,7 +136,13 @@ def check_table(
             raise RuntimeError(f"handle {handle} recorded with lock count {n}")
         for key in handle.block_hashes:
             expected_refs[key] = expected_refs.get(key, 0) + n
-    free_list = list(table.free)
+    free_list: list[int] = table.free.pages().tolist()
+    queued = int(np.count_nonzero(table.free.where >= 0))
+    if not len(free_list) == len(set(free_list)) == queued == len(table.free):
+        raise RuntimeError(
+            f"free queue: {len(free_list)} pages listed ({len(set(free_list))} distinct), "
+            f"{queued} marked queued, {len(table.free)} counted"
+        )
     extra = [p for p in free_list if p not in cached]
     if extra:
         raise RuntimeError(f"free queue holds {len(extra)} pages that are not cached: {extra[:4]}")

@@ -9,8 +9,9 @@ prefix without any tree. The manager keeps:
 - a table of blocks indexed by page (`block_pool.BlockTable`): per page, in NumPy arrays, the
   tokens, the key, the parent's page, a ref count, a child count and the logical time of last
   use; and ``key -> page`` in a dict;
-- a *free queue* (a ``dict`` in insertion order) of the pages whose ref count is 0. It is also the eviction
-  order: ``evict`` takes blocks from its head;
+- a *free queue* (`block_queue.FreeQueue`: a log of pages with lazy removal, a chain's run
+  appended in one slice) of the pages whose ref count is 0. It is also the eviction order:
+  ``evict`` takes blocks from its head;
 - the locked handles and how often each is locked, so that unlocking a handle that is not locked
   is refused even while its blocks are locked through another handle.
 
@@ -18,15 +19,18 @@ Speed. The default hash (`block_hash_chain`) is computed for every block of a se
 with a few NumPy passes; a lookup is then one dict probe per block (``map`` in C), and the
 parents and tokens of the whole matched chain are compared in one array operation each
 (`block_lookup.walk`). The hashes and chains of recent sequences are remembered
-(`block_lookup.RequestHashes`): a request's insert reuses what its match found (vLLM's
-``Request.block_hashes``), and a conversation's next turn, which resends its whole history,
-reuses what the last turn's insert left, so neither hashes nor walks again what is still cached
-(the bytes are compared, and each remembered page's serial). A match hashes only up to the first
-block past that chain; the insert hashes the rest. Locking, unlocking and the LRU refresh
-are array operations on the chain's pages; slots are built in NumPy; an insert validates its new
-blocks only, in NumPy. No per-block Python object exists: a handle carries its chain's pages, so
+(`block_lookup.RequestHashes`): a conversation's next turn, which resends its whole history,
+reuses what the last turn's insert left, so it neither hashes nor walks again what is still
+cached (the bytes are compared, and each remembered page's serial); a request's insert reuses
+what its match found (vLLM's ``Request.block_hashes``): the fused insert reads it off the handle
+it releases (locked, so still cached), a separate insert off the memo. A match hashes only up to
+the first block past that chain; the insert hashes the rest. Locking, unlocking, queueing and
+the LRU refresh are array operations on the chain's pages; slots are built in NumPy; an insert
+validates its new blocks only, in NumPy; eviction is array operations on its victims but for
+the key index. No per-block Python object exists: a handle carries its chain's pages, so
 locking one made since the last eviction re-checks nothing, and a match's LRU refresh waits for
-the next call, which skips it when it locks that very chain.
+the next call, which skips it when it locks that very chain. The fused calls and ``evict`` also
+take and give the flow's host NumPy arrays (`takes_host_arrays`).
 
 Locking and the flow's fused calls: see `block_locks`. Collisions: see `block_lookup`. Eviction rule: see `block_evict`; ``check_integrity`` verifies the free queue's order.
 """
@@ -39,22 +43,21 @@ from collections.abc import Hashable, Iterator
 import numpy as np
 import torch
 
-from .._validate import check_count, check_indices, check_positive_int, check_token_ids
+from .._validate import check_count, check_positive_int
 from . import block_locks
-from .base import BaseCacheHandle, BaseCacheManager, InsertResult, SizeInfo
+from .base import BaseCacheHandle, BaseCacheManager, InsertResult, SizeInfo, takes_host_arrays
 from .block_evict import check_table, evict_blocks
 from .block_hash_chain import (
     ROOT_HASH_SEED,
     ChainHasher,
     HashFn,
+    block_rows,
     default_block_hash,
-    token_array,
 )
-from .block_lookup import RequestHashes, file_keys, handle_pages, hash_rest, new_pages, walk
+from .block_insert import file_keys, new_pages, slot_rows
+from .block_lookup import RequestHashes, handle_pages, hash_rest, walk
 from .block_pool import BlockHashCacheHandle, BlockTable, CachedBlock, new_handle
 from .cache_events import CacheEvent, EventLog, check_extra_key, events_off
-
-_INT64, _INT32 = np.dtype(np.int64), np.dtype(np.int32)
 
 __all__ = [
     "CachedBlock",
@@ -111,6 +114,7 @@ class BlockHashCacheManager(BaseCacheManager):
         self._token = object()  # names this manager in the handles it makes
         self._epoch = 0  # bumped whenever a block leaves the cache
         self._events = EventLog() if events else None
+        self._plain_match = type(self).match_prefix is BlockHashCacheManager.match_prefix
         self._init_state()
 
     # ------------------------------------------------------------------ state
@@ -128,7 +132,7 @@ class BlockHashCacheManager(BaseCacheManager):
     @property
     def size_info(self) -> SizeInfo:
         t, ps = self._table, self.page_size
-        return SizeInfo(len(t.free) * ps, t.num_locked * ps)  # (evictable, protected)
+        return SizeInfo(t.free.size * ps, t.num_locked * ps)  # (evictable, protected)
 
     @property
     def num_blocks(self) -> int:
@@ -159,7 +163,7 @@ class BlockHashCacheManager(BaseCacheManager):
         """Keys of the evictable blocks in eviction order (head first)."""
         self._flush()
         t = self._table
-        return t.keys_of(np.fromiter(t.free, dtype=np.int64, count=len(t.free)))
+        return t.keys_of(t.free.pages())
 
     def locked_handles(self) -> dict[BlockHashCacheHandle, int]:
         """Each locked handle and how many times it is locked (a copy)."""
@@ -199,14 +203,6 @@ class BlockHashCacheManager(BaseCacheManager):
         return self._events.take()
 
     # ----------------------------------------------------------- lookups
-    def _rows(self, input_ids: torch.Tensor) -> np.ndarray:
-        """The full blocks of ``input_ids`` (validated) as an ``(n, page_size)`` int64 array."""
-        ids = input_ids.numpy() if type(input_ids) is torch.Tensor and input_ids.is_cpu else None
-        if ids is None or ids.ndim != 1 or ids.dtype != _INT64:  # the usual case skips the checks
-            ids = token_array(check_token_ids(input_ids))
-        nb = len(ids) // self.page_size
-        return ids[: nb * self.page_size].reshape(nb, self.page_size)
-
     def _flush(self) -> None:
         """Apply the last match's deferred LRU refresh, if any."""
         if self._touch is not None:
@@ -216,7 +212,10 @@ class BlockHashCacheManager(BaseCacheManager):
 
     def _handle(self, pages: np.ndarray, hashes: list[int], raw: bytes) -> BlockHashCacheHandle:
         k = len(pages)
-        keys = tuple(hashes[:k] if not self._table.max_probe else self._table.keys_of(pages))
+        if self._table.max_probe:
+            keys = tuple(self._table.keys_of(pages))
+        else:
+            keys = tuple(hashes if k == len(hashes) else hashes[:k])
         pages.setflags(write=False)  # shared by the handle, its lock record and the memo
         # ``raw``: the request's tokens; the chain's are its first ``k`` blocks.
         return new_handle(k * self.page_size, keys, raw, pages, (self._token, self._epoch, keys))
@@ -232,7 +231,14 @@ class BlockHashCacheManager(BaseCacheManager):
         once (`match_and_lock`), which takes the blocks out of the queue, so only a match that
         is not locked decides differently.
         """
-        rows = self._rows(input_ids)
+        return self._match(input_ids, extra_key, True)
+
+    def _match(
+        self, input_ids: torch.Tensor, extra_key: Hashable, keep: bool, host: bool = False
+    ) -> tuple[BlockHashCacheHandle, torch.Tensor]:
+        """`match_prefix`; ``keep``: remember its hashes for the insert (the fused insert takes
+        them from the handle it releases); ``host``: the NumPy form (ids and slots)."""
+        rows = block_rows(input_ids, self.page_size, host)
         if extra_key is not None:
             check_extra_key(extra_key)
         table = self._table
@@ -244,13 +250,16 @@ class BlockHashCacheManager(BaseCacheManager):
         if len(pages) == len(hashes) < len(rows) and table.nchild[pages[-1]]:  # all cached: on
             hashes = hash_rest(hasher, rows, hashes, extra_key)
             pages = walk(table, rows, hashes, pages, extra_key)
-        if pages is not known:
-            gens = table.gen[pages].tobytes()
-        self._pending.remember(raw, hashes, pages, gens, extra_key)
+        if keep:
+            if pages is not known:
+                gens = table.gen[pages].tobytes()
+            self._pending.remember(raw, hashes, pages, gens, extra_key)
         self._clock += 1
         handle = self._handle(pages, hashes, raw)
         if len(pages):
             self._touch = (pages, self._clock)
+        if host:
+            return handle, self._table.slots.take(pages, axis=0).reshape(-1)  # type: ignore[return-value]
         return handle, self._slots(pages)
 
     def insert_prefix(
@@ -276,31 +285,50 @@ class BlockHashCacheManager(BaseCacheManager):
         return InsertResult(cached, handle)
 
     def _insert(
-        self, input_ids: torch.Tensor, indices: torch.Tensor, extra_key: Hashable
+        self,
+        input_ids: torch.Tensor,
+        indices: torch.Tensor,
+        extra_key: Hashable,
+        held: BlockHashCacheHandle | None = None,
+        host: bool = False,
+        defer: list[int] | None = None,
     ) -> tuple[int, BlockHashCacheHandle]:
-        rows = self._rows(input_ids)
+        """The insert; ``held``: a handle of this manager's that is locked (by the caller), whose
+        chain (still cached, then) is taken as known when ``input_ids`` extends its tokens;
+        ``host``: NumPy ids and slots are taken too; ``defer``: when the new blocks extend
+        ``held``'s chain, they are left out of the free queue and their number appended to it
+        (the caller releases ``held`` at once and queues them with it: `BlockTable.release`)."""
+        rows = block_rows(input_ids, self.page_size, host)
         if extra_key is not None:
             check_extra_key(extra_key)
-        if type(indices) is torch.Tensor and indices.is_cpu and self._on_cpu:
-            slots = indices.numpy()
-            if slots.ndim != 1 or slots.dtype != _INT32:
-                check_indices(indices, self.device)  # raises
-        else:
-            check_indices(indices, self.device)
-            slots = indices.cpu().numpy()
+        slots = slot_rows(indices, self.device, self._on_cpu, host)
         if len(slots) != input_ids.shape[0]:
             raise ValueError(
-                f"len(indices) ({len(indices)}) must equal len(input_ids) ({len(input_ids)})"
+                f"len(indices) ({len(slots)}) must equal len(input_ids) ({input_ids.shape[0]})"
             )
         self._flush()
         table = self._table
         raw = rows.tobytes()
-        hashes, known, gens = self._pending.recall(rows, raw, table, self._hasher, extra_key)
-        pages = walk(table, rows, hashes, known, extra_key)
+        hasher = self._hasher
+        carried = (
+            None
+            if held is None
+            else self._pending.carried(held, rows, raw, table, hasher, extra_key)
+        )
+        if carried is None:
+            carried = self._pending.recall(rows, raw, table, hasher, extra_key)
+            held = None
+        hashes, known, gens = carried  # with ``held``: ``known`` is locked (no LRU refresh)
+        i0 = len(known)
+        if i0 and not table.max_probe and (i0 == len(hashes) or hashes[i0] not in table.page_of):
+            pages = known  # `walk`'s usual case for an insert: nothing cached past the match
+        else:
+            pages = walk(table, rows, hashes, known, extra_key)
         ps, m, nb = self.page_size, len(pages), len(rows)
         if m == nb:
             self._clock += 1
-            table.use(pages, self._clock)
+            if held is None or pages is not known:
+                table.use(pages, self._clock)
             if pages is not known:
                 gens = table.gen[pages].tobytes()
             self._pending.remember(raw, hashes, pages, gens, extra_key)
@@ -312,8 +340,12 @@ class BlockHashCacheManager(BaseCacheManager):
         self._clock += 1
         tic = self._clock
         up = int(pages[-1]) if m else -1
-        serial = table.add(fresh, listed, top, keys, probes, rows[m:], up, tic, extra_key)
-        table.use(pages, tic)
+        queue = defer is None or held is None or pages is not known
+        serial = table.add(fresh, listed, top, keys, probes, rows[m:], up, tic, extra_key, queue)
+        if not queue:
+            defer.append(len(listed))  # type: ignore[union-attr]
+        if held is None or pages is not known:
+            table.use(pages, tic)
         if pages is not known:
             gens = table.gen[pages].tobytes()
         gens += serial.to_bytes(8, sys.byteorder) * len(listed)  # the int64 serials of the new
@@ -331,19 +363,23 @@ class BlockHashCacheManager(BaseCacheManager):
         """The slots of the prefix behind ``handle`` (read-only: the LRU order does not change)."""
         return self._slots(self._chain(handle))
 
-    def evict(self, size: int) -> torch.Tensor:
+    @takes_host_arrays
+    def evict(self, size: int, *, host: bool = False) -> torch.Tensor:
         """Evict free blocks from the head of the free queue until at least ``size`` tokens are freed.
 
-        Returns their slots, block after block. Only blocks no cached block chains from are
-        evicted (the queue's order guarantees the head is one). Raises ``RuntimeError``
-        (evicting nothing) when fewer than ``size`` tokens are evictable.
+        Returns their slots, block after block (``host=True``: as a 1-D NumPy int32 array). Only
+        blocks no cached block chains from are evicted (the queue's order guarantees the head is
+        one). Raises ``RuntimeError`` (evicting nothing) when fewer than ``size`` tokens are
+        evictable.
         """
         if type(size) is not int or size < 0:
             size = check_count(size)
+        if type(host) is not bool:
+            raise TypeError(f"host must be a bool, got {type(host).__name__}")
         if size == 0:
-            return self.empty_tensor
+            return np.zeros(0, dtype=np.int32) if host else self.empty_tensor  # type: ignore[return-value]
         self._flush()
-        evictable = len(self._table.free) * self.page_size
+        evictable = self._table.free.size * self.page_size
         if size > evictable:
             raise RuntimeError(
                 f"cannot evict {size} tokens: only {evictable} are evictable "
@@ -351,6 +387,8 @@ class BlockHashCacheManager(BaseCacheManager):
             )
         victims = evict_blocks(self._table, size, self._events)
         self._epoch += 1
+        if host:
+            return self._table.slots.take(victims, axis=0).reshape(-1)  # type: ignore[return-value]
         return self._slots(victims)
 
     def check_integrity(self) -> None:

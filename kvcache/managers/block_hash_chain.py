@@ -23,16 +23,21 @@ from operator import mul
 import numpy as np
 import torch
 
+from .._validate import check_token_ids
+from .base import TOKEN_DTYPES, host_array
+
 __all__ = [
     "ROOT_HASH_SEED",
     "HashFn",
     "default_block_hash",
     "token_array",
+    "block_rows",
     "ChainHasher",
     "key_seed",
 ]
 
 _MASK = (1 << 64) - 1
+_INT64 = np.dtype(np.int64)
 #: What block 0 of every sequence chains from.
 ROOT_HASH_SEED = 0x6B7663616368655F  # "kvcache_"
 _P = 0x9E3779B97F4A7C15  # token weights: powers of the golden-ratio constant
@@ -80,6 +85,30 @@ def token_array(input_ids: torch.Tensor) -> np.ndarray:
     """The ids of a validated 1-D integer CPU tensor as an ``int64`` NumPy array (a view when possible)."""
     a = input_ids.numpy()
     return a if a.dtype == np.int64 else a.astype(np.int64)
+
+
+def block_rows(input_ids: torch.Tensor | np.ndarray, page_size: int, host: bool) -> np.ndarray:
+    """The full blocks of ``input_ids`` as an ``(n, page_size)`` int64 array (a view when it can
+    be), checked as `check_token_ids` checks a tensor; ``host``: a 1-D NumPy array of an integer
+    dtype is taken too (checked as `host_array` checks)."""
+    ids: np.ndarray | None
+    if type(input_ids) is torch.Tensor and input_ids.is_cpu:
+        ids = input_ids.numpy()
+    elif (
+        host and type(input_ids) is np.ndarray and input_ids.dtype == _INT64 and input_ids.ndim == 1
+    ):
+        ids = input_ids  # the flow's usual form, checked
+    elif host and isinstance(input_ids, np.ndarray):
+        ids = host_array(input_ids, "input_ids", TOKEN_DTYPES)
+    else:
+        ids = None
+    if ids is None or ids.ndim != 1 or ids.dtype != _INT64:  # the usual case skips the checks
+        if ids is None or not isinstance(input_ids, np.ndarray):
+            ids = token_array(check_token_ids(input_ids))
+        else:
+            ids = ids.astype(np.int64)
+    nb = len(ids) // page_size
+    return ids[: nb * page_size].reshape(nb, page_size)
 
 
 def _powers(base: int, n: int) -> np.ndarray:

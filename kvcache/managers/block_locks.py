@@ -11,12 +11,12 @@ manager's) goes through the separate calls, with their checks and errors.
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
 
-from .base import BaseCacheHandle, BaseCacheManager, InsertResult
+from .base import BaseCacheHandle, BaseCacheManager, InsertResult, takes_host_arrays
 from .block_pool import BlockHashCacheHandle, BlockTable
 
 
@@ -26,16 +26,26 @@ class _Manager(Protocol):
     _locks: dict[BlockHashCacheHandle, tuple[int, np.ndarray]]
     _table: BlockTable
     _touch: tuple[np.ndarray, int] | None
+    _plain_match: bool  # match_prefix is the class's own (no subclass overrides it)
 
     @property
     def clock(self) -> int: ...
     def _flush(self) -> None: ...
     def _chain(self, handle: BaseCacheHandle) -> np.ndarray: ...
+    def _match(
+        self, input_ids: torch.Tensor, extra_key: Hashable, keep: bool, host: bool = False
+    ) -> tuple[BlockHashCacheHandle, torch.Tensor]: ...
     def match_prefix(
         self, input_ids: torch.Tensor, extra_key: Hashable = None
     ) -> tuple[BlockHashCacheHandle, torch.Tensor]: ...
     def _insert(
-        self, input_ids: torch.Tensor, indices: torch.Tensor, extra_key: Hashable
+        self,
+        input_ids: torch.Tensor,
+        indices: torch.Tensor,
+        extra_key: Hashable,
+        held: BlockHashCacheHandle | None = None,
+        host: bool = False,
+        defer: list[int] | None = None,
     ) -> tuple[int, BlockHashCacheHandle]: ...
 
 
@@ -94,21 +104,32 @@ def _release(
     self: _Manager,
     handle: BlockHashCacheHandle,
     record: tuple[int, np.ndarray],
+    chain: np.ndarray | None = None,
+    new: int = 0,
 ) -> None:
+    """One lock of ``handle`` released; ``chain``, ``new``: see `BlockTable.release`."""
     times, locked = self._locks.get(handle, record)  # re-read: a relock may have just added one
     self._flush()
     if times == 1:
         del self._locks[handle]
     else:
         self._locks[handle] = (times - 1, locked)
-    self._table.release(locked, self.clock)
+    self._table.release(locked, self.clock, chain, new)
 
 
+@takes_host_arrays
 def match_and_lock(
     self: _Manager, input_ids: torch.Tensor, extra_key: Hashable = None
 ) -> tuple[BlockHashCacheHandle, torch.Tensor]:
-    """`match_prefix`, then `lock_handle` of its handle (the same decisions, one call)."""
-    handle, slots = self.match_prefix(input_ids, extra_key)
+    """`match_prefix`, then `lock_handle` of its handle (the same decisions, one call); the
+    NumPy form as `BaseCacheManager.match_and_lock` describes it."""
+    given: Any = input_ids  # the NumPy form too (the annotations name the tensor form only)
+    if self._plain_match:  # the insert reads the handle: no memo entry
+        handle, slots = self._match(input_ids, extra_key, False, isinstance(given, np.ndarray))
+    elif isinstance(given, np.ndarray):  # a subclass's own match_prefix takes tensors
+        return BaseCacheManager.match_and_lock(self, given, extra_key)  # type: ignore[arg-type, return-value]
+    else:
+        handle, slots = self.match_prefix(input_ids, extra_key)
     pages = handle.pages
     if pages is not None and len(pages):
         self._touch = None  # this very chain: the lock makes the refresh moot
@@ -116,6 +137,7 @@ def match_and_lock(
     return handle, slots
 
 
+@takes_host_arrays
 def insert_and_unlock(
     self: _Manager,
     handle: BaseCacheHandle,
@@ -143,9 +165,23 @@ def insert_and_unlock(
                 extra_key,
                 relock=relock,
             )
-    cached, made = self._insert(input_ids, indices, extra_key)  # may raise: nothing changed
+    # May raise: nothing changed. A locked handle's chain is known to be cached.
+    # Without relock, new blocks that extend the handle's chain join the free queue with its
+    # released blocks, in one run (the order of an insert followed by the unlock).
+    defer: list[int] | None = [] if record is not None and not relock else None
+    cached, made = self._insert(
+        input_ids,
+        indices,
+        extra_key,
+        cast(BlockHashCacheHandle, handle) if record is not None else None,
+        True,
+        defer,
+    )
     if relock and made.cached_len:
         _lock(self, made, made.pages)  # type: ignore[arg-type]
     if record is not None:
-        _release(self, handle, record)  # type: ignore[arg-type]
+        if defer:
+            _release(self, handle, record, made.pages, defer[0])  # type: ignore[arg-type]
+        else:
+            _release(self, handle, record)  # type: ignore[arg-type]
     return InsertResult(cached, made)

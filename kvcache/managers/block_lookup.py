@@ -1,6 +1,6 @@
 """Finding cached chains for `BlockHashCacheManager`: the walk over a sequence's block hashes, the
-block hashes a request carries from `match_prefix` to `insert_prefix`, and the checks of a
-handle and of an insert's new pages.
+block hashes a request carries from `match_prefix` to `insert_prefix`, and the check of a
+handle (an insert's new pages: `block_insert`).
 
 Collisions. A 64-bit hash can collide (and a caller's ``hash_fn`` may be weak on purpose). Every
 block keeps its tokens and its parent, and a lookup compares both, so a collision can cost a
@@ -13,7 +13,6 @@ block's name.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Hashable
 
 import numpy as np
@@ -27,8 +26,6 @@ __all__ = [
     "RequestHashes",
     "hash_rest",
     "handle_pages",
-    "new_pages",
-    "file_keys",
     "NO_PAGES",
 ]
 
@@ -132,9 +129,8 @@ class RequestHashes:
         self.page_size = page_size
         self.width = 8 * page_size
         self.capacity = capacity
-        self._index: OrderedDict[Hashable, tuple[bytes, list[int], np.ndarray, bytes]] = (
-            OrderedDict()
-        )
+        # Insertion order is filing order (a plain dict: cheaper than an OrderedDict here).
+        self._index: dict[Hashable, tuple[bytes, list[int], np.ndarray, bytes]] = {}
 
     def remember(
         self,
@@ -158,7 +154,7 @@ class RequestHashes:
             index.pop(key, None)
             index[key] = (raw, hashes, pages, gens)
             if len(index) > self.capacity:
-                index.popitem(last=False)
+                del index[next(iter(index))]
 
     def recall(
         self,
@@ -202,6 +198,28 @@ class RequestHashes:
                     return self._reuse(partial, k, rows, table, hasher, lazy)
         return hasher.chain(rows, key_seed(extra_key)), NO_PAGES, b""
 
+    def carried(
+        self,
+        held: BlockHashCacheHandle,
+        rows: np.ndarray,
+        raw: bytes,
+        table: BlockTable,
+        hasher: ChainHasher,
+        extra_key: Hashable,
+    ) -> tuple[list[int], np.ndarray, bytes] | None:
+        """What `recall` returns, taken from ``held`` (a handle locked since its match, so its
+        chain is still cached) instead of the memo, when ``raw`` starts with its tokens, its chain
+        is in namespace ``extra_key`` and keys are hashes (no collision yet); else ``None``."""
+        known = held.pages
+        if known is None or not len(known) or table.max_probe or not raw.startswith(held.tokens):
+            return None
+        if (table.ns.get(known.item(0)) if table.ns else None) != extra_key:
+            return None
+        hashes = list(held.block_hashes)
+        if len(hashes) < len(rows):
+            hashes += hasher.chain(rows[len(hashes) :], hashes[-1])
+        return hashes, known, table.gen[known].tobytes()
+
     @staticmethod
     def _reuse(
         entry: tuple[bytes, list[int], np.ndarray, bytes],
@@ -225,7 +243,8 @@ class RequestHashes:
         # Lazily, rows are hashed only up to the first one past the chain still cached, and not
         # even that one when the chain's last block has no cached child.
         if lazy:
-            upto = min(len(pages) + (not len(pages) or bool(table.nchild[pages[-1]])), len(rows))
+            more = not len(pages) or table.nchild.item(pages.item(-1)) > 0
+            upto = min(len(pages) + more, len(rows))
         else:
             upto = len(rows)
         if k < upto:
@@ -299,89 +318,3 @@ def handle_pages(
         chain.append(page)
         parent = page
     return np.array(chain, dtype=np.int64)
-
-
-def new_pages(
-    new: np.ndarray, page_size: int, table: BlockTable
-) -> tuple[np.ndarray, list[int], int]:
-    """The pages of the new blocks' slots ``new`` (int32, validated, whole blocks), checked; as
-    an int64 array, as a list, and the largest.
-
-    Each block's slots must be the ``page_size`` consecutive slots of one page (``>= 0``, the
-    first a multiple of ``page_size``); no page may already be cached or appear twice.
-    ``ValueError`` naming the page or slots otherwise. NumPy, no per-block Python work.
-    """
-    ps = page_size
-    pages = np.floor_divide(new[::ps], ps, dtype=np.int64) if ps > 1 else new.astype(np.int64)
-    # Seen unsigned, a negative page is huge: one pass bounds the pages on both sides.
-    top = int(np.maximum.reduce(pages.view(np.uint64)))
-    if top < table.capacity:  # within the table, a page's slots are one row of ``table.slots``
-        if ps > 1 and table.slots.take(pages, axis=0).tobytes() != new.tobytes():
-            _bad_slots(new, ps)
-        taken_by = int(np.maximum.reduce(table.gen[pages]))  # -1: no block on any of them
-    else:
-        if np.count_nonzero(new < 0):
-            raise ValueError(f"indices must be >= 0, got {int(new.min())}")
-        if ps > 1 and np.count_nonzero(
-            new.reshape(-1, ps) != (pages * ps)[:, None] + np.arange(ps, dtype=np.int32)
-        ):
-            _bad_slots(new, ps)
-        taken_by = 0 if np.count_nonzero(table.holds(pages)) else -1
-    if taken_by >= 0:
-        page = int(pages[table.holds(pages).argmax()])
-        raise ValueError(
-            f"page {page} (slots {page * ps}..{(page + 1) * ps - 1}) already holds cached "
-            f"block {int(table.key[page]):#018x}; a page can be cached once"
-        )
-    listed: list[int] = pages.tolist()
-    if len(set(listed)) != len(listed):
-        dup = next(p for p in listed if listed.count(p) > 1)
-        raise ValueError(f"page {dup} appears in more than one new block of this insert")
-    return pages, listed, top
-
-
-def _bad_slots(new: np.ndarray, ps: int) -> None:
-    if np.count_nonzero(new < 0):
-        raise ValueError(f"indices must be >= 0, got {int(new.min())}")
-    raise ValueError(
-        f"with page_size={ps} every {ps} indices must be the consecutive slots of one page "
-        f"(first slot a multiple of {ps}); got {new.tolist()}"
-    )
-
-
-def file_keys(
-    table: BlockTable, new_hashes: list[int], listed: list[int]
-) -> tuple[list[int], list[int] | None]:
-    """File new blocks with these hashes, on pages ``listed``, in ``table.page_of``; return
-    their keys and probe offsets (``None``: all 0).
-
-    Each key is the block's hash, or the next key (``hash + 1``, ...) that neither a cached block
-    nor an earlier new one holds. Nothing raises. Raises ``table.max_probe`` when a probe goes
-    further than any before."""
-    taken = table.page_of
-    before = len(taken)
-    taken.update(zip(new_hashes, listed, strict=True))  # usually every hash is a new key
-    if len(taken) == before + len(new_hashes):
-        return new_hashes, None
-    # A hash was taken (by a cached block or an earlier new one): undo, then probe. A cached
-    # block's key is still in ``table.key`` (its value was overwritten above, its place kept).
-    for h in new_hashes:
-        held = np.flatnonzero((table.key == np.uint64(h)) & (table.gen >= 0))
-        if len(held):
-            taken[h] = int(held[0])
-        else:
-            taken.pop(h, None)
-    keys: list[int] = []
-    probes: list[int] = []
-    mine: set[int] = set()
-    for h in new_hashes:
-        key, probe = h, 0
-        while key in taken or key in mine:
-            probe += 1
-            key = (h + probe) & _MASK
-        keys.append(key)
-        probes.append(probe)
-        mine.add(key)
-    table.max_probe = max(table.max_probe, *probes)
-    taken.update(zip(keys, listed, strict=True))
-    return keys, probes

@@ -4,18 +4,13 @@ callers (`CachedBlock`) and its handles (`BlockHashCacheHandle`).
 A block is cached on exactly one page, so the table keeps every per-block field in a NumPy array
 indexed by page id (vLLM keeps one ``KVCacheBlock`` object per page; here it is one row of each
 array). Locking, releasing and refreshing a chain are then a few array operations on the
-chain's page ids, whatever its length; the only per-block Python work left is in C (dict and
-``dict`` operations driven by ``map``/``zip``).
-
-The free queue is a plain ``dict`` of pages: insertion order is queue order, and a plain dict
-inserts and deletes several times faster than an ``OrderedDict`` (whose ``move_to_end`` is here a
-delete and a re-insert). Reading its head skips the slots of deleted entries, which a dict
-reclaims whenever it resizes, so that cost stays bounded by the dict's size.
+chain's page ids, whatever its length, and so is queueing it: the free queue (`block_queue`)
+keeps a chain's run of pages as one entry. The only per-block Python work left is the key index
+(``dict`` operations driven by ``map``/``zip``, in C).
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 from itertools import count
@@ -23,6 +18,7 @@ from itertools import count
 import numpy as np
 
 from .base import BaseCacheHandle
+from .block_queue import FreeQueue
 
 __all__ = ["CachedBlock", "BlockHashCacheHandle", "BlockTable", "new_handle", "next_serial"]
 
@@ -117,14 +113,12 @@ class BlockHashCacheHandle(BaseCacheHandle):
     stamp: tuple[object, int, object] | None = field(default=None, compare=False, repr=False)
 
     def __hash__(self) -> int:
-        # ``hash((cached_len, block_hashes))``, computed once, when first asked: a handle is a
-        # dict key on every lock and unlock (hashing a long chain's tuple costs a microsecond per
-        # 100 blocks), and many handles (an insert's) are never locked.
-        try:
-            return self.__dict__["_hash"]  # type: ignore[no-any-return]
-        except KeyError:
-            h = self.__dict__["_hash"] = hash((self.cached_len, self.block_hashes))
-            return h
+        # Equal handles have equal lengths and last keys, so those two suffice (a chained key
+        # names its whole prefix: different chains rarely share one, and ``==`` still compares
+        # every key). O(1): a handle is a dict key on every lock and unlock, and hashing a whole
+        # chain's tuple costs a microsecond per 50 blocks.
+        hashes = self.block_hashes
+        return hash((self.cached_len, hashes[-1] if hashes else None))
 
 
 def new_handle(
@@ -159,8 +153,8 @@ class BlockTable:
     block's page, ``-1`` for a first block), ``ref`` (lock count), ``nchild`` (cached children),
     ``last`` (last use), ``probe`` (collision offset) and ``gen`` (the serial of the insert that
     cached it, ``-1`` when the page holds no block). ``page_of`` maps key -> page in insertion
-    order (a parent before its children); ``free`` holds the pages whose ``ref`` is 0, head =
-    next to evict; ``ns`` the namespace of each first block whose namespace is not ``None``.
+    order (a parent before its children); ``free`` (a `FreeQueue`) holds the pages whose ``ref``
+    is 0, head = next to evict; ``ns`` the namespace of each first block whose namespace is not ``None``.
 
     Memory: one row per page id up to the largest one ever cached (``12 * page_size + 56``
     bytes a page), like vLLM's block pool, which holds a block object for every page there is.
@@ -171,11 +165,11 @@ class BlockTable:
         self.capacity = 0
         self.tok = np.zeros((1, page_size), dtype=np.int64)
         self.key = np.zeros(1, dtype=np.uint64)
-        self.slots: np.ndarray = np.zeros((1, page_size), dtype=np.int32)
+        self.slots: np.ndarray = np.full((1, page_size), -1, dtype=np.int32)  # the spare row
         self.meta = np.array([[-1, 0, 0, 0, 0, -1]], dtype=np.int64)
         self._views()
         self.page_of: dict[int, int] = {}
-        self.free: dict[int, None] = {}
+        self.free = FreeQueue()
         self.ns: dict[int, Hashable] = {}
         self.num_locked = 0  # pages whose ref > 0
         self.max_probe = 0  # the largest probe ever used
@@ -203,6 +197,7 @@ class BlockTable:
         slots[-1] = -1
         self.slots = slots
         self.capacity = size
+        self.free.reserve(size)
         self._views()
 
     def holds(self, pages: np.ndarray) -> np.ndarray:
@@ -227,12 +222,13 @@ class BlockTable:
         parent: int,
         tic: int,
         extra_key: Hashable,
+        queue: bool = True,
     ) -> int:
         """Cache a chain: ``rows[i]`` (int64 tokens) under ``keys[i]`` (already filed in
         ``page_of``) on ``pages[i]`` (int64, unused, none twice; ``listed`` the same as a list,
         ``top`` the largest), the first chaining from page ``parent`` (``-1``: none). The new
-        blocks are free, used at ``tic``, and join the free queue deepest first. Returns their
-        serial."""
+        blocks are free, used at ``tic``, and join the free queue deepest first (not ``queue``:
+        the caller's `release` queues them). Returns their serial."""
         if top >= self.capacity:
             self.reserve(top)
         self.tok[pages] = rows
@@ -249,7 +245,8 @@ class BlockTable:
             meta[parent, NCHILD] += 1
         elif extra_key is not None:
             self.ns[listed[0]] = extra_key
-        self.free.update(dict.fromkeys(reversed(listed)))
+        if queue:
+            self.free.push(pages[::-1], len(listed))
         return serial
 
     # Along a chain (root first) ref counts never grow (a lock covers a whole chain from its
@@ -258,9 +255,9 @@ class BlockTable:
     def _held(self, pages: np.ndarray) -> int:
         """How many blocks of the chain ``pages`` (not empty) are locked: a prefix of it."""
         ref = self.ref
-        if not ref[pages[0]]:
+        if not ref.item(pages.item(0)):  # item(): plain ints, no NumPy scalars
             return 0
-        if ref[pages[-1]]:
+        if ref.item(pages.item(-1)):
             return len(pages)
         return int(np.count_nonzero(ref[pages]))
 
@@ -269,19 +266,27 @@ class BlockTable:
         held = self._held(pages)
         self.ref[pages] += 1
         if held < len(pages):
-            deque(map(self.free.pop, (pages[held:] if held else pages).tolist()), 0)
+            self.free.remove(pages[held:] if held else pages)
             self.num_locked += len(pages) - held
 
-    def release(self, pages: np.ndarray, clock: int) -> None:
+    def release(
+        self, pages: np.ndarray, clock: int, chain: np.ndarray | None = None, new: int = 0
+    ) -> None:
         """``ref -= 1`` on every page of a chain; those left unlocked join the queue's tail,
-        deepest first, used at ``clock``."""
+        deepest first, used at ``clock``. ``chain``: ``pages`` followed by ``new`` blocks that
+        `add` left out of the queue: they join first, deepest first, in the same run."""
         self.ref[pages] -= 1
         held = self._held(pages)
-        if held < len(pages):
+        n = len(pages) - held
+        if n:
             zero = pages[: held - 1 if held else None : -1]
             self.last[zero] = clock
-            self.free.update(dict.fromkeys(zero.tolist()))
-            self.num_locked -= len(zero)
+            self.num_locked -= n
+        if chain is not None:
+            if new + n:
+                self.free.push(chain[::-1][: new + n], new + n)
+        elif n:
+            self.free.push(zero, n)
 
     def use(self, pages: np.ndarray, tic: int) -> None:
         """Mark a chain used at ``tic``: its free blocks move to the queue's tail, deepest first."""
@@ -289,9 +294,7 @@ class BlockTable:
         if held < len(pages):
             idle = pages[: held - 1 if held else None : -1]
             self.last[idle] = tic
-            listed = idle.tolist()
-            deque(map(self.free.pop, listed), 0)
-            self.free.update(dict.fromkeys(listed))
+            self.free.push(idle, 0)
 
     # ------------------------------------------------------------ reading
     def keys_of(self, pages: np.ndarray) -> list[int]:
