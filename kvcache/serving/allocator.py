@@ -29,6 +29,7 @@ __all__ = ["PageAllocator"]
 _FEW = 32
 
 _INT_DTYPES = frozenset((torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8))
+_I32 = np.dtype(np.int32)
 
 
 class PageAllocator:
@@ -169,6 +170,58 @@ class PageAllocator:
             return slots.astype(np.int32)
         out[:] = slots
         return out
+
+    def allocate_page_slots(self, num_pages: int, out: np.ndarray) -> None:
+        """Take ``num_pages`` pages off the free list and write every slot of them, page after
+        page, into ``out[:num_pages * page_size]`` (``out``: a C-contiguous 1-D int32 NumPy array
+        of at least that many entries; the rest is left as it was).
+
+        For a caller that keeps the unused tail of its last page at hand (the request flow: a
+        request's next tokens fill it with no call at all). ``TypeError``/``ValueError`` for a bad
+        ``num_pages`` or ``out``, ``RuntimeError`` if fewer pages are free; nothing is taken then.
+        """
+        k = (
+            num_pages
+            if type(num_pages) is int and num_pages >= 0
+            else check_size(num_pages, "num_pages")
+        )
+        ps = self.page_size
+        size = k * ps
+        if (
+            type(out) is not np.ndarray
+            or out.dtype is not _I32
+            or out.ndim != 1
+            or out.shape[0] < size
+            or not out.flags.c_contiguous
+        ):
+            raise ValueError(
+                f"out must be a C-contiguous 1-D int32 NumPy array of at least {size} entries, "
+                f"got {out!r:.80}"
+            )
+        if k > self._count:
+            raise RuntimeError(f"cannot allocate {k} pages: only {self._count} are free")
+        head = self._head
+        if k == 1:  # one page (a short prompt, a decode step): scalar work, no fancy indexing
+            p = self._ring.item(head)
+            self._head = head + 1 if head + 1 < self.num_pages else 0
+            self._count -= 1
+            self._free_bytes[p] = 0
+            if ps == 1:
+                out[0] = p
+            else:
+                out[:ps] = self._rows[p] if self._rows is not None else p * ps + self._offsets
+            return
+        end = head + k
+        pages = self._ring[head:end] if end <= self.num_pages else self._take(head, k)
+        self._head = end if end < self.num_pages else end - self.num_pages
+        self._count -= k
+        self._is_free[pages] = False
+        if ps == 1:
+            out[:k] = pages
+        elif self._rows is not None:  # a gather of the pages' rows, straight into ``out``
+            self._rows.take(pages, axis=0, out=out[:size].reshape(k, ps), mode="clip")
+        else:
+            out[:size].reshape(k, ps)[:] = pages[:, None] * ps + self._offsets
 
     def free(self, pages: torch.Tensor | np.ndarray) -> None:
         """Return ``pages`` (1-D integer tensor or NumPy array of page ids) to the end of the free list."""

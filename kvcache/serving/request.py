@@ -226,13 +226,16 @@ class HostCopy:
 
     ``ids[:length]`` (int64) and ``slots[:length]`` (int32) keep spare capacity, so appending
     ``k`` tokens costs O(k) and no torch op; `RequestFlow` computes with these arrays, and a
-    `Request` shows them as tensors.
+    `Request` shows them as tensors. ``slots[length:filled]`` (``filled >= length``) are slots
+    already known past the end: the rest of the request's last page, which the flow writes when
+    it takes the page, so that the tokens that fill it later cost no work.
     """
 
-    __slots__ = ("ids", "length", "slots")
+    __slots__ = ("filled", "ids", "length", "slots")
     ids: np.ndarray
     slots: np.ndarray
     length: int
+    filled: int
 
     def __init__(
         self, ids: np.ndarray, slots: np.ndarray, prefix: np.ndarray | None = None
@@ -253,23 +256,26 @@ class HostCopy:
                 raise ValueError(f"{n} ids but {m + slots.shape[0]} slots")
             self.slots[:m] = prefix
             self.slots[m:n] = slots
-        self.length = n
+        self.length = self.filled = n
 
     @classmethod
-    def with_room(cls, n: int) -> HostCopy:
-        """An empty copy (``length == 0``) with room for ``n`` tokens and then some."""
+    def with_room(cls, n: int, page_size: int = 1) -> HostCopy:
+        """An empty copy (``length == filled == 0``) with room for ``n`` tokens and then some,
+        at least ``n`` rounded up to whole pages of ``page_size``."""
         h = cls.__new__(cls)
-        cap = n + 16 + (n >> 2)
-        h.ids, h.slots, h.length = np.empty(cap, dtype=np.int64), np.empty(cap, dtype=np.int32), 0
+        cap = n + 16 + (n >> 2) + page_size
+        h.ids, h.slots = np.empty(cap, dtype=np.int64), np.empty(cap, dtype=np.int32)
+        h.length = h.filled = 0
         return h
 
     def reserve(self, k: int) -> None:
-        """Make room for ``k`` more tokens past ``length`` (doubling), keeping the contents."""
+        """Make room for ``k`` more tokens past ``length`` (doubling), keeping the contents
+        (the known slots past ``length`` too)."""
         n = self.length
         if n + k > self.ids.shape[0]:
             cap = max(2 * self.ids.shape[0], n + k)
             grown_ids, grown_slots = np.empty(cap, dtype=np.int64), np.empty(cap, dtype=np.int32)
-            grown_ids[:n], grown_slots[:n] = self.ids[:n], self.slots[:n]
+            grown_ids[:n], grown_slots[: self.filled] = self.ids[:n], self.slots[: self.filled]
             self.ids, self.slots = grown_ids, grown_slots
 
     def append(self, ids: np.ndarray, slots: np.ndarray) -> None:
@@ -278,7 +284,7 @@ class HostCopy:
         self.reserve(k)
         self.ids[n : n + k] = ids
         self.slots[n : n + k] = slots
-        self.length = n + k
+        self.length = self.filled = n + k
 
 
 def keyed(method: Callable[..., T], extra_key: Hashable, *args: Any) -> T:
