@@ -21,6 +21,7 @@ from .._validate import (
     pages_to_slots,
     slots_to_pages,
 )
+from .allocator_flow import FlowPageCalls
 
 __all__ = ["PageAllocator"]
 
@@ -29,10 +30,9 @@ __all__ = ["PageAllocator"]
 _FEW = 32
 
 _INT_DTYPES = frozenset((torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8))
-_I32 = np.dtype(np.int32)
 
 
-class PageAllocator:
+class PageAllocator(FlowPageCalls):
     """Free list of ``num_pages`` pages, handed out in FIFO order as int32 tensors on ``device``.
 
     The bookkeeping lives on the host in NumPy, as in vLLM's block pool: a ring buffer for the
@@ -92,6 +92,10 @@ class PageAllocator:
         # The free mask, for Python (one page: a bytearray index) and NumPy (a view of it) alike.
         self._free_bytes = bytearray(b"\x01") * self.num_pages
         self._is_free = np.frombuffer(self._free_bytes, dtype=np.bool_)
+        # Scratch for `_push_new`'s check for a page listed twice (only the stamps just written
+        # are ever read back, so none needs clearing).
+        self._stamp = np.zeros(self.num_pages, dtype=np.int32)
+        self._seq = np.arange(1, 1025, dtype=np.int32)
 
     def _out(self, arr: np.ndarray) -> torch.Tensor:
         out = torch.from_numpy(arr)
@@ -171,58 +175,6 @@ class PageAllocator:
         out[:] = slots
         return out
 
-    def allocate_page_slots(self, num_pages: int, out: np.ndarray) -> None:
-        """Take ``num_pages`` pages off the free list and write every slot of them, page after
-        page, into ``out[:num_pages * page_size]`` (``out``: a C-contiguous 1-D int32 NumPy array
-        of at least that many entries; the rest is left as it was).
-
-        For a caller that keeps the unused tail of its last page at hand (the request flow: a
-        request's next tokens fill it with no call at all). ``TypeError``/``ValueError`` for a bad
-        ``num_pages`` or ``out``, ``RuntimeError`` if fewer pages are free; nothing is taken then.
-        """
-        k = (
-            num_pages
-            if type(num_pages) is int and num_pages >= 0
-            else check_size(num_pages, "num_pages")
-        )
-        ps = self.page_size
-        size = k * ps
-        if (
-            type(out) is not np.ndarray
-            or out.dtype is not _I32
-            or out.ndim != 1
-            or out.shape[0] < size
-            or not out.flags.c_contiguous
-        ):
-            raise ValueError(
-                f"out must be a C-contiguous 1-D int32 NumPy array of at least {size} entries, "
-                f"got {out!r:.80}"
-            )
-        if k > self._count:
-            raise RuntimeError(f"cannot allocate {k} pages: only {self._count} are free")
-        head = self._head
-        if k == 1:  # one page (a short prompt, a decode step): scalar work, no fancy indexing
-            p = self._ring.item(head)
-            self._head = head + 1 if head + 1 < self.num_pages else 0
-            self._count -= 1
-            self._free_bytes[p] = 0
-            if ps == 1:
-                out[0] = p
-            else:
-                out[:ps] = self._rows[p] if self._rows is not None else p * ps + self._offsets
-            return
-        end = head + k
-        pages = self._ring[head:end] if end <= self.num_pages else self._take(head, k)
-        self._head = end if end < self.num_pages else end - self.num_pages
-        self._count -= k
-        self._is_free[pages] = False
-        if ps == 1:
-            out[:k] = pages
-        elif self._rows is not None:  # a gather of the pages' rows, straight into ``out``
-            self._rows.take(pages, axis=0, out=out[:size].reshape(k, ps), mode="clip")
-        else:
-            out[:size].reshape(k, ps)[:] = pages[:, None] * ps + self._offsets
-
     def free(self, pages: torch.Tensor | np.ndarray) -> None:
         """Return ``pages`` (1-D integer tensor or NumPy array of page ids) to the end of the free list."""
         if type(pages) is np.ndarray and pages.shape == (1,) and pages.dtype.kind in "iu":
@@ -286,9 +238,13 @@ class PageAllocator:
         if k == 0:
             return
         if starts.dtype == np.int32 and self._pow2:  # what managers evict: fewest array ops
-            pages = starts >> self._shift if ps > 1 else starts
-            try:  # the gather checks the range: a negative page is huge seen as unsigned
-                already: np.ndarray | None = self._is_free.take(pages.view(np.uint32))
+            # As intp (NumPy's index type: a gather or scatter with it costs a fraction of one
+            # with int32); read unsigned first, so a negative slot is a huge page.
+            pages = starts.view(np.uint32).astype(np.intp)
+            if ps > 1:
+                pages >>= self._shift
+            try:  # the gather checks the range
+                already: np.ndarray | None = self._is_free[pages]
             except IndexError:
                 already = None  # out of range: raised below, naming the slot
             if already is not None and (ps == 1 or not np.count_nonzero(starts & (ps - 1))):
@@ -354,8 +310,13 @@ class PageAllocator:
         n = arr.shape[0]
         if np.count_nonzero(already):  # count_nonzero: cheaper than any() on small arrays
             raise RuntimeError(f"double free: pages {arr[already].tolist()} are already free")
-        ordered = np.sort(arr)
-        if np.count_nonzero(ordered[1:] == ordered[:-1]):
+        # A page listed twice: stamp each page with its position and read the stamps back (a
+        # page listed twice keeps one of them); O(pages), where sorting to find it is not.
+        if self._seq.shape[0] < n:
+            self._seq = np.arange(1, 2 * n + 1, dtype=np.int32)
+        seq = self._seq[:n]
+        self._stamp[arr] = seq
+        if self._stamp[arr].tobytes() != seq.tobytes():
             raise ValueError(f"pages listed more than once: {arr.tolist()}")
         self._is_free[arr] = True
         # Pages not free are handed out, so the ring has room for them: no overflow possible.

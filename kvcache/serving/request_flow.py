@@ -352,9 +352,11 @@ class RequestFlow:
                 if self._host
                 else self._pages.insert_fused(req, n)
             )
-            already = res.cached_len
-            if already > handle.cached_len or n < length:
-                self._pages.free_finished(h.slots, handle.cached_len, already, n, length)
+            already, lo = res.cached_len, handle.cached_len
+            if already > lo:
+                self._pages.free_finished(h.slots, lo, already, n, length)
+            elif n < length:  # only the partial last page: one page, named by its first slot
+                self.allocator.free_page_start(h.slots.item(n))
             req.finished = True
             del self.running[req.rid]
             return already
