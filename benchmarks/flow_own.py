@@ -103,10 +103,6 @@ def mark_host(pkg: ModuleType, cls: type) -> None:
     if getattr(base, "host_arrays_safe", lambda c, n: False)(pkg.RadixCacheManager, "evict"):
         for name in ("match_and_lock", "insert_and_unlock", "evict"):
             setattr(cls, name, base.takes_host_arrays(vars(cls)[name]))
-    # ...and where its match_and_lock writes into the caller's array (the answering stub then
-    # leaves it as it is: the request's prefix slots are the manager's to write, not the flow's).
-    if getattr(base, "out_array_safe", lambda c: False)(pkg.RadixCacheManager):
-        cls.match_and_lock = base.takes_out_array(vars(cls)["match_and_lock"])
 
 
 def answering(pkg: ModuleType, ps: int, log: list[Any]) -> Any:

@@ -59,9 +59,7 @@ from kvcache.managers.base import (
     InsertResult,
     fused_calls_safe,
     host_arrays_safe,
-    out_array_safe,
     takes_host_arrays,
-    takes_out_array,
 )
 from kvcache.serving.workloads import Job, agent, long_few_shot, mixed, multi_turn_chat, replay
 
@@ -163,22 +161,15 @@ class RecordedHostCalls(RecordedFusedCalls):
     evict = takes_host_arrays(_recorded("evict"))
 
 
-class RecordedOutCalls(RecordedHostCalls):
-    """`RecordedHostCalls` of a manager whose `match_and_lock` also writes into the caller's
-    array (`takes_out_array`): the flow passes its request's slot array, as on the manager."""
-
-    match_and_lock = takes_out_array(_recorded("match_and_lock"))
-
-
 def record(manager: BaseCacheManager) -> RecordedCalls:
     """A recorder through which the flow makes the calls it would make on ``manager``."""
     cls = type(manager)
     if not fused_calls_safe(cls):
         return RecordedCalls(manager)
     names = ("match_and_lock", "insert_and_unlock", "evict")
-    if not all(host_arrays_safe(cls, f) for f in names):
-        return RecordedFusedCalls(manager)
-    return (RecordedOutCalls if out_array_safe(cls) else RecordedHostCalls)(manager)
+    return (
+        RecordedHostCalls if all(host_arrays_safe(cls, f) for f in names) else RecordedFusedCalls
+    )(manager)
 
 
 _MATCHES = ("match_prefix", "match_and_lock")

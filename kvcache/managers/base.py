@@ -25,8 +25,6 @@ __all__ = [
     "host_arrays_safe",
     "HostArrayCalls",
     "host_array",
-    "takes_out_array",
-    "out_array_safe",
     "TOKEN_DTYPES",
     "SLOT_DTYPES",
 ]
@@ -49,11 +47,10 @@ def takes_host_arrays(fn: _F) -> _F:
 
 class HostArrayCalls(Protocol):
     """The NumPy forms as types: a manager whose `match_and_lock`, `insert_and_unlock` and
-    `evict` are marked with `takes_host_arrays` (ask `host_arrays_safe` first, then cast);
-    ``out`` only where `match_and_lock` is marked with `takes_out_array`."""
+    `evict` are marked with `takes_host_arrays` (ask `host_arrays_safe` first, then cast)."""
 
     def match_and_lock(
-        self, input_ids: np.ndarray, extra_key: Hashable = None, *, out: np.ndarray | None = None
+        self, input_ids: np.ndarray, extra_key: Hashable = None
     ) -> tuple[BaseCacheHandle, np.ndarray]: ...
 
     def insert_and_unlock(
@@ -72,22 +69,6 @@ class HostArrayCalls(Protocol):
 def host_arrays_safe(cls: type, name: str) -> bool:
     """Whether ``cls``'s method ``name`` is marked by `takes_host_arrays`."""
     return getattr(getattr(cls, name, None), "takes_host_arrays", False) is True
-
-
-def takes_out_array(fn: _F) -> _F:
-    """Mark ``fn``, a manager's `match_and_lock` in the NumPy form (`takes_host_arrays`), as one
-    that also takes the keyword ``out``: a C-contiguous 1-D NumPy int32 array with room for
-    ``len(input_ids)`` slots, into whose start the prefix's slots are written (the returned
-    slots are then ``out[:handle.cached_len]``, a view). ``ValueError`` for an ``out`` that is
-    not such an array, nothing locked. The request flow passes its request's own slot array,
-    saving a copy of the prefix. Ask `out_array_safe` first."""
-    fn.takes_out_array = True  # type: ignore[attr-defined]
-    return takes_host_arrays(fn)
-
-
-def out_array_safe(cls: type, name: str = "match_and_lock") -> bool:
-    """Whether ``cls``'s method ``name`` is marked by `takes_out_array`."""
-    return getattr(getattr(cls, name, None), "takes_out_array", False) is True
 
 
 def host_array(values: np.ndarray, name: str, dtypes: frozenset[np.dtype[Any]]) -> np.ndarray:

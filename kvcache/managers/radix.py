@@ -236,18 +236,14 @@ class RadixCacheManager(RadixLocks):
         Not read-only: a node matched only in part is split so that the handle can point at the
         end of the match, and the matched path's timestamps are refreshed.
         """
-        handle, slots, _, _ = self._match(input_ids, extra_key)
-        return handle, self._out(slots) if slots is not None else self.empty_tensor
+        handle, out, _, _ = self._match(input_ids, extra_key)
+        return handle, self._out(out) if out is not None else self.empty_tensor
 
     def _match(
-        self,
-        input_ids: torch.Tensor | np.ndarray,
-        extra_key: Hashable,
-        lock: bool = False,
-        out: np.ndarray | None = None,
+        self, input_ids: torch.Tensor | np.ndarray, extra_key: Hashable, lock: bool = False
     ) -> tuple[RadixCacheHandle, np.ndarray | None, RadixTreeNode | None, int]:
-        """`match_prefix`'s handle and slots (host NumPy, a new array, or ``out[:cached_len]``:
-        ``out`` checked by the caller; ``None`` for none), the namespace root, and
+        """`match_prefix`'s handle and slots (host NumPy, a new array; ``None`` for none), the
+        namespace root, and
         (``lock``: the handle's path is locked on the way down, the caller records the lock)
         the tokens that the lock took from the evictable ones.
 
@@ -293,15 +289,8 @@ class RadixCacheManager(RadixLocks):
             node = child
         if not pos:
             return RadixCacheHandle(0, self.root_node), None, root, 0
-        if out is None:
-            slots = values[0].copy() if len(values) == 1 else np.concatenate(values)
-        else:  # straight into the caller's array: no array of our own
-            slots = out[: pos >> 3]
-            if len(values) == 1:
-                slots[:] = values[0]
-            else:
-                np.concatenate(values, out=slots)
-        return RadixCacheHandle(pos >> 3, node), slots, root, taken
+        out = values[0].copy() if len(values) == 1 else np.concatenate(values)
+        return RadixCacheHandle(pos >> 3, node), out, root, taken
 
     def insert_prefix(
         self, input_ids: torch.Tensor, indices: torch.Tensor, extra_key: Hashable = None

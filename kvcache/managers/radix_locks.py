@@ -15,7 +15,7 @@ from typing import Any, overload
 import numpy as np
 import torch
 
-from .base import BaseCacheHandle, InsertResult, takes_host_arrays, takes_out_array
+from .base import BaseCacheHandle, InsertResult, takes_host_arrays
 from .eviction import LeafHeap
 from .radix_node import (
     RadixCacheHandle,
@@ -29,27 +29,8 @@ from .radix_roots import RadixRoots
 
 __all__ = ["RadixLocks"]
 
-_I32 = np.dtype(np.int32)
 _EMPTY = np.empty(0, dtype=np.int32)
 _EMPTY.flags.writeable = False  # shared by every empty NumPy match
-
-
-def check_out_array(out: object, input_ids: object) -> None:
-    """``ValueError`` unless ``out`` is an array `match_and_lock` can write the slots into: a
-    C-contiguous 1-D NumPy int32 array, passed with NumPy ids, at least as long as 1-D ids
-    (ids of another shape are refused by the ids' own check)."""
-    if not (
-        type(out) is np.ndarray
-        and out.dtype is _I32
-        and out.ndim == 1
-        and out.flags.c_contiguous
-        and isinstance(input_ids, np.ndarray)
-        and (input_ids.ndim != 1 or out.shape[0] >= input_ids.shape[0])
-    ):
-        raise ValueError(
-            "out must be a C-contiguous 1-D int32 NumPy array at least as long as input_ids, "
-            f"given with NumPy input_ids; got {out!r:.80}"
-        )
 
 
 class RadixLocks(RadixRoots):
@@ -65,7 +46,7 @@ class RadixLocks(RadixRoots):
     # Defined by `RadixCacheManager` (radix.py).
     _out: Callable[[np.ndarray], torch.Tensor]
     _match: Callable[
-        [torch.Tensor | np.ndarray, Hashable, bool, np.ndarray | None],
+        [torch.Tensor | np.ndarray, Hashable, bool],
         tuple[RadixCacheHandle, np.ndarray | None, RadixTreeNode | None, int],
     ]
     _insert: Callable[
@@ -75,36 +56,29 @@ class RadixLocks(RadixRoots):
 
     @overload
     def match_and_lock(
-        self, input_ids: torch.Tensor, extra_key: Hashable = None, *, out: None = None
+        self, input_ids: torch.Tensor, extra_key: Hashable = None
     ) -> tuple[RadixCacheHandle, torch.Tensor]: ...
 
     @overload
     def match_and_lock(
-        self, input_ids: np.ndarray, extra_key: Hashable = None, *, out: np.ndarray | None = None
+        self, input_ids: np.ndarray, extra_key: Hashable = None
     ) -> tuple[RadixCacheHandle, np.ndarray]: ...
 
-    @takes_out_array
+    @takes_host_arrays
     def match_and_lock(
-        self,
-        input_ids: torch.Tensor | np.ndarray,
-        extra_key: Hashable = None,
-        *,
-        out: np.ndarray | None = None,
+        self, input_ids: torch.Tensor | np.ndarray, extra_key: Hashable = None
     ) -> tuple[RadixCacheHandle, torch.Tensor] | tuple[RadixCacheHandle, np.ndarray]:
         """`match_prefix`, then `lock_handle` of its handle. The lock remembers the matched token
         bytes, so that `insert_and_unlock` of this handle resumes at its node (one compare of
         the prefix instead of a walk from the root). NumPy ids in, NumPy slots out (host int32,
-        the manager's own copy), as `BaseCacheManager.match_and_lock` documents; with NumPy ids,
-        ``out`` (`takes_out_array`) receives the slots, and ``out[:cached_len]`` is returned."""
-        if out is not None:
-            check_out_array(out, input_ids)
-        handle, slots, root, taken = self._match(input_ids, extra_key, True, out)
+        the manager's own copy), as `BaseCacheManager.match_and_lock` documents."""
+        handle, out, root, taken = self._match(input_ids, extra_key, True)
         self._locks[id(handle)] = [handle, 1, root]
         self._evictable_size -= taken
         self._protected_size += taken
         if isinstance(input_ids, np.ndarray):
-            return handle, _EMPTY if slots is None else slots
-        return handle, self.empty_tensor if slots is None else self._out(slots)
+            return handle, _EMPTY if out is None else out
+        return handle, self.empty_tensor if out is None else self._out(out)
 
     @takes_host_arrays
     def insert_and_unlock(

@@ -16,7 +16,6 @@ from ..managers.base import (
     HostArrayCalls,
     InsertResult,
     host_arrays_safe,
-    out_array_safe,
 )
 from .allocator import PageAllocator
 from .request import FlowStats, HostCopy, Request, Tracer, keyed
@@ -47,17 +46,6 @@ class FlowPages:
         # Set by the flow: whether it makes the fused calls, and with NumPy arrays.
         self.fused = self.host = False
         self.hm = cast(HostArrayCalls, manager)  # the same manager, typed with its NumPy forms
-
-    def use_fused(self, fused: bool) -> tuple[bool, bool]:
-        """Set whether the flow makes the fused calls (``fused``) and, where the manager says so
-        for both, with NumPy arrays (`host_arrays_safe`); returns that, and whether its
-        `match_and_lock` also writes into the request's own array (`out_array_safe`)."""
-        cls = type(self.manager)
-        self.fused = fused
-        self.host = fused and all(
-            host_arrays_safe(cls, f) for f in ("match_and_lock", "insert_and_unlock")
-        )
-        return self.host, self.host and out_array_safe(cls)
 
     def match_lock_any(
         self, rid: int, ids: np.ndarray, input_ids: torch.Tensor, last: bool, key: Hashable

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from .._validate import check_int_in, check_token_ids, reject_one_tensor
-from ..managers.base import BaseCacheHandle, BaseCacheManager, fused_calls_safe
+from ..managers.base import BaseCacheHandle, BaseCacheManager, fused_calls_safe, host_arrays_safe
 from ..managers.cache_events import check_extra_key
 from .allocator import PageAllocator
 from .flow_pages import FlowPages
@@ -74,9 +74,11 @@ class RequestFlow:
             and isinstance(manager, BaseCacheManager)
             and fused_calls_safe(type(manager))
         )
-        # ...taking the request's NumPy ids and slots as they are, where both calls say so, and
-        # writing a match's slots into the request's own array where the manager can.
-        self._host, self._out = self._pages.use_fused(self._fused)
+        # ...taking the request's NumPy ids and slots as they are, where both calls say so.
+        self._host = self._fused and all(
+            host_arrays_safe(type(manager), f) for f in ("match_and_lock", "insert_and_unlock")
+        )
+        self._pages.fused, self._pages.host = self._fused, self._host
         self._hm = self._pages.hm
 
     @property
@@ -112,16 +114,13 @@ class RequestFlow:
         rid: int,
         ids: np.ndarray,
         handle: BaseCacheHandle,
-        prefix: torch.Tensor | np.ndarray | None,
+        prefix: torch.Tensor | np.ndarray,
         key: Hashable,
-        host: HostCopy | None = None,
     ) -> Request:
         """Pages for the tokens past the cached prefix, then the running request (or raise with
-        nothing taken). ``prefix``: the prefix's slots, or ``None`` where the manager wrote them
-        into ``host`` already."""
+        nothing taken)."""
         n, m, ps = ids.shape[0], handle.cached_len, self.page_size
-        if host is None:
-            host = HostCopy.with_room(n, ps)
+        host = HostCopy.with_room(n, ps)
         if n > m:  # the new pages' slots are written in place, the last page whole
             k = -(-(n - m) // ps)
             if self._trace is None and k <= self.allocator.num_free_pages:
@@ -132,7 +131,7 @@ class RequestFlow:
         else:
             host.filled = n
         host.ids[:n] = ids
-        if m and prefix is not None:
+        if m:
             host.slots[:m] = prefix if isinstance(prefix, np.ndarray) else prefix.cpu().numpy()
         host.length = n
         req = Request.from_host(rid, host, handle, m, self._device, key)
@@ -158,17 +157,13 @@ class RequestFlow:
         if ids.shape[0] == 0:
             raise ValueError("input_ids must hold at least one token")
         rid = next(self._rids)
-        host, prefix = None, None
-        if self._out:  # the manager writes the prefix's slots into the request's own array
-            host = HostCopy.with_room(ids.shape[0], self.page_size)
-            matched = ids[:-1] if compute_last else ids
-            handle, _ = self._hm.match_and_lock(matched, extra_key, out=host.slots)
-        else:
-            handle, prefix = self._pages.match_lock_any(
-                rid, ids, input_ids, compute_last, extra_key
-            )
+        handle, prefix = (
+            self._hm.match_and_lock(ids[:-1] if compute_last else ids, extra_key)
+            if self._host
+            else self._pages.match_lock_any(rid, ids, input_ids, compute_last, extra_key)
+        )
         try:
-            return self._start(rid, ids, handle, prefix, extra_key, host)
+            return self._start(rid, ids, handle, prefix, extra_key)
         except BaseException:
             self.manager.lock_handle(handle, unlock=True)
             raise
@@ -231,8 +226,12 @@ class RequestFlow:
             else check_int_in(num_tokens, "num_tokens", req.num_computed, length)
         )
         if self._trace is not None:
-            slots = req.indices[req.num_computed : n].tolist()
-            self._trace(req.rid, 6, "store_kv", f"slots {slots}")
+            self._trace(
+                req.rid,
+                6,
+                "store_kv",
+                f"slots {req.indices[req.num_computed : n].tolist()}",
+            )
         req.num_computed = n
 
     def extend(self, req: Request, new_ids: torch.Tensor) -> torch.Tensor:
@@ -267,9 +266,13 @@ class RequestFlow:
         if len({id(r) for r in reqs}) != len(reqs):
             raise RuntimeError("every request must be running in this flow, each listed once")
         if reqs:
-            pages = self._pages.pages_for
-            need = sum(pages(len(r), x.shape[0]) for r, x in zip(reqs, new_ids, strict=True))
-            self._pages.make_room(reqs[0].rid, need)
+            self._pages.make_room(
+                reqs[0].rid,
+                sum(
+                    self._pages.pages_for(len(r), x.shape[0])
+                    for r, x in zip(reqs, new_ids, strict=True)
+                ),
+            )
         return [self._extend(r, x) for r, x in zip(reqs, new_ids, strict=True)]
 
     def _extend(self, req: Request, new_ids: torch.Tensor) -> torch.Tensor:
