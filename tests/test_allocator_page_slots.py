@@ -65,3 +65,21 @@ def test_allocate_page_slots_refuses_bad_input_changing_nothing():
         a.allocate_page_slots(1.5, room)  # type: ignore[arg-type]
     a.allocate_page_slots(0, room)
     assert a.num_free_pages == 3
+
+
+def test_free_page_start_frees_one_page_or_refuses_changing_nothing():
+    """The flow's free of a finished request's partial last page, named by its first slot."""
+    a, ref = PageAllocator(6, 4), PageAllocator(6, 4)
+    a.allocate(3)
+    ref.allocate(3)
+    a.free_page_start(4)
+    ref.free(np.array([1]))
+    assert a.free_pages().tolist() == ref.free_pages().tolist()
+    for bad, exc in [(5, ValueError), (-4, ValueError), (24, ValueError), (4, RuntimeError)]:
+        with unchanged(a), pytest.raises(exc, match=r"slot must start|double free"):
+            a.free_page_start(bad)
+    for bad_type in (4.0, True, np.int64(8)):
+        with unchanged(a), pytest.raises(TypeError, match="slot must be an int"):
+            a.free_page_start(bad_type)  # type: ignore[arg-type]
+    a.free_page_start(8)
+    assert a.num_free_pages == 5
