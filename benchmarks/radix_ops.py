@@ -215,10 +215,12 @@ class _Stub:
 
 
 def drive(flow: RequestFlow, jobs: list[Job]) -> None:
-    """The calls `replay` makes on ``flow`` for each job (begin, store, decode, store, finish),
-    without its per-request `Sample` bookkeeping, which is the workload's, not the flow's."""
+    """The calls `replay` makes on ``flow`` for each job (begin with ``compute_last=True``, store,
+    decode, store, finish), without its per-request `Sample` bookkeeping, which is the
+    workload's, not the flow's: the manager calls the flow makes here are those `run` records
+    through `replay` and times on their own."""
     for job in jobs:
-        req = flow.begin(job.prompt)
+        req = flow.begin(job.prompt, compute_last=True)
         flow.mark_computed(req)
         if job.output.shape[0]:
             flow.extend(req, job.output)

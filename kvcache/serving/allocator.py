@@ -21,6 +21,7 @@ from .._validate import (
     pages_to_slots,
     slots_to_pages,
 )
+from .allocator_flow import FlowPageCalls
 
 __all__ = ["PageAllocator"]
 
@@ -31,7 +32,7 @@ _FEW = 32
 _INT_DTYPES = frozenset((torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8))
 
 
-class PageAllocator:
+class PageAllocator(FlowPageCalls):
     """Free list of ``num_pages`` pages, handed out in FIFO order as int32 tensors on ``device``.
 
     The bookkeeping lives on the host in NumPy, as in vLLM's block pool: a ring buffer for the
@@ -91,6 +92,10 @@ class PageAllocator:
         # The free mask, for Python (one page: a bytearray index) and NumPy (a view of it) alike.
         self._free_bytes = bytearray(b"\x01") * self.num_pages
         self._is_free = np.frombuffer(self._free_bytes, dtype=np.bool_)
+        # Scratch for `_push_new`'s check for a page listed twice (only the stamps just written
+        # are ever read back, so none needs clearing).
+        self._stamp = np.zeros(self.num_pages, dtype=np.int32)
+        self._seq = np.arange(1, 1025, dtype=np.int32)
 
     def _out(self, arr: np.ndarray) -> torch.Tensor:
         out = torch.from_numpy(arr)
@@ -233,9 +238,13 @@ class PageAllocator:
         if k == 0:
             return
         if starts.dtype == np.int32 and self._pow2:  # what managers evict: fewest array ops
-            pages = starts >> self._shift if ps > 1 else starts
-            try:  # the gather checks the range: a negative page is huge seen as unsigned
-                already: np.ndarray | None = self._is_free.take(pages.view(np.uint32))
+            # As intp (NumPy's index type: a gather or scatter with it costs a fraction of one
+            # with int32); read unsigned first, so a negative slot is a huge page.
+            pages = starts.view(np.uint32).astype(np.intp)
+            if ps > 1:
+                pages >>= self._shift
+            try:  # the gather checks the range
+                already: np.ndarray | None = self._is_free[pages]
             except IndexError:
                 already = None  # out of range: raised below, naming the slot
             if already is not None and (ps == 1 or not np.count_nonzero(starts & (ps - 1))):
@@ -301,8 +310,13 @@ class PageAllocator:
         n = arr.shape[0]
         if np.count_nonzero(already):  # count_nonzero: cheaper than any() on small arrays
             raise RuntimeError(f"double free: pages {arr[already].tolist()} are already free")
-        ordered = np.sort(arr)
-        if np.count_nonzero(ordered[1:] == ordered[:-1]):
+        # A page listed twice: stamp each page with its position and read the stamps back (a
+        # page listed twice keeps one of them); O(pages), where sorting to find it is not.
+        if self._seq.shape[0] < n:
+            self._seq = np.arange(1, 2 * n + 1, dtype=np.int32)
+        seq = self._seq[:n]
+        self._stamp[arr] = seq
+        if self._stamp[arr].tobytes() != seq.tobytes():
             raise ValueError(f"pages listed more than once: {arr.tolist()}")
         self._is_free[arr] = True
         # Pages not free are handed out, so the ring has room for them: no overflow possible.

@@ -145,39 +145,49 @@ class FlowPages:
                 rid, 3, "evict", f"evicted {slots.shape[0]} cached tokens to free {short} pages"
             )
 
-    def allocate(self, rid: int, num_tokens: int, out: np.ndarray | None = None) -> np.ndarray:
-        """Host slots for ``num_tokens`` on new pages (into ``out`` if given), evicting first when
-        the free list is short; ``RuntimeError`` changing nothing when the pool cannot hold them."""
-        if num_tokens > self.allocator.num_free_pages * self.page_size:  # more pages than free
-            self.make_room(rid, -(-num_tokens // self.page_size))
-        slots = self.allocator.allocate_host_slots(num_tokens, out)
+    def allocate_pages(self, rid: int, num_pages: int, out: np.ndarray) -> None:
+        """Every slot of ``num_pages`` new pages into ``out`` (`PageAllocator.allocate_page_slots`),
+        evicting first when the free list is short; ``RuntimeError`` changing nothing when the
+        pool cannot hold them."""
+        if num_pages > self.allocator.num_free_pages:
+            self.make_room(rid, num_pages)
+        self.allocator.allocate_page_slots(num_pages, out)
         if self.trace is not None:
+            slots = out[: num_pages * self.page_size]
             self.trace(rid, 3, "allocate", f"pages {self.allocator.slots_to_pages(slots).tolist()}")
-        return slots
 
     def append(self, req: Request, new_ids: np.ndarray) -> np.ndarray:
         """Append ``new_ids`` (1-D, at least one) to ``req``'s host copy with their slots: the last
-        page's free slots first, then new pages. Returns the new slots (a view of the copy);
-        ``RuntimeError`` changing nothing when the pool cannot take the new pages."""
+        page's free slots first, then new pages (written whole: the tokens after these fill
+        their rest). Returns the new slots (a view of the copy); ``RuntimeError`` changing
+        nothing when the pool cannot take the new pages."""
         h = req.host
-        k, length = new_ids.shape[0], h.length
+        k, length, filled = new_ids.shape[0], h.length, h.filled
         end = length + k
-        if end > h.ids.shape[0]:
-            h.reserve(k)  # the new slots are written past ``length``: invisible until it moves
-        take = -length % self.page_size  # free slots left in the last page
-        if take:
-            take = min(k, take)
-            # The last page's next slots: one ufunc into the copy, no temporary arrays.
-            np.add(self._steps[:take], h.slots[length - 1], out=h.slots[length : length + take])
-        if k > take:
-            if self.trace is None and k - take <= self.allocator.num_free_pages * self.page_size:
-                self.allocator.allocate_host_slots(k - take, h.slots[length + take : end])
-            else:
-                self.allocate(req.rid, k - take, h.slots[length + take : end])
+        if end > filled:
+            ps = self.page_size
+            if filled == length and length % ps:  # the last page's rest not known: work it out
+                filled = length - length % ps + ps
+                h.reserve(filled - length)
+                self._fill_last_page(h.slots, length, filled)
+                h.filled = filled
+            if end > filled:
+                num_pages = -(-(end - filled) // ps)
+                if filled + num_pages * ps > h.slots.shape[0]:
+                    h.reserve(filled + num_pages * ps - length)  # keeps slots[:filled]
+                if self.trace is None and num_pages <= self.allocator.num_free_pages:
+                    self.allocator.allocate_page_slots(num_pages, h.slots[filled:])
+                else:
+                    self.allocate_pages(req.rid, num_pages, h.slots[filled:])
+                h.filled = filled + num_pages * ps
         h.ids[length:end] = new_ids
         h.length = end
         self.stats.decoded_tokens += k
         return h.slots[length:end]
+
+    def _fill_last_page(self, slots: np.ndarray, length: int, stop: int) -> None:
+        """``slots[length:stop]``: the slots after ``slots[length - 1]`` on its page."""
+        np.add(self._steps[: stop - length], slots[length - 1], out=slots[length:stop])
 
     def free_finished(
         self, slots: np.ndarray, lo: int, already: int, n: int, length: int

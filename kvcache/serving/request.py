@@ -15,6 +15,8 @@ from ..managers.base import TOKEN_DTYPES, BaseCacheHandle
 __all__ = ["Request", "FlowStats", "FlowEvent", "Tracer", "HostCopy", "keyed", "host_ids"]
 
 _I64 = np.dtype(np.int64)
+_I32 = np.dtype(np.int32)
+_empty = np.empty
 
 
 def host_ids(input_ids: torch.Tensor, name: str = "input_ids") -> np.ndarray:
@@ -108,14 +110,13 @@ class Request:
     ) -> Request:
         """A request over ``host`` (taken as it is, not copied), ``num_computed = reused_len``."""
         req = cls.__new__(cls)
-        req.rid, req.handle, req.reused_len, req.num_computed, req.finished = (
-            rid,
-            handle,
-            reused_len,
-            reused_len,
-            False,
-        )
-        req.device, req.host, req.extra_key = device, host, extra_key
+        req.rid = rid
+        req.handle = handle
+        req.reused_len = req.num_computed = reused_len
+        req.finished = False
+        req.device = device
+        req.host = host
+        req.extra_key = extra_key
         req._views = None
         return req
 
@@ -226,13 +227,16 @@ class HostCopy:
 
     ``ids[:length]`` (int64) and ``slots[:length]`` (int32) keep spare capacity, so appending
     ``k`` tokens costs O(k) and no torch op; `RequestFlow` computes with these arrays, and a
-    `Request` shows them as tensors.
+    `Request` shows them as tensors. ``slots[length:filled]`` (``filled >= length``) are slots
+    already known past the end: the rest of the request's last page, which the flow writes when
+    it takes the page, so that the tokens that fill it later cost no work.
     """
 
-    __slots__ = ("ids", "length", "slots")
+    __slots__ = ("filled", "ids", "length", "slots")
     ids: np.ndarray
     slots: np.ndarray
     length: int
+    filled: int
 
     def __init__(
         self, ids: np.ndarray, slots: np.ndarray, prefix: np.ndarray | None = None
@@ -253,23 +257,27 @@ class HostCopy:
                 raise ValueError(f"{n} ids but {m + slots.shape[0]} slots")
             self.slots[:m] = prefix
             self.slots[m:n] = slots
-        self.length = n
+        self.length = self.filled = n
 
     @classmethod
-    def with_room(cls, n: int) -> HostCopy:
-        """An empty copy (``length == 0``) with room for ``n`` tokens and then some."""
+    def with_room(cls, n: int, page_size: int = 1) -> HostCopy:
+        """An empty copy (``length == filled == 0``) with room for ``n`` tokens and then some,
+        at least ``n`` rounded up to whole pages of ``page_size``."""
         h = cls.__new__(cls)
-        cap = n + 16 + (n >> 2)
-        h.ids, h.slots, h.length = np.empty(cap, dtype=np.int64), np.empty(cap, dtype=np.int32), 0
+        cap = n + 16 + (n >> 2) + page_size
+        h.ids = _empty(cap, _I64)  # dtypes as objects, passed by position: the fastest call
+        h.slots = _empty(cap, _I32)
+        h.length = h.filled = 0
         return h
 
     def reserve(self, k: int) -> None:
-        """Make room for ``k`` more tokens past ``length`` (doubling), keeping the contents."""
+        """Make room for ``k`` more tokens past ``length`` (doubling), keeping the contents
+        (the known slots past ``length`` too)."""
         n = self.length
         if n + k > self.ids.shape[0]:
             cap = max(2 * self.ids.shape[0], n + k)
             grown_ids, grown_slots = np.empty(cap, dtype=np.int64), np.empty(cap, dtype=np.int32)
-            grown_ids[:n], grown_slots[:n] = self.ids[:n], self.slots[:n]
+            grown_ids[:n], grown_slots[: self.filled] = self.ids[:n], self.slots[: self.filled]
             self.ids, self.slots = grown_ids, grown_slots
 
     def append(self, ids: np.ndarray, slots: np.ndarray) -> None:
@@ -278,7 +286,7 @@ class HostCopy:
         self.reserve(k)
         self.ids[n : n + k] = ids
         self.slots[n : n + k] = slots
-        self.length = n + k
+        self.length = self.filled = n + k
 
 
 def keyed(method: Callable[..., T], extra_key: Hashable, *args: Any) -> T:

@@ -119,13 +119,17 @@ class RequestFlow:
     ) -> Request:
         """Pages for the tokens past the cached prefix, then the running request (or raise with
         nothing taken)."""
-        n, m = ids.shape[0], handle.cached_len
-        host = HostCopy.with_room(n)
-        if n > m:  # the new slots are written in place
-            if self._trace is None and n - m <= self.allocator.num_free_pages * self.page_size:
-                self.allocator.allocate_host_slots(n - m, host.slots[m:n])  # no eviction needed
+        n, m, ps = ids.shape[0], handle.cached_len, self.page_size
+        host = HostCopy.with_room(n, ps)
+        if n > m:  # the new pages' slots are written in place, the last page whole
+            k = -(-(n - m) // ps)
+            if self._trace is None and k <= self.allocator.num_free_pages:
+                self.allocator.allocate_page_slots(k, host.slots[m:])  # no eviction needed
             else:
-                self._pages.allocate(rid, n - m, host.slots[m:n])
+                self._pages.allocate_pages(rid, k, host.slots[m:])
+            host.filled = m + k * ps
+        else:
+            host.filled = n
         host.ids[:n] = ids
         if m:
             host.slots[:m] = prefix if isinstance(prefix, np.ndarray) else prefix.cpu().numpy()
@@ -348,9 +352,11 @@ class RequestFlow:
                 if self._host
                 else self._pages.insert_fused(req, n)
             )
-            already = res.cached_len
-            if already > handle.cached_len or n < length:
-                self._pages.free_finished(h.slots, handle.cached_len, already, n, length)
+            already, lo = res.cached_len, handle.cached_len
+            if already > lo:
+                self._pages.free_finished(h.slots, lo, already, n, length)
+            elif n < length:  # only the partial last page: one page, named by its first slot
+                self.allocator.free_page_start(h.slots.item(n))
             req.finished = True
             del self.running[req.rid]
             return already
