@@ -91,9 +91,9 @@ class FlowPageCalls:
 
     def free_page_start(self, slot: int) -> None:
         """Return the one page whose first slot is ``slot`` (a Python int) to the end of the free
-        list: a request's partial last page. ``ValueError`` when ``slot`` is not an int in
-        ``[0, num_slots)`` starting a page, ``RuntimeError`` when its page is free already;
-        nothing changes then."""
+        list: a request's partial last page. ``TypeError`` when ``slot`` is not an int,
+        ``ValueError`` when it is not in ``[0, num_slots)`` or does not start a page,
+        ``RuntimeError`` when its page is free already; nothing changes then."""
         if type(slot) is not int:
             raise TypeError(f"slot must be an int, got {type(slot).__name__}")
         ps = self.page_size
