@@ -5,6 +5,7 @@ base class's forms (which this manager's own calls replace)."""
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import numpy as np
@@ -14,19 +15,10 @@ from conftest import observe
 from conftest import unchanged as watch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_host_arrays import OPS, drive_forms
 
 from kvcache import BaseCacheManager, BlockHashCacheManager, PageAllocator, RequestFlow
 from kvcache.managers.base import fused_calls_safe, host_arrays_safe, takes_host_arrays
-
-OPS = st.lists(
-    st.tuples(
-        st.sampled_from(["match", "insert", "relock", "evict"]),
-        st.lists(st.integers(0, 3), min_size=0, max_size=12),  # few tokens: prefixes are shared
-        st.integers(0, 9),
-    ),
-    min_size=1,
-    max_size=25,
-)
 
 
 def state(m: BlockHashCacheManager) -> Any:
@@ -45,52 +37,10 @@ def test_the_calls_say_they_take_numpy():
 )
 def test_numpy_and_tensor_forms_agree(ops: list, id_dtype: type, ps: int) -> None:
     """Two managers, one driven with tensors and one with NumPy arrays, make identical decisions:
-    every answer equal, the whole state equal after every step (invariants checked)."""
+    every answer and handle equal, the whole state (free queue, clock and locks included) equal
+    after every step, invariants checked."""
     tm, hm = BlockHashCacheManager(page_size=ps), BlockHashCacheManager(page_size=ps)
-    held: list[tuple[Any, Any, list[int]]] = []
-    fresh = 0
-    for kind, toks, k in ops:
-        if kind == "match" or (not held and kind in ("insert", "relock")):
-            th, tidx = tm.match_and_lock(torch.tensor(toks, dtype=torch.int64))
-            hh, hidx = hm.match_and_lock(np.array(toks, dtype=id_dtype))
-            assert isinstance(tidx, torch.Tensor) and isinstance(hidx, np.ndarray)
-            assert hidx.dtype == np.int32 and hidx.tolist() == tidx.tolist()
-            assert th == hh
-            held.append((th, hh, toks))
-        elif kind in ("insert", "relock"):
-            th, hh, base = held.pop(k % len(held))
-            seq = base + toks
-            n = len(seq)
-            prefix = tm.handle_indices(th).tolist() if th.cached_len else []
-            new = [fresh * ps + j for j in range(-(-(n - len(prefix)) // ps) * ps)]
-            fresh += -(-(n - len(prefix)) // ps)
-            slots = (prefix + new)[:n]
-            relock = kind == "relock"
-            tres = tm.insert_and_unlock(
-                th,
-                torch.tensor(seq, dtype=torch.int64),
-                torch.tensor(slots, dtype=torch.int32),
-                relock=relock,
-            )
-            hres = hm.insert_and_unlock(
-                hh, np.array(seq, dtype=id_dtype), np.array(slots, dtype=np.int32), relock=relock
-            )
-            assert tres.cached_len == hres.cached_len and tres.handle == hres.handle
-            if relock:
-                held.append((tres.handle, hres.handle, seq))
-        else:
-            size = min(k * ps, tm.size_info.evictable_size)
-            tout = tm.evict(size)
-            hout = hm.evict(size, host=True)
-            assert isinstance(tout, torch.Tensor)
-            assert isinstance(hout, np.ndarray) and hout.dtype == np.int32
-            assert hout.tolist() == tout.tolist()
-        assert state(tm) == state(hm)
-        hm.check_integrity()
-    for th, hh, _ in held:
-        tm.lock_handle(th, unlock=True)
-        hm.lock_handle(hh, unlock=True)
-    assert state(tm) == state(hm) and hm.size_info.protected_size == 0
+    drive_forms(tm, hm, ops, id_dtype, state, operator.eq)
 
 
 def _populated() -> tuple[BlockHashCacheManager, Any]:

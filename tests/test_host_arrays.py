@@ -76,7 +76,24 @@ def test_numpy_and_tensor_forms_agree(name: str, ops: list, id_dtype: type) -> N
     """Two managers, one driven with tensors and one with NumPy arrays (ids of several integer
     dtypes), make identical decisions: every answer equal, the whole state equal after every
     step (invariants checked), the NumPy side getting NumPy back and the tensor side tensors."""
-    tm, hm = MAKERS[name](), MAKERS[name]()
+    drive_forms(MAKERS[name](), MAKERS[name](), ops, id_dtype, state, same_length)
+
+
+def same_length(a: Any, b: Any) -> bool:
+    return a.cached_len == b.cached_len
+
+
+def drive_forms(
+    tm: BaseCacheManager,
+    hm: BaseCacheManager,
+    ops: list,
+    id_dtype: type,
+    state: Callable[[BaseCacheManager], Any],
+    same_handles: Callable[[Any, Any], bool],
+) -> None:
+    """Run ``ops`` (from ``OPS``) on ``tm`` with tensors and on ``hm`` with NumPy arrays of ids
+    in ``id_dtype``; after every step the answers agree, ``same_handles`` holds for the handles,
+    ``state`` is equal and both managers pass ``check_integrity``."""
     ps = tm.page_size
     evict_host = host_arrays_safe(type(hm), "evict")
     held: list[tuple[Any, Any, list[int]]] = []  # (tensor handle, NumPy handle, tokens)
@@ -88,7 +105,7 @@ def test_numpy_and_tensor_forms_agree(name: str, ops: list, id_dtype: type) -> N
             hh, hidx = hm.match_and_lock(np.array(toks, dtype=id_dtype))
             assert isinstance(tidx, torch.Tensor) and isinstance(hidx, np.ndarray)
             assert hidx.dtype == np.int32 and hidx.tolist() == tidx.tolist()
-            assert th.cached_len == hh.cached_len
+            assert same_handles(th, hh)
             held.append((th, hh, toks))
         elif kind in ("insert", "relock"):
             th, hh, base = held.pop(k % len(held))
@@ -109,7 +126,7 @@ def test_numpy_and_tensor_forms_agree(name: str, ops: list, id_dtype: type) -> N
                 hh, np.array(seq, dtype=id_dtype), np.array(slots, dtype=np.int32), relock=relock
             )
             assert tres.cached_len == hres.cached_len
-            assert tres.handle.cached_len == hres.handle.cached_len
+            assert same_handles(tres.handle, hres.handle)
             if relock:
                 held.append((tres.handle, hres.handle, seq))
         else:  # evict what is evictable, up to k pages
@@ -121,6 +138,7 @@ def test_numpy_and_tensor_forms_agree(name: str, ops: list, id_dtype: type) -> N
             assert as_host(hout).tolist() == tout.tolist()
         assert state(tm) == state(hm)
         tm.check_integrity()
+        hm.check_integrity()
     for th, hh, _ in held:
         tm.lock_handle(th, unlock=True)
         hm.lock_handle(hh, unlock=True)
