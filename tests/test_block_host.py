@@ -1,6 +1,7 @@
 """`BlockHashCacheManager`'s own NumPy forms (`match_and_lock`, `insert_and_unlock`,
 `evict(host=True)`): the same answers and state as the tensor forms, the same refusals (nothing
-changed), and the flow driving it with its host arrays. `tests/test_host_arrays.py` checks the
+changed), and the flow driving it with its host arrays; `evict(host=True)` is checked beside
+radix's in `tests/test_host_arrays.py`. `tests/test_host_arrays.py` checks the
 base class's forms (which this manager's own calls replace)."""
 
 from __future__ import annotations
@@ -91,20 +92,6 @@ def test_bad_numpy_slots_are_refused_changing_nothing():
         assert state(m) == before
     res = m.insert_and_unlock(handle, ids, good)
     assert res.cached_len == 4 and m.size_info.protected_size == 0
-
-
-def test_evict_host_keyword():
-    m = BlockHashCacheManager(page_size=1)
-    m.insert_prefix(torch.arange(3), torch.tensor([5, 6, 7], dtype=torch.int32))
-    empty = m.evict(0, host=True)
-    assert isinstance(empty, np.ndarray) and empty.dtype == np.int32 and empty.shape == (0,)
-    with watch(m), pytest.raises(TypeError, match="host must be a bool, got int"):
-        m.evict(1, host=1)
-    with watch(m), pytest.raises(RuntimeError, match="cannot evict 4 tokens"):
-        m.evict(4, host=True)
-    out = m.evict(3, host=True)
-    assert isinstance(out, np.ndarray) and out.tolist() == [7, 6, 5]
-    m.check_integrity()
 
 
 def test_the_flow_drives_it_with_host_arrays():
