@@ -17,22 +17,30 @@ from kvcache import PageAllocator
 @given(
     ps=st.sampled_from([1, 2, 3, 16]),
     big=st.booleans(),  # a pool past the allocator's table of page rows (computed slots)
-    ops=st.lists(st.tuples(st.booleans(), st.integers(0, 30), st.integers(0, 5)), max_size=25),
+    ops=st.lists(
+        st.tuples(st.booleans(), st.integers(0, 30), st.integers(0, 5), st.integers(0, 3)),
+        max_size=25,
+    ),
 )
 def test_allocate_page_slots_matches_allocate(ps, big, ops):
     """Against a second allocator taking the same pages with `allocate`: same pages, their slots
-    page after page at ``out[:k * page_size]``, the rest of ``out`` untouched, same free list
-    after every call (frees included, so the ring wraps)."""
+    page after page at ``out[start : start + k * page_size]``, the rest of ``out`` untouched, same
+    free list after every call (frees included, so the ring wraps)."""
     num_pages = (1 << 22) // ps + 1 if big and ps == 16 else 40
     a, ref = PageAllocator(num_pages, ps), PageAllocator(num_pages, ps)
     held: list[int] = []
-    for take, k, spare in ops:
+    for take, k, spare, start in ops:
         if take and k <= a.num_free_pages:
-            out = np.full(k * ps + spare, -7, dtype=np.int32)
-            a.allocate_page_slots(k, out)
+            out = np.full(start + k * ps + spare, -7, dtype=np.int32)
+            if start:
+                a.allocate_page_slots(k, out, start)
+            else:
+                a.allocate_page_slots(k, out)
             pages = ref.allocate(k).tolist()
             want = [p * ps + o for p in pages for o in range(ps)]
-            assert out[: k * ps].tolist() == want and out[k * ps :].tolist() == [-7] * spare
+            end = start + k * ps
+            assert out[start:end].tolist() == want
+            assert out[:start].tolist() == [-7] * start and out[end:].tolist() == [-7] * spare
             held += pages
         elif held:
             give = held[:k]
@@ -57,6 +65,14 @@ def test_allocate_page_slots_refuses_bad_input_changing_nothing():
     for out in bad_outs:
         with unchanged(a), pytest.raises(ValueError, match="out must be"):
             a.allocate_page_slots(3, out)  # type: ignore[arg-type]
+    with unchanged(a), pytest.raises(ValueError, match="at least 65 entries"):
+        a.allocate_page_slots(3, room, 17)  # 48 slots from 17 on: one past the end
+    with unchanged(a), pytest.raises(ValueError, match="start"):
+        a.allocate_page_slots(1, room, -1)
+    with unchanged(a), pytest.raises(TypeError, match="start"):
+        a.allocate_page_slots(1, room, 1.0)  # type: ignore[arg-type]
+    one = np.empty(2, dtype=np.int32)[::2]  # one entry, strided: contiguous all the same
+    PageAllocator(2, 1).allocate_page_slots(1, one)
     with unchanged(a), pytest.raises(RuntimeError, match="only 3 are free"):
         a.allocate_page_slots(4, room)
     with unchanged(a), pytest.raises(ValueError, match="num_pages"):

@@ -17,6 +17,7 @@ from .._validate import check_size
 __all__ = ["FlowPageCalls"]
 
 _I32 = np.dtype(np.int32)
+_FALSE = np.zeros((), dtype=np.bool_)
 
 
 class FlowPageCalls:
@@ -37,31 +38,35 @@ class FlowPageCalls:
 
     _take: Callable[[int, int], np.ndarray]
 
-    def allocate_page_slots(self, num_pages: int, out: np.ndarray) -> None:
+    def allocate_page_slots(self, num_pages: int, out: np.ndarray, start: int = 0) -> None:
         """Take ``num_pages`` pages off the free list and write every slot of them, page after
-        page, into ``out[:num_pages * page_size]`` (``out``: a C-contiguous 1-D int32 NumPy array
-        of at least that many entries; the rest is left as it was).
+        page, into ``out[start : start + num_pages * page_size]`` (``out``: a C-contiguous 1-D
+        int32 NumPy array of at least that many entries; the rest is left as it was).
 
         For a caller that keeps the unused tail of its last page at hand (the request flow: a
         request's next tokens fill it with no call at all). ``TypeError``/``ValueError`` for a bad
-        ``num_pages`` or ``out``, ``RuntimeError`` if fewer pages are free; nothing is taken then.
+        ``num_pages``, ``out`` or ``start``, ``RuntimeError`` if fewer pages are free; nothing is
+        taken then.
         """
         k = (
             num_pages
             if type(num_pages) is int and num_pages >= 0
             else check_size(num_pages, "num_pages")
         )
+        if type(start) is not int or start < 0:
+            start = check_size(start, "start")
         ps = self.page_size
         size = k * ps
+        end = start + size
         if (
             type(out) is not np.ndarray
             or out.dtype is not _I32
             or out.ndim != 1
-            or out.shape[0] < size
-            or not out.flags.c_contiguous
+            or out.shape[0] < end
+            or (out.strides[0] != 4 and not out.flags.c_contiguous)  # a reshape must be a view
         ):
             raise ValueError(
-                f"out must be a C-contiguous 1-D int32 NumPy array of at least {size} entries, "
+                f"out must be a C-contiguous 1-D int32 NumPy array of at least {end} entries, "
                 f"got {out!r:.80}"
             )
         if k > self._count:
@@ -73,21 +78,21 @@ class FlowPageCalls:
             self._count -= 1
             self._free_bytes[p] = 0
             if ps == 1:
-                out[0] = p
+                out[start] = p
             else:
-                out[:ps] = self._rows[p] if self._rows is not None else p * ps + self._offsets
+                out[start:end] = self._rows[p] if self._rows is not None else p * ps + self._offsets
             return
-        end = head + k
-        pages = self._ring[head:end] if end <= self.num_pages else self._take(head, k)
-        self._head = end if end < self.num_pages else end - self.num_pages
+        stop = head + k
+        pages = self._ring[head:stop] if stop <= self.num_pages else self._take(head, k)
+        self._head = stop if stop < self.num_pages else stop - self.num_pages
         self._count -= k
-        self._is_free[pages] = False
+        self._is_free[pages] = _FALSE  # a 0-d array: no conversion of a Python bool per call
         if ps == 1:
-            out[:k] = pages
+            out[start:end] = pages
         elif self._rows is not None:  # a gather of the pages' rows, straight into ``out``
-            self._rows.take(pages, axis=0, out=out[:size].reshape(k, ps), mode="clip")
+            self._rows.take(pages, axis=0, out=out[start:end].reshape(k, ps), mode="clip")
         else:
-            out[:size].reshape(k, ps)[:] = pages[:, None] * ps + self._offsets
+            out[start:end].reshape(k, ps)[:] = pages[:, None] * ps + self._offsets
 
     def free_page_start(self, slot: int) -> None:
         """Return the one page whose first slot is ``slot`` (a Python int) to the end of the free

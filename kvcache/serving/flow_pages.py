@@ -145,15 +145,15 @@ class FlowPages:
                 rid, 3, "evict", f"evicted {slots.shape[0]} cached tokens to free {short} pages"
             )
 
-    def allocate_pages(self, rid: int, num_pages: int, out: np.ndarray) -> None:
-        """Every slot of ``num_pages`` new pages into ``out`` (`PageAllocator.allocate_page_slots`),
-        evicting first when the free list is short; ``RuntimeError`` changing nothing when the
-        pool cannot hold them."""
+    def allocate_pages(self, rid: int, num_pages: int, out: np.ndarray, start: int) -> None:
+        """Every slot of ``num_pages`` new pages into ``out`` from ``start`` on
+        (`PageAllocator.allocate_page_slots`), evicting first when the free list is short;
+        ``RuntimeError`` changing nothing when the pool cannot hold them."""
         if num_pages > self.allocator.num_free_pages:
             self.make_room(rid, num_pages)
-        self.allocator.allocate_page_slots(num_pages, out)
+        self.allocator.allocate_page_slots(num_pages, out, start)
         if self.trace is not None:
-            slots = out[: num_pages * self.page_size]
+            slots = out[start : start + num_pages * self.page_size]
             self.trace(rid, 3, "allocate", f"pages {self.allocator.slots_to_pages(slots).tolist()}")
 
     def append(self, req: Request, new_ids: np.ndarray) -> np.ndarray:
@@ -176,9 +176,9 @@ class FlowPages:
                 if filled + num_pages * ps > h.slots.shape[0]:
                     h.reserve(filled + num_pages * ps - length)  # keeps slots[:filled]
                 if self.trace is None and num_pages <= self.allocator.num_free_pages:
-                    self.allocator.allocate_page_slots(num_pages, h.slots[filled:])
+                    self.allocator.allocate_page_slots(num_pages, h.slots, filled)
                 else:
-                    self.allocate_pages(req.rid, num_pages, h.slots[filled:])
+                    self.allocate_pages(req.rid, num_pages, h.slots, filled)
                 h.filled = filled + num_pages * ps
         h.ids[length:end] = new_ids
         h.length = end

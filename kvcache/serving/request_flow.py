@@ -98,6 +98,11 @@ class RequestFlow:
         return self._pages.pages_for(len(req), k)
 
     def _get(self, req: Request) -> Request:
+        try:  # the common case first: one dict probe (only a Request is ever in ``running``)
+            if self.running.get(req.rid) is req and not req.finished:
+                return req
+        except (AttributeError, TypeError):
+            pass
         if not isinstance(req, Request):
             raise TypeError(f"expected a Request, got {type(req).__name__}")
         if req.finished or self.running.get(req.rid) is not req:
@@ -124,9 +129,9 @@ class RequestFlow:
         if n > m:  # the new pages' slots are written in place, the last page whole
             k = -(-(n - m) // ps)
             if self._trace is None and k <= self.allocator.num_free_pages:
-                self.allocator.allocate_page_slots(k, host.slots[m:])  # no eviction needed
+                self.allocator.allocate_page_slots(k, host.slots, m)  # no eviction needed
             else:
-                self._pages.allocate_pages(rid, k, host.slots[m:])
+                self._pages.allocate_pages(rid, k, host.slots, m)
             host.filled = m + k * ps
         else:
             host.filled = n
@@ -134,8 +139,7 @@ class RequestFlow:
         if m:
             host.slots[:m] = prefix if isinstance(prefix, np.ndarray) else prefix.cpu().numpy()
         host.length = n
-        req = Request.from_host(rid, host, handle, m, self._device, key)
-        self.running[rid] = req
+        self.running[rid] = req = Request.from_host(rid, host, handle, m, self._device, key)
         self.stats.count_request(n, m)
         return req
 
