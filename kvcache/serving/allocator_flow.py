@@ -62,7 +62,7 @@ class FlowPageCalls:
             type(out) is not np.ndarray
             or out.dtype is not _I32
             or out.ndim != 1
-            or out.shape[0] < end
+            or len(out) < end
             or (out.strides[0] != 4 and not out.flags.c_contiguous)  # a reshape must be a view
         ):
             raise ValueError(

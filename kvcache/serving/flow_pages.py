@@ -133,12 +133,12 @@ class FlowPages:
         )
         # A manager evicts what the flow inserted: whole pages, page after page, so their pages
         # are every page_size-th slot (O(pages) to check); anything else takes the full check.
-        if slots.shape[0] % self.page_size:
+        if len(slots) % self.page_size:
             self.allocator.free_slots(slots)
         else:
             self.allocator.free_page_runs(slots)
         stats = self.stats
-        stats.evicted_tokens += slots.shape[0]
+        stats.evicted_tokens += len(slots)
         stats.evictions += 1
         if self.trace is not None:
             self.trace(
@@ -162,7 +162,7 @@ class FlowPages:
         their rest). Returns the new slots (a view of the copy); ``RuntimeError`` changing
         nothing when the pool cannot take the new pages."""
         h = req.host
-        k, length, filled = new_ids.shape[0], h.length, h.filled
+        k, length, filled = len(new_ids), h.length, h.filled
         end = length + k
         if end > filled:
             ps = self.page_size
@@ -173,7 +173,7 @@ class FlowPages:
                 h.filled = filled
             if end > filled:
                 num_pages = -(-(end - filled) // ps)
-                if filled + num_pages * ps > h.slots.shape[0]:
+                if filled + num_pages * ps > len(h.slots):
                     h.reserve(filled + num_pages * ps - length)  # keeps slots[:filled]
                 if self.trace is None and num_pages <= self.allocator.num_free_pages:
                     self.allocator.allocate_page_slots(num_pages, h.slots, filled)

@@ -124,7 +124,7 @@ class RequestFlow:
     ) -> Request:
         """Pages for the tokens past the cached prefix, then the running request (or raise with
         nothing taken)."""
-        n, m, ps = ids.shape[0], handle.cached_len, self.page_size
+        n, m, ps = len(ids), handle.cached_len, self.page_size
         host = HostCopy.with_room(n, ps)
         if n > m:  # the new pages' slots are written in place, the last page whole
             k = -(-(n - m) // ps)
@@ -158,7 +158,7 @@ class RequestFlow:
         ids = host_ids(input_ids)
         if extra_key is not None:
             check_extra_key(extra_key)
-        if ids.shape[0] == 0:
+        if len(ids) == 0:
             raise ValueError("input_ids must hold at least one token")
         rid = next(self._rids)
         handle, prefix = (
@@ -245,7 +245,7 @@ class RequestFlow:
         """
         self._get(req)
         new = host_ids(new_ids, "new_ids")
-        if new.shape[0] == 0:
+        if len(new) == 0:
             return req.indices[:0]
         out = torch.from_numpy(self._pages.append(req, new))
         return out if self._on_cpu else out.to(self._device)
