@@ -19,15 +19,16 @@ own pages in ``[tree_len, already_cached)``, which another request inserted firs
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable
 
 import numpy as np
 import torch
 
-from .._validate import check_int_in, check_token_ids, reject_one_tensor
+from .._validate import check_int_in
 from ..managers.base import BaseCacheHandle, BaseCacheManager, fused_calls_safe, host_arrays_safe
 from ..managers.cache_events import check_extra_key
 from .allocator import PageAllocator
+from .flow_batch import FlowBatchCalls
 from .flow_pages import FlowPages
 from .integrity import check_flow_parts, check_page_partition
 from .request import FlowEvent, FlowStats, HostCopy, Request, Tracer, host_ids, keyed
@@ -35,7 +36,7 @@ from .request import FlowEvent, FlowStats, HostCopy, Request, Tracer, host_ids, 
 __all__ = ["Request", "FlowStats", "FlowEvent", "RequestFlow"]
 
 
-class RequestFlow:
+class RequestFlow(FlowBatchCalls):
     """Drives a `BaseCacheManager` and a `PageAllocator` through the life of requests.
 
     Args:
@@ -158,60 +159,46 @@ class RequestFlow:
         ids = host_ids(input_ids)
         if extra_key is not None:
             check_extra_key(extra_key)
-        if len(ids) == 0:
+        n = len(ids)
+        if n == 0:
             raise ValueError("input_ids must hold at least one token")
         rid = next(self._rids)
-        handle, prefix = (
-            self._hm.match_and_lock(ids[:-1] if compute_last else ids, extra_key)
-            if self._host
-            else self._pages.match_lock_any(rid, ids, input_ids, compute_last, extra_key)
-        )
-        try:
-            return self._start(rid, ids, handle, prefix, extra_key)
-        except BaseException:
-            self.manager.lock_handle(handle, unlock=True)
-            raise
-
-    def begin_batch(
-        self,
-        prompts: Sequence[torch.Tensor],
-        *,
-        compute_last: bool = False,
-        extra_key: Hashable = None,
-    ) -> list[Request]:
-        """`begin` for several prompts at once (all in namespace ``extra_key``), all or nothing.
-
-        Every prompt is checked first; then all are matched and locked, and only if the pool
-        can hold every one of them (after eviction) are pages taken, with one eviction for the
-        batch. Otherwise every lock is released and ``RuntimeError`` raised: nothing evicted,
-        no page taken. Prompts of one batch do not reuse each other (none is cached yet).
-        """
-        reject_one_tensor(prompts, "prompts")
-        prompts = list(prompts)
-        if not prompts:
-            raise ValueError("prompts must hold at least one prompt, got an empty batch")
-        for i, p in enumerate(prompts):
-            check_token_ids(p, f"prompts[{i}]")
-            if p.shape[0] == 0:
-                raise ValueError(f"prompts[{i}] must hold at least one token")
-        check_extra_key(extra_key)
-        rids = [next(self._rids) for _ in prompts]
-        matched: list[tuple[BaseCacheHandle, torch.Tensor | np.ndarray]] = []
-        try:
-            for rid, p in zip(rids, prompts, strict=True):
-                matched.append(
-                    self._pages.match_lock_any(rid, p.numpy(), p, compute_last, extra_key)
-                )
-            new = [p.shape[0] - h.cached_len for p, (h, _) in zip(prompts, matched, strict=True)]
-            self._pages.make_room(rids[0], sum(-(-n // self.page_size) for n in new))
-        except BaseException:
-            for h, _ in matched:
-                self.manager.lock_handle(h, unlock=True)
-            raise
-        return [
-            self._start(rid, p.numpy(), h, prefix, extra_key)
-            for rid, p, (h, prefix) in zip(rids, prompts, matched, strict=True)
-        ]
+        if not self._host:
+            handle, prefix = self._pages.match_lock_any(
+                rid, ids, input_ids, compute_last, extra_key
+            )
+            try:
+                return self._start(rid, ids, handle, prefix, extra_key)
+            except BaseException:
+                self.manager.lock_handle(handle, unlock=True)
+                raise
+        # `_start` written out for the untraced NumPy forms: every request takes this path.
+        handle, prefix = self._hm.match_and_lock(ids[:-1] if compute_last else ids, extra_key)
+        m, ps = handle.cached_len, self.page_size
+        host = HostCopy.with_room(n, ps)
+        if n > m:  # the new pages' slots are written in place, the last page whole
+            k = -(-(n - m) // ps)
+            try:
+                if k <= self.allocator.num_free_pages:
+                    self.allocator.allocate_page_slots(k, host.slots, m)
+                else:
+                    self._pages.allocate_pages(rid, k, host.slots, m)
+            except BaseException:
+                self.manager.lock_handle(handle, unlock=True)
+                raise
+            host.filled = m + k * ps
+        else:
+            host.filled = n
+        host.ids[:n] = ids
+        if m:
+            host.slots[:m] = prefix
+        host.length = n
+        self.running[rid] = req = Request.from_host(rid, host, handle, m, self._device, extra_key)
+        stats = self.stats  # `FlowStats.count_request`, written out
+        stats.requests += 1
+        stats.prompt_tokens += n
+        stats.reused_tokens += m
+        return req
 
     def mark_computed(self, req: Request, num_tokens: int | None = None) -> None:
         """Record that K/V of the first ``num_tokens`` tokens (default: all) are stored (step 6).
@@ -219,11 +206,15 @@ class RequestFlow:
         ``num_tokens``: an integer in ``[req.num_computed, len(req)]`` (``TypeError`` for bool,
         float and other non-integers, ``ValueError`` out of range).
         """
+        if num_tokens is None and self._trace is None:
+            try:  # the common call, checked as `_get` checks it
+                if self.running.get(req.rid) is req and not req.finished:
+                    req.num_computed = req.host.length
+                    return
+            except (AttributeError, TypeError):
+                pass
         self._get(req)
         length = req.host.length
-        if num_tokens is None and self._trace is None:
-            req.num_computed = length
-            return
         n = (
             length
             if num_tokens is None
@@ -248,41 +239,6 @@ class RequestFlow:
         if len(new) == 0:
             return req.indices[:0]
         out = torch.from_numpy(self._pages.append(req, new))
-        return out if self._on_cpu else out.to(self._device)
-
-    def extend_batch(
-        self, reqs: Sequence[Request], new_ids: Sequence[torch.Tensor]
-    ) -> list[torch.Tensor]:
-        """`extend` of ``reqs[i]`` by ``new_ids[i]`` for every ``i``, all or nothing.
-
-        Refused before any request changes: ``ValueError`` for differing lengths or bad ids,
-        ``RuntimeError`` for a request not running here or listed twice, or when the pool cannot
-        take every new page (one eviction for the batch).
-        """
-        reqs, new_ids = list(reqs), list(new_ids)
-        if len(new_ids) != len(reqs):
-            raise ValueError(
-                f"need one new_ids per request: {len(new_ids)} for {len(reqs)} requests"
-            )
-        for i, (r, x) in enumerate(zip(reqs, new_ids, strict=True)):
-            self._get(r)
-            check_token_ids(x, f"new_ids[{i}]")
-        if len({id(r) for r in reqs}) != len(reqs):
-            raise RuntimeError("every request must be running in this flow, each listed once")
-        if reqs:
-            self._pages.make_room(
-                reqs[0].rid,
-                sum(
-                    self._pages.pages_for(len(r), x.shape[0])
-                    for r, x in zip(reqs, new_ids, strict=True)
-                ),
-            )
-        return [self._extend(r, x) for r, x in zip(reqs, new_ids, strict=True)]
-
-    def _extend(self, req: Request, new_ids: torch.Tensor) -> torch.Tensor:
-        if new_ids.shape[0] == 0:
-            return req.indices[:0]
-        out = torch.from_numpy(self._pages.append(req, new_ids.numpy()))
         return out if self._on_cpu else out.to(self._device)
 
     def _insert(self, req: Request, n: int, keep_running: bool) -> int:
