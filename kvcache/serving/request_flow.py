@@ -159,46 +159,19 @@ class RequestFlow(FlowBatchCalls):
         ids = host_ids(input_ids)
         if extra_key is not None:
             check_extra_key(extra_key)
-        n = len(ids)
-        if n == 0:
+        if len(ids) == 0:
             raise ValueError("input_ids must hold at least one token")
         rid = next(self._rids)
-        if not self._host:
-            handle, prefix = self._pages.match_lock_any(
-                rid, ids, input_ids, compute_last, extra_key
-            )
-            try:
-                return self._start(rid, ids, handle, prefix, extra_key)
-            except BaseException:
-                self.manager.lock_handle(handle, unlock=True)
-                raise
-        # `_start` written out for the untraced NumPy forms: every request takes this path.
-        handle, prefix = self._hm.match_and_lock(ids[:-1] if compute_last else ids, extra_key)
-        m, ps = handle.cached_len, self.page_size
-        host = HostCopy.with_room(n, ps)
-        if n > m:  # the new pages' slots are written in place, the last page whole
-            k = -(-(n - m) // ps)
-            try:
-                if k <= self.allocator.num_free_pages:
-                    self.allocator.allocate_page_slots(k, host.slots, m)
-                else:
-                    self._pages.allocate_pages(rid, k, host.slots, m)
-            except BaseException:
-                self.manager.lock_handle(handle, unlock=True)
-                raise
-            host.filled = m + k * ps
-        else:
-            host.filled = n
-        host.ids[:n] = ids
-        if m:
-            host.slots[:m] = prefix
-        host.length = n
-        self.running[rid] = req = Request.from_host(rid, host, handle, m, self._device, extra_key)
-        stats = self.stats  # `FlowStats.count_request`, written out
-        stats.requests += 1
-        stats.prompt_tokens += n
-        stats.reused_tokens += m
-        return req
+        handle, prefix = (
+            self._hm.match_and_lock(ids[:-1] if compute_last else ids, extra_key)
+            if self._host
+            else self._pages.match_lock_any(rid, ids, input_ids, compute_last, extra_key)
+        )
+        try:
+            return self._start(rid, ids, handle, prefix, extra_key)
+        except BaseException:
+            self.manager.lock_handle(handle, unlock=True)
+            raise
 
     def mark_computed(self, req: Request, num_tokens: int | None = None) -> None:
         """Record that K/V of the first ``num_tokens`` tokens (default: all) are stored (step 6).
