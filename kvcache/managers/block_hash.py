@@ -173,9 +173,7 @@ class BlockHashCacheManager(BaseCacheManager):
         """The slots of ``pages``, page after page (1-D int32 on ``device``)."""
         if not len(pages):
             return self.empty_tensor
-        out = torch.from_numpy(
-            self._table.slots.take(pages, axis=0).reshape(-1)
-        )  # take: faster for rows
+        out = torch.from_numpy(self._table.slots.take(pages, axis=0).reshape(-1))  # rows: take
         return out if self._on_cpu else out.to(self.device)
 
     def cached_indices(self) -> torch.Tensor:
@@ -244,7 +242,7 @@ class BlockHashCacheManager(BaseCacheManager):
         table = self._table
         raw = rows.tobytes()
         hasher = self._hasher
-        hashes, known, gens = self._pending.recall(rows, raw, table, hasher, extra_key, lazy=True)
+        hashes, known, gens, _ = self._pending.recall(rows, raw, table, hasher, extra_key, True)
         self._flush()
         pages = walk(table, rows, hashes, known, extra_key)
         if len(pages) == len(hashes) < len(rows) and table.nchild[pages[-1]]:  # all cached: on
@@ -318,12 +316,13 @@ class BlockHashCacheManager(BaseCacheManager):
         if carried is None:
             carried = self._pending.recall(rows, raw, table, hasher, extra_key)
             held = None
-        hashes, known, gens = carried  # with ``held``: ``known`` is locked (no LRU refresh)
+        hashes, known, gens, tail = carried  # with ``held``: ``known`` is locked (no LRU refresh)
         i0 = len(known)
         if i0 and not table.max_probe and (i0 == len(hashes) or hashes[i0] not in table.page_of):
             pages = known  # `walk`'s usual case for an insert: nothing cached past the match
         else:
             pages = walk(table, rows, hashes, known, extra_key)
+            tail = None  # ``hashes[len(known):]``: not the new blocks' when the walk went on
         ps, m, nb = self.page_size, len(pages), len(rows)
         if m == nb:
             self._clock += 1
@@ -341,7 +340,10 @@ class BlockHashCacheManager(BaseCacheManager):
         tic = self._clock
         up = int(pages[-1]) if m else -1
         queue = defer is None or held is None or pages is not known
-        serial = table.add(fresh, listed, top, keys, probes, rows[m:], up, tic, extra_key, queue)
+        key_values = keys if probes is not None or tail is None else tail  # tail: ``hashes[m:]``
+        serial = table.add(
+            fresh, listed, top, key_values, probes, rows[m:], up, tic, extra_key, queue
+        )
         if not queue:
             defer.append(len(listed))  # type: ignore[union-attr]
         if held is None or pages is not known:

@@ -145,23 +145,31 @@ class ChainHasher:
 
     def chain(self, blocks: np.ndarray, seed: int = ROOT_HASH_SEED) -> list[int]:
         """Hashes of the rows of ``blocks`` (shape ``(num_blocks, page_size)``, int64), in order."""
+        return self.chain_array(blocks, seed)[0]
+
+    def chain_array(
+        self, blocks: np.ndarray, seed: int = ROOT_HASH_SEED
+    ) -> tuple[list[int], np.ndarray | None]:
+        """`chain`, and the same hashes as a ``uint64`` array when it computed one (the default
+        hash over more than a few blocks; else ``None``): writing them into an array from it
+        skips converting a list of ints."""
         nb = blocks.shape[0]
         if nb == 0:
-            return []
+            return [], None
         if self.custom:
             out: list[int] = []
             parent = seed
             for row in blocks.tolist():
                 parent = self.one(parent, tuple(row))
                 out.append(parent)
-            return out
+            return out, None
         if nb <= _FEW:  # a few blocks: plain ints beat NumPy's fixed cost per call
             weights, short = self._weights, []
             for row in blocks.tolist():
                 c = sum(map(mul, row, weights)) & _MASK
                 seed = (seed * _M + (((c ^ (c >> 32)) * _K) & _MASK)) & _MASK
                 short.append(seed)
-            return short
+            return short, None
         if len(self._m_pow) < nb + 1:
             size = max(nb + 1, 2 * len(self._m_pow))
             self._m_pow, self._k_m_inv_pow = _powers(_M, size), _powers(_M_INV, size) * _K_NP
@@ -170,8 +178,8 @@ class ChainHasher:
         c = blocks.view(np.uint64) @ self._token_weights
         c ^= c >> _SHIFT_NP
         c *= self._k_m_inv_pow[:nb]
-        c[0] = (int(c[0]) + seed * _M) & _MASK  # the seed's term joins every partial sum
+        c[0] = (c.item(0) + seed * _M) & _MASK  # the seed's term joins every partial sum
         np.add.accumulate(c, out=c)  # uint64 in, uint64 out (the ufunc skips cumsum's wrappers)
         c *= self._m_pow[:nb]
         hashes: list[int] = c.tolist()
-        return hashes
+        return hashes, c

@@ -35,6 +35,7 @@ def slot_rows(
 
 
 _MASK = (1 << 64) - 1
+_NONE = np.int64(-1).tobytes()  # ``gen`` of a page that holds no block
 
 
 def new_pages(
@@ -59,7 +60,8 @@ def new_pages(
         and table.slots.take(pages, axis=0, mode="clip").tobytes() == new.tobytes()
     ):
         top = -1
-        taken_by = int(np.maximum.reduce(table.gen[pages]))  # -1: no block on any of them
+        # A page that holds no block has gen -1: all bytes 0xff.
+        taken_by = 0 if table.gen[pages].tobytes() != _NONE * len(pages) else -1
     # Seen unsigned, a negative page is huge: one pass bounds the pages on both sides.
     elif (top := int(np.maximum.reduce(pages.view(np.uint64)))) < table.capacity:
         if ps > 1 and table.slots.take(pages, axis=0).tobytes() != new.tobytes():

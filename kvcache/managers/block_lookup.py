@@ -164,9 +164,11 @@ class RequestHashes:
         hasher: ChainHasher,
         extra_key: Hashable = None,
         lazy: bool = False,
-    ) -> tuple[list[int], np.ndarray, bytes]:
+    ) -> tuple[list[int], np.ndarray, bytes, np.ndarray | None]:
         """The hashes of the rows of ``rows`` (only rows not remembered are hashed), the longest
-        remembered chain that still matches them (possibly empty) and its serials (as bytes).
+        remembered chain that still matches them (possibly empty), its serials (as bytes), and
+        the hashes past that chain as a ``uint64`` array when they were all computed here by
+        `ChainHasher.chain_array` (else ``None``).
 
         Every row is hashed unless ``lazy``: then, when a remembered chain is found, only up to
         the first row past it (a walk stops at the first block not cached; `hash_rest` hashes the
@@ -196,7 +198,8 @@ class RequestHashes:
                 k = min((first if differ[first] else n) // self.page_size, len(partial[1]))
                 if k:
                     return self._reuse(partial, k, rows, table, hasher, lazy)
-        return hasher.chain(rows, key_seed(extra_key)), NO_PAGES, b""
+        hashes, tail = hasher.chain_array(rows, key_seed(extra_key))
+        return hashes, NO_PAGES, b"", tail
 
     def carried(
         self,
@@ -206,7 +209,7 @@ class RequestHashes:
         table: BlockTable,
         hasher: ChainHasher,
         extra_key: Hashable,
-    ) -> tuple[list[int], np.ndarray, bytes] | None:
+    ) -> tuple[list[int], np.ndarray, bytes, np.ndarray | None] | None:
         """What `recall` returns, taken from ``held`` (a handle locked since its match, so its
         chain is still cached) instead of the memo, when ``raw`` starts with its tokens, its chain
         is in namespace ``extra_key`` and keys are hashes (no collision yet); else ``None``."""
@@ -216,9 +219,11 @@ class RequestHashes:
         if (table.ns.get(known.item(0)) if table.ns else None) != extra_key:
             return None
         hashes = list(held.block_hashes)
+        tail = None
         if len(hashes) < len(rows):
-            hashes += hasher.chain(rows[len(hashes) :], hashes[-1])
-        return hashes, known, table.gen[known].tobytes()
+            more, tail = hasher.chain_array(rows[len(hashes) :], hashes[-1])
+            hashes += more
+        return hashes, known, table.gen[known].tobytes(), tail
 
     @staticmethod
     def _reuse(
@@ -228,9 +233,9 @@ class RequestHashes:
         table: BlockTable,
         hasher: ChainHasher,
         lazy: bool,
-    ) -> tuple[list[int], np.ndarray, bytes]:
-        """Hashes, still-valid pages and their serials for ``rows`` from ``entry``, whose first
-        ``k >= 1`` blocks hold the same tokens as ``rows``'s and have hashes there."""
+    ) -> tuple[list[int], np.ndarray, bytes, np.ndarray | None]:
+        """What `recall` returns for ``rows`` from ``entry``, whose first ``k >= 1`` blocks hold
+        the same tokens as ``rows``'s and have hashes there."""
         _, hashes, pages, gens = entry
         if len(pages) > k:
             pages, gens = pages[:k], gens[: 8 * k]
@@ -247,11 +252,15 @@ class RequestHashes:
             upto = min(len(pages) + more, len(rows))
         else:
             upto = len(rows)
+        tail = None
         if k < upto:
-            hashes = hashes[:k] + hasher.chain(rows[k:upto], hashes[k - 1])
+            rest, tail = hasher.chain_array(rows[k:upto], hashes[k - 1])
+            hashes = hashes[:k] + rest
+            if len(pages) < k:
+                tail = None  # not all the hashes past the chain
         elif k < len(hashes):
             hashes = hashes[:k]
-        return hashes, pages, gens
+        return hashes, pages, gens, tail
 
 
 def hash_rest(
