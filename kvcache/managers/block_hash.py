@@ -16,23 +16,22 @@ prefix without any tree. The manager keeps:
   is refused even while its blocks are locked through another handle.
 
 Speed. The default hash (`block_hash_chain`) is computed for every block of a sequence at once
-with a few NumPy passes; a lookup is then one dict probe per block (``map`` in C), and the
-parents and tokens of the whole matched chain are compared in one array operation each
-(`block_lookup.walk`). The hashes and chains of recent sequences are remembered
-(`block_lookup.RequestHashes`): a conversation's next turn, which resends its whole history,
-reuses what the last turn's insert left, so it neither hashes nor walks again what is still
-cached (the bytes are compared, and each remembered page's serial); a request's insert reuses
-what its match found (vLLM's ``Request.block_hashes``): the fused insert reads it off the handle
-it releases (locked, so still cached), a separate insert off the memo. A match hashes only up to
-the first block past that chain; the insert hashes the rest. Locking, unlocking, queueing and
-the LRU refresh are array operations on the chain's pages; slots are built in NumPy; an insert
-validates its new blocks only, in NumPy; eviction is array operations on its victims but for
-the key index. No per-block Python object exists: a handle carries its chain's pages, so
-locking one made since the last eviction re-checks nothing, and a match's LRU refresh waits for
-the next call, which skips it when it locks that very chain. The fused calls and ``evict`` also
-take and give the flow's host NumPy arrays (`takes_host_arrays`).
+with a few NumPy passes; a lookup is then one dict probe per block, and the parents and tokens
+of the whole matched chain are compared in one array operation each (`block_lookup.walk`).
+Recent sequences' hashes and chains are remembered (`block_lookup.RequestHashes`): a
+conversation's next turn, which resends its whole history, neither hashes nor walks again what
+is still cached (the bytes are compared, and each remembered page's serial); a request's insert
+reuses what its match found (vLLM's ``Request.block_hashes``), read off the handle it releases
+(locked, so still cached) or the memo. A match hashes only up to the first block past that
+chain; the insert hashes the rest. Locking, unlocking, queueing, the LRU refresh, the checks of
+an insert's new blocks and eviction (but for the key index) are array operations on the chain's
+pages; no per-block Python object exists. A handle carries its chain's pages, so locking one
+made since the last eviction re-checks nothing; a match's LRU refresh waits for the next call,
+which skips it when it locks that very chain. The fused calls and ``evict`` also take and give
+the flow's host NumPy arrays (`takes_host_arrays`).
 
-Locking and the flow's fused calls: see `block_locks`. Collisions: see `block_lookup`. Eviction rule: see `block_evict`; ``check_integrity`` verifies the free queue's order.
+Locking and the flow's fused calls: `block_locks`. Collisions: `block_lookup`. Eviction rule:
+`block_evict` (``check_integrity`` verifies the free queue's order).
 """
 
 from __future__ import annotations
@@ -162,8 +161,7 @@ class BlockHashCacheManager(BaseCacheManager):
     def free_queue(self) -> list[int]:
         """Keys of the evictable blocks in eviction order (head first)."""
         self._flush()
-        t = self._table
-        return t.keys_of(t.free.pages())
+        return self._table.keys_of(self._table.free.pages())
 
     def locked_handles(self) -> dict[BlockHashCacheHandle, int]:
         """Each locked handle and how many times it is locked (a copy)."""
@@ -192,10 +190,8 @@ class BlockHashCacheManager(BaseCacheManager):
             self._events.cleared()
 
     def take_events(self) -> list[CacheEvent]:
-        """What was stored, removed and cleared since the last call, oldest first; empties the log.
-
-        ``RuntimeError`` unless the manager was built with ``events=True``.
-        """
+        """What was stored, removed and cleared since the last call, oldest first; empties the log
+        (``RuntimeError`` unless the manager was built with ``events=True``)."""
         if self._events is None:
             raise events_off(type(self).__name__)
         return self._events.take()
@@ -208,7 +204,9 @@ class BlockHashCacheManager(BaseCacheManager):
             self._touch = None
             self._table.use(pages, tic)
 
-    def _handle(self, pages: np.ndarray, hashes: list[int], raw: bytes) -> BlockHashCacheHandle:
+    def _handle(
+        self, pages: np.ndarray, hashes: list[int], raw: bytes, gens: bytes | None
+    ) -> BlockHashCacheHandle:
         k = len(pages)
         if self._table.max_probe:
             keys = tuple(self._table.keys_of(pages))
@@ -216,7 +214,8 @@ class BlockHashCacheManager(BaseCacheManager):
             keys = tuple(hashes if k == len(hashes) else hashes[:k])
         pages.setflags(write=False)  # shared by the handle, its lock record and the memo
         # ``raw``: the request's tokens; the chain's are its first ``k`` blocks.
-        return new_handle(k * self.page_size, keys, raw, pages, (self._token, self._epoch, keys))
+        stamp = (self._token, self._epoch, keys)
+        return new_handle(k * self.page_size, keys, raw, pages, stamp, gens)
 
     # ------------------------------------------------------------- public
     def match_prefix(
@@ -245,7 +244,7 @@ class BlockHashCacheManager(BaseCacheManager):
         hashes, known, gens, _ = self._pending.recall(rows, raw, table, hasher, extra_key, True)
         self._flush()
         pages = walk(table, rows, hashes, known, extra_key)
-        if len(pages) == len(hashes) < len(rows) and table.nchild[pages[-1]]:  # all cached: on
+        if len(pages) == len(hashes) < len(rows) and table.nchild.item(pages.item(-1)):  # on
             hashes = hash_rest(hasher, rows, hashes, extra_key)
             pages = walk(table, rows, hashes, pages, extra_key)
         if keep:
@@ -253,7 +252,7 @@ class BlockHashCacheManager(BaseCacheManager):
                 gens = table.gen[pages].tobytes()
             self._pending.remember(raw, hashes, pages, gens, extra_key)
         self._clock += 1
-        handle = self._handle(pages, hashes, raw)
+        handle = self._handle(pages, hashes, raw, gens if pages is known else None)
         if len(pages):
             self._touch = (pages, self._clock)
         if host:
@@ -331,7 +330,7 @@ class BlockHashCacheManager(BaseCacheManager):
             if pages is not known:
                 gens = table.gen[pages].tobytes()
             self._pending.remember(raw, hashes, pages, gens, extra_key)
-            return m * ps, self._handle(pages, hashes, raw)
+            return m * ps, self._handle(pages, hashes, raw, gens)
         slots = slots[m * ps : nb * ps]
         fresh, listed, top = new_pages(slots, ps, table)
         keys, probes = file_keys(table, hashes[m:], listed)
@@ -355,7 +354,7 @@ class BlockHashCacheManager(BaseCacheManager):
         self._pending.remember(raw, hashes, pages, gens, extra_key)
         if self._events is not None:
             self._events.stored(extra_key, rows.reshape(-1).tolist(), slots.tolist())
-        return m * ps, self._handle(pages, hashes, raw)
+        return m * ps, self._handle(pages, hashes, raw, gens)
 
     def _chain(self, handle: BaseCacheHandle) -> np.ndarray:
         """The pages behind ``handle``, root first, after checking the handle names them."""

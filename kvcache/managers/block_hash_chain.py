@@ -92,12 +92,11 @@ def block_rows(input_ids: torch.Tensor | np.ndarray, page_size: int, host: bool)
     be), checked as `check_token_ids` checks a tensor; ``host``: a 1-D NumPy array of an integer
     dtype is taken too (checked as `host_array` checks)."""
     ids: np.ndarray | None
+    if host and type(input_ids) is np.ndarray and input_ids.dtype == _INT64 and input_ids.ndim == 1:
+        nb = len(input_ids) // page_size  # the flow's usual form, checked
+        return input_ids[: nb * page_size].reshape(nb, page_size)
     if type(input_ids) is torch.Tensor and input_ids.is_cpu:
         ids = input_ids.numpy()
-    elif (
-        host and type(input_ids) is np.ndarray and input_ids.dtype == _INT64 and input_ids.ndim == 1
-    ):
-        ids = input_ids  # the flow's usual form, checked
     elif host and isinstance(input_ids, np.ndarray):
         ids = host_array(input_ids, "input_ids", TOKEN_DTYPES)
     else:

@@ -21,14 +21,14 @@ def slot_rows(
 ) -> np.ndarray:
     """``indices`` as 1-D int32 NumPy on the host, checked as `check_indices` checks a tensor;
     ``host``: a NumPy array is taken too (1-D int32, checked as `host_array` checks)."""
+    if host and type(indices) is np.ndarray and indices.dtype == _INT32 and indices.ndim == 1:
+        return indices  # the flow's form
     if type(indices) is torch.Tensor and indices.is_cpu and on_cpu:
         slots: np.ndarray = indices.numpy()
         if slots.ndim != 1 or slots.dtype != _INT32:
             check_indices(indices, device)  # raises
         return slots
     if host and isinstance(indices, np.ndarray):
-        if indices.dtype == _INT32 and indices.ndim == 1:  # the flow's form
-            return indices
         return host_array(indices, "indices", SLOT_DTYPES)
     out: np.ndarray = check_indices(indices, device).cpu().numpy()
     return out

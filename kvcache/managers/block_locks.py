@@ -27,6 +27,7 @@ class _Manager(Protocol):
     _table: BlockTable
     _touch: tuple[np.ndarray, int] | None
     _plain_match: bool  # match_prefix is the class's own (no subclass overrides it)
+    _clock: int
 
     @property
     def clock(self) -> int: ...
@@ -107,14 +108,15 @@ def _release(
     chain: np.ndarray | None = None,
     new: int = 0,
 ) -> None:
-    """One lock of ``handle`` released; ``chain``, ``new``: see `BlockTable.release`."""
-    times, locked = self._locks.get(handle, record)  # re-read: a relock may have just added one
+    """One lock of ``handle`` (its lock record ``record``) released; ``chain``, ``new``: see
+    `BlockTable.release`."""
+    times, locked = record
     self._flush()
     if times == 1:
         del self._locks[handle]
     else:
         self._locks[handle] = (times - 1, locked)
-    self._table.release(locked, self.clock, chain, new)
+    self._table.release(locked, self._clock, chain, new)
 
 
 @takes_host_arrays
@@ -179,6 +181,8 @@ def insert_and_unlock(
     )
     if relock and made.cached_len:
         _lock(self, made, made.pages)  # type: ignore[arg-type]
+        if record is not None:
+            record = self._locks[handle]  # type: ignore[index]  # one more lock when made == handle
     if record is not None:
         if defer:
             _release(self, handle, record, made.pages, defer[0])  # type: ignore[arg-type]

@@ -223,7 +223,8 @@ class RequestHashes:
         if len(hashes) < len(rows):
             more, tail = hasher.chain_array(rows[len(hashes) :], hashes[-1])
             hashes += more
-        return hashes, known, table.gen[known].tobytes(), tail
+        gens = held.serials  # locked since: still theirs
+        return hashes, known, table.gen[known].tobytes() if gens is None else gens, tail
 
     @staticmethod
     def _reuse(
