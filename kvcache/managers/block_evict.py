@@ -41,9 +41,12 @@ def prefix_tokens(table: BlockTable, page: int) -> list[int]:
 _ONE = np.int64(1).tobytes()
 
 
+_CHILDREN = bytes(8) + _ONE * 1023
+
+
 def _chain_children(n: int) -> bytes:
     """``nchild`` of ``n`` victims forming one chain, deepest first, as int64 bytes."""
-    return bytes(8) + _ONE * (n - 1)
+    return _CHILDREN[: 8 * n] if n <= 1024 else bytes(8) + _ONE * (n - 1)
 
 
 #: What ``gen`` holds for a victim while `evict_blocks` checks its children (a page that holds no
@@ -60,14 +63,12 @@ def evict_blocks(table: BlockTable, size: int, events: EventLog | None) -> np.nd
     Array operations on the victims, whatever their number, but for the key index (``dict``
     deletions in C) and the parents that stay (usually one).
     """
-    pages, lo = table.free.head(-(-size // table.page_size))
+    n = -(-size // table.page_size)
+    pages, lo = table.free.head(n)
     gen, nchild = table.gen, table.nchild
     ups = table.parent[pages]
-    n = len(pages)
     # Every victim's children must be victims too (the queue's order promises it).
-    if ups[: n - 1].tobytes() == pages[1:].tobytes() and nchild[pages].tobytes() == _chain_children(
-        n
-    ):
+    if ups.tobytes()[:-8] == pages.tobytes()[8:] and nchild[pages].tobytes() == _chain_children(n):
         # The usual case: one chain, deepest block first (each victim the parent of the one
         # before it), the first one a leaf and each other one the parent of that one only.
         gen[pages] = -1

@@ -303,7 +303,8 @@ class BlockHashCacheManager(BaseCacheManager):
             raise ValueError(
                 f"len(indices) ({len(slots)}) must equal len(input_ids) ({input_ids.shape[0]})"
             )
-        self._flush()
+        if self._touch is not None:
+            self._flush()
         table = self._table
         raw = rows.tobytes()
         hasher = self._hasher

@@ -11,7 +11,7 @@ manager's) goes through the separate calls, with their checks and errors.
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -79,8 +79,10 @@ def lock_handle(self: _Manager, handle: BaseCacheHandle, unlock: bool = False) -
 
 
 def _lock(self: _Manager, handle: BaseCacheHandle, pages: np.ndarray) -> None:
-    record = self._locks.get(handle)  # type: ignore[call-overload]
-    self._locks[handle] = (record[0] + 1, record[1]) if record else (1, pages)  # type: ignore[index]
+    first = (1, pages)
+    record = self._locks.setdefault(handle, first)  # type: ignore[arg-type]
+    if record is not first:  # locked already (through an equal handle, maybe)
+        self._locks[handle] = (record[0] + 1, record[1])  # type: ignore[index]
     self._table.lock(pages)
 
 
@@ -111,7 +113,8 @@ def _release(
     """One lock of ``handle`` (its lock record ``record``) released; ``chain``, ``new``: see
     `BlockTable.release`."""
     times, locked = record
-    self._flush()
+    if self._touch is not None:
+        self._flush()
     if times == 1:
         del self._locks[handle]
     else:
@@ -175,7 +178,7 @@ def insert_and_unlock(
         input_ids,
         indices,
         extra_key,
-        cast(BlockHashCacheHandle, handle) if record is not None else None,
+        handle if record is not None else None,  # type: ignore[arg-type]
         True,
         defer,
     )

@@ -258,8 +258,9 @@ class BlockTable:
             self.last[pages] = tic
         nchild, first = self.nchild, listed[0]
         if len(listed) > 1:
-            self.parent[pages[1:]] = pages[:-1]
-            nchild[pages[:-1]] = 1
+            above = pages[:-1]
+            self.parent[pages[1:]] = above
+            nchild[above] = 1
         self.parent[first] = parent
         nchild[listed[-1]] = 0
         if probes is not None:
