@@ -338,7 +338,7 @@ class BlockHashCacheManager(BaseCacheManager):
         # Validation done; from here on nothing raises.
         self._clock += 1
         tic = self._clock
-        up = int(pages[-1]) if m else -1
+        up = pages.item(-1) if m else -1
         queue = defer is None or held is None or pages is not known
         key_values = keys if probes is not None or tail is None else tail  # tail: ``hashes[m:]``
         serial = table.add(

@@ -134,6 +134,7 @@ class ChainHasher:
         self._weights: list[int] = self._token_weights.tolist()
         self._m_pow = _powers(_M, 1)
         self._k_m_inv_pow = _powers(_M_INV, 1) * _K_NP  # mix's factor K folded in: one pass fewer
+        self._powers: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def one(self, parent_hash: int, tokens: tuple[int, ...]) -> int:
         """The hash of one block; ``TypeError`` when a custom ``hash_fn`` returns a non-int."""
@@ -169,16 +170,20 @@ class ChainHasher:
                 seed = (seed * _M + (((c ^ (c >> 32)) * _K) & _MASK)) & _MASK
                 short.append(seed)
             return short, None
-        if len(self._m_pow) < nb + 1:
-            size = max(nb + 1, 2 * len(self._m_pow))
-            self._m_pow, self._k_m_inv_pow = _powers(_M, size), _powers(_M_INV, size) * _K_NP
+        powers = self._powers.get(nb)  # the first ``nb`` of each, sliced once per length
+        if powers is None:
+            if len(self._m_pow) < nb + 1:
+                size = max(nb + 1, 2 * len(self._m_pow))
+                self._m_pow, self._k_m_inv_pow = _powers(_M, size), _powers(_M_INV, size) * _K_NP
+                self._powers = {}
+            powers = self._powers[nb] = (self._k_m_inv_pow[:nb], self._m_pow[:nb])
         # Integer array arithmetic wraps modulo 2**64 without a warning (only scalars warn).
         # c_i * M^-i = ((x ^ (x >> 32)) * K) * M^-i, the last two factors precomputed as one.
         c = blocks.view(np.uint64) @ self._token_weights
         c ^= c >> _SHIFT_NP
-        c *= self._k_m_inv_pow[:nb]
+        c *= powers[0]
         c[0] = (c.item(0) + seed * _M) & _MASK  # the seed's term joins every partial sum
         np.add.accumulate(c, out=c)  # uint64 in, uint64 out (the ufunc skips cumsum's wrappers)
-        c *= self._m_pow[:nb]
+        c *= powers[1]
         hashes: list[int] = c.tolist()
         return hashes, c

@@ -50,15 +50,15 @@ def new_pages(
     """
     ps = page_size
     pages = np.floor_divide(new[::ps], ps, dtype=np.int64) if ps > 1 else new.astype(np.int64)
-    # The usual case in one comparison: ``clip`` reads a page outside a table that has rows as
-    # row 0 (a negative page) or as the spare row (slots -1), neither of which can equal its
-    # slots, so equal bytes mean every page is inside the table and every block's slots are its
-    # page's.
-    if (
-        ps > 1
-        and table.capacity
-        and table.slots.take(pages, axis=0, mode="clip").tobytes() == new.tobytes()
-    ):
+    # The usual case in one comparison: a negative page reads a row from the end of the table
+    # (nonnegative slots, or the spare row's, which no block of page -1 has), which cannot equal
+    # its slots, and one past the end raises, so equal bytes mean every page is inside the table
+    # and every block's slots are its page's.
+    try:
+        usual = ps > 1 and table.slot_rows[pages].tobytes() == new.tobytes()
+    except IndexError:
+        usual = False
+    if usual:
         top = -1
         # A page that holds no block has gen -1: all bytes 0xff.
         taken_by = 0 if table.gen[pages].tobytes() != _NONE * len(pages) else -1
@@ -108,7 +108,8 @@ def file_keys(
     further than any before."""
     taken = table.page_of
     before = len(taken)
-    taken.update(zip(new_hashes, listed, strict=True))  # usually every hash is a new key
+    # Usually every hash is a new key. (Equal lengths: no ``strict``, whose check costs more.)
+    taken.update(zip(new_hashes, listed))  # noqa: B905
     if len(taken) == before + len(new_hashes):
         return new_hashes, None
     # A hash was taken (by a cached block or an earlier new one): undo, then probe. A cached

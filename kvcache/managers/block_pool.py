@@ -148,6 +148,10 @@ def new_handle(
     return handle
 
 
+#: The slots of the spare row: no page's, and no block of page -1 (which a negative index
+#: reads there) has them, so that `block_insert.new_pages` compares slots without a range check.
+_NO_SLOT = np.iinfo(np.int32).min
+
 #: Columns of `BlockTable.meta`.
 PARENT, REF, NCHILD, LAST, PROBE, GEN = range(6)
 
@@ -174,8 +178,9 @@ class BlockTable:
         self.capacity = 0
         self.tok = np.zeros((1, page_size), dtype=np.int64)
         self._row = np.dtype((np.void, 8 * page_size))
+        self._slot_row = np.dtype((np.void, 4 * page_size))
         self.key = np.zeros(1, dtype=np.uint64)
-        self.slots: np.ndarray = np.full((1, page_size), -1, dtype=np.int32)  # the spare row
+        self.slots: np.ndarray = np.full((1, page_size), _NO_SLOT, dtype=np.int32)  # spare row
         self.meta = np.array([[-1, 0, 0, 0, 0, -1]], dtype=np.int64)
         self._views()
         self.page_of: dict[int, int] = {}
@@ -185,8 +190,10 @@ class BlockTable:
         self.max_probe = 0  # the largest probe ever used
 
     def _views(self) -> None:
-        # Each page's tokens as one item: writing rows through it is a 1-D copy per row.
+        # Each page's tokens (slots) as one item: rows are written (read) through these as 1-D
+        # fancy indexing, which costs less than that of 2-D rows.
         self._tok_rows = self.tok.view(self._row).reshape(-1)
+        self.slot_rows = self.slots.view(self._slot_row).reshape(-1)
         meta = self.meta
         self.parent, self.ref, self.nchild = meta[:, PARENT], meta[:, REF], meta[:, NCHILD]
         self.last, self.probe, self.gen = meta[:, LAST], meta[:, PROBE], meta[:, GEN]
@@ -206,7 +213,7 @@ class BlockTable:
 
         self.tok, self.key, self.meta = grown(self.tok), grown(self.key), grown(self.meta)
         slots = np.arange((size + 1) * ps, dtype=np.int32).reshape(size + 1, ps)
-        slots[-1] = -1
+        slots[-1] = _NO_SLOT
         self.slots = slots
         self.capacity = size
         self.free.reserve(size)
