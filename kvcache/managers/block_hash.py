@@ -380,7 +380,8 @@ class BlockHashCacheManager(BaseCacheManager):
             raise TypeError(f"host must be a bool, got {type(host).__name__}")
         if size == 0:
             return np.zeros(0, dtype=np.int32) if host else self.empty_tensor  # type: ignore[return-value]
-        self._flush()
+        if self._touch is not None:
+            self._flush()
         evictable = self._table.free.size * self.page_size
         if size > evictable:
             raise RuntimeError(

@@ -52,6 +52,8 @@ class _Manager(Protocol):
 
 __all__ = ["lock_handle", "match_and_lock", "insert_and_unlock"]
 
+_new_tuple = tuple.__new__
+
 
 def lock_handle(self: _Manager, handle: BaseCacheHandle, unlock: bool = False) -> None:
     """Lock (``ref_count += 1``) or unlock every block of ``handle``.
@@ -191,4 +193,4 @@ def insert_and_unlock(
             _release(self, handle, record, made.pages, defer[0])  # type: ignore[arg-type]
         else:
             _release(self, handle, record)  # type: ignore[arg-type]
-    return InsertResult(cached, made)
+    return _new_tuple(InsertResult, (cached, made))  # NamedTuple's own __new__, minus its frame
