@@ -104,7 +104,7 @@ def evict_blocks(table: BlockTable, size: int, events: EventLog | None) -> np.nd
         np.subtract.at(nchild, outer, 1)
     else:
         for up in outer:
-            nchild[up] -= 1
+            nchild[up] = nchild.item(up) - 1  # plain ints: no NumPy scalars
     return pages
 
 

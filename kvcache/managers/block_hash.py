@@ -7,11 +7,9 @@ the blocks of a prompt one after another and stopping at the first miss finds th
 prefix without any tree. The manager keeps:
 
 - a table of blocks indexed by page (`block_pool.BlockTable`): per page, in NumPy arrays, the
-  tokens, the key, the parent's page, a ref count, a child count and the logical time of last
-  use; and ``key -> page`` in a dict;
+  tokens, key, parent's page, ref count, child count and time of last use; ``key -> page``;
 - a *free queue* (`block_queue.FreeQueue`: a log of pages with lazy removal, a chain's run
-  appended in one slice) of the pages whose ref count is 0. It is also the eviction order:
-  ``evict`` takes blocks from its head;
+  appended in one slice) of the pages whose ref count is 0, in eviction order (head first);
 - the locked handles and how often each is locked, so that unlocking a handle that is not locked
   is refused even while its blocks are locked through another handle.
 
@@ -58,6 +56,7 @@ from .block_lookup import RequestHashes, handle_pages, hash_rest, walk
 from .block_pool import BlockHashCacheHandle, BlockTable, CachedBlock, new_handle
 from .cache_events import CacheEvent, EventLog, check_extra_key, events_off
 
+_new_tuple = tuple.__new__
 __all__ = [
     "CachedBlock",
     "BlockHashCacheHandle",
@@ -131,7 +130,8 @@ class BlockHashCacheManager(BaseCacheManager):
     @property
     def size_info(self) -> SizeInfo:
         t, ps = self._table, self.page_size
-        return SizeInfo(t.free.size * ps, t.num_locked * ps)  # (evictable, protected)
+        # (evictable, protected), made as NamedTuple's own __new__ makes it, minus its frame
+        return _new_tuple(SizeInfo, (t.free.size * ps, t.num_locked * ps))
 
     @property
     def num_blocks(self) -> int:

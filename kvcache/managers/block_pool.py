@@ -275,7 +275,7 @@ class BlockTable:
         elif self.max_probe:
             self.probe[pages] = 0
         if parent >= 0:
-            nchild[parent] += 1
+            nchild[parent] = nchild.item(parent) + 1
         elif extra_key is not None:
             self.ns[first] = extra_key
         if queue:
