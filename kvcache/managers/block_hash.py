@@ -52,7 +52,7 @@ from .block_hash_chain import (
     default_block_hash,
 )
 from .block_insert import file_keys, new_pages, slot_rows
-from .block_lookup import RequestHashes, handle_pages, hash_rest, walk
+from .block_lookup import Hashes, RequestHashes, handle_pages, hash_rest, walk
 from .block_pool import BlockHashCacheHandle, BlockTable, CachedBlock, new_handle
 from .cache_events import CacheEvent, EventLog, check_extra_key, events_off
 
@@ -205,7 +205,7 @@ class BlockHashCacheManager(BaseCacheManager):
             self._table.use(pages, tic)
 
     def _handle(
-        self, pages: np.ndarray, hashes: list[int], raw: bytes, gens: bytes | None
+        self, pages: np.ndarray, hashes: Hashes, raw: bytes, gens: bytes | None
     ) -> BlockHashCacheHandle:
         k = len(pages)
         if self._table.max_probe:

@@ -4,6 +4,8 @@ their keys (with the collision probing `block_lookup` describes).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -98,8 +100,8 @@ def _bad_slots(new: np.ndarray, ps: int) -> None:
 
 
 def file_keys(
-    table: BlockTable, new_hashes: list[int], listed: list[int]
-) -> tuple[list[int], list[int] | None]:
+    table: BlockTable, new_hashes: Sequence[int], listed: list[int]
+) -> tuple[Sequence[int], list[int] | None]:
     """File new blocks with these hashes, on pages ``listed``, in ``table.page_of``; return
     their keys and probe offsets (``None``: all 0).
 

@@ -13,7 +13,7 @@ block's name.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 
@@ -27,9 +27,13 @@ __all__ = [
     "hash_rest",
     "handle_pages",
     "NO_PAGES",
+    "Hashes",
 ]
 
 _MASK = (1 << 64) - 1
+#: The hashes of a sequence's first blocks: a list, or the tuple a handle carries (extended
+#: without copying it into a list first).
+Hashes = Sequence[int]
 NO_PAGES = np.zeros(0, dtype=np.int64)
 NO_PAGES.flags.writeable = False
 
@@ -37,7 +41,7 @@ NO_PAGES.flags.writeable = False
 def walk(
     table: BlockTable,
     rows: np.ndarray,
-    hashes: list[int],
+    hashes: Hashes,
     known: np.ndarray = NO_PAGES,
     extra_key: Hashable = None,
 ) -> np.ndarray:
@@ -83,7 +87,7 @@ def walk(
 def _walk_probing(
     table: BlockTable,
     rows: np.ndarray,
-    hashes: list[int],
+    hashes: Hashes,
     known: np.ndarray,
     extra_key: Hashable,
 ) -> np.ndarray:
@@ -130,12 +134,12 @@ class RequestHashes:
         self.width = 8 * page_size
         self.capacity = capacity
         # Insertion order is filing order (a plain dict: cheaper than an OrderedDict here).
-        self._index: dict[Hashable, tuple[bytes, list[int], np.ndarray, bytes]] = {}
+        self._index: dict[Hashable, tuple[bytes, Hashes, np.ndarray, bytes]] = {}
 
     def remember(
         self,
         raw: bytes,
-        hashes: list[int],
+        hashes: Hashes,
         pages: np.ndarray,
         gens: bytes,
         extra_key: Hashable = None,
@@ -164,7 +168,7 @@ class RequestHashes:
         hasher: ChainHasher,
         extra_key: Hashable = None,
         lazy: bool = False,
-    ) -> tuple[list[int], np.ndarray, bytes, np.ndarray | None]:
+    ) -> tuple[Hashes, np.ndarray, bytes, np.ndarray | None]:
         """The hashes of the rows of ``rows`` (only rows not remembered are hashed), the longest
         remembered chain that still matches them (possibly empty), its serials (as bytes), and
         the hashes past that chain as a ``uint64`` array when they were all computed here by
@@ -209,7 +213,7 @@ class RequestHashes:
         table: BlockTable,
         hasher: ChainHasher,
         extra_key: Hashable,
-    ) -> tuple[list[int], np.ndarray, bytes, np.ndarray | None] | None:
+    ) -> tuple[Hashes, np.ndarray, bytes, np.ndarray | None] | None:
         """What `recall` returns, taken from ``held`` (a handle locked since its match, so its
         chain is still cached) instead of the memo, when ``raw`` starts with its tokens, its chain
         is in namespace ``extra_key`` and keys are hashes (no collision yet); else ``None``."""
@@ -218,23 +222,23 @@ class RequestHashes:
             return None
         if (table.ns.get(known.item(0)) if table.ns else None) != extra_key:
             return None
-        hashes = list(held.block_hashes)
+        hashes = held.block_hashes
         tail = None
         if len(hashes) < len(rows):
             more, tail = hasher.chain_array(rows[len(hashes) :], hashes[-1])
-            hashes += more
+            hashes += tuple(more)  # a new tuple: the handle that `_handle` makes takes it as is
         gens = held.serials  # locked since: still theirs
         return hashes, known, table.gen[known].tobytes() if gens is None else gens, tail
 
     @staticmethod
     def _reuse(
-        entry: tuple[bytes, list[int], np.ndarray, bytes],
+        entry: tuple[bytes, Hashes, np.ndarray, bytes],
         k: int,
         rows: np.ndarray,
         table: BlockTable,
         hasher: ChainHasher,
         lazy: bool,
-    ) -> tuple[list[int], np.ndarray, bytes, np.ndarray | None]:
+    ) -> tuple[Hashes, np.ndarray, bytes, np.ndarray | None]:
         """What `recall` returns for ``rows`` from ``entry``, whose first ``k >= 1`` blocks hold
         the same tokens as ``rows``'s and have hashes there."""
         _, hashes, pages, gens = entry
@@ -256,7 +260,7 @@ class RequestHashes:
         tail = None
         if k < upto:
             rest, tail = hasher.chain_array(rows[k:upto], hashes[k - 1])
-            hashes = hashes[:k] + rest
+            hashes = [*hashes[:k], *rest]
             if len(pages) < k:
                 tail = None  # not all the hashes past the chain
         elif k < len(hashes):
@@ -264,14 +268,12 @@ class RequestHashes:
         return hashes, pages, gens, tail
 
 
-def hash_rest(
-    hasher: ChainHasher, rows: np.ndarray, hashes: list[int], extra_key: Hashable
-) -> list[int]:
+def hash_rest(hasher: ChainHasher, rows: np.ndarray, hashes: Hashes, extra_key: Hashable) -> Hashes:
     """``hashes`` (those of the first rows of ``rows``) extended to every row."""
     if len(hashes) >= len(rows):
         return hashes
     seed = hashes[-1] if hashes else key_seed(extra_key)
-    return hashes + hasher.chain(rows[len(hashes) :], seed)
+    return [*hashes, *hasher.chain(rows[len(hashes) :], seed)]
 
 
 def handle_pages(

@@ -11,7 +11,7 @@ keeps a chain's run of pages as one entry. The only per-block Python work left i
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import count
 
@@ -235,7 +235,7 @@ class BlockTable:
         pages: np.ndarray,
         listed: list[int],
         top: int,
-        keys: list[int] | np.ndarray,
+        keys: Sequence[int] | np.ndarray,
         probes: list[int] | None,
         rows: np.ndarray,
         parent: int,
