@@ -325,7 +325,7 @@ class BlockTable:
         self.num_locked -= n
         if chain is not None:
             n += new
-            run = chain[::-1][:n]
+            run = chain[::-1] if n == len(chain) else chain[::-1][:n]  # usually all of it
         elif n:
             run = pages[::-1][:n]
         if n:
