@@ -44,7 +44,7 @@ _ONE = np.int64(1).tobytes()
 _CHILDREN = bytes(8) + _ONE * 1023
 
 
-def _chain_children(n: int) -> bytes:
+def chain_children(n: int) -> bytes:
     """``nchild`` of ``n`` victims forming one chain, deepest first, as int64 bytes."""
     return _CHILDREN[: 8 * n] if n <= 1024 else bytes(8) + _ONE * (n - 1)
 
@@ -68,7 +68,7 @@ def evict_blocks(table: BlockTable, size: int, events: EventLog | None) -> np.nd
     gen, nchild = table.gen, table.nchild
     ups = table.parent[pages]
     # Every victim's children must be victims too (the queue's order promises it).
-    if ups.tobytes()[:-8] == pages.tobytes()[8:] and nchild[pages].tobytes() == _chain_children(n):
+    if ups.tobytes()[:-8] == pages.tobytes()[8:] and nchild[pages].tobytes() == chain_children(n):
         # The usual case: one chain, deepest block first (each victim the parent of the one
         # before it), the first one a leaf and each other one the parent of that one only.
         gen[pages] = -1

@@ -27,7 +27,6 @@ __all__ = [
     "hash_rest",
     "handle_pages",
     "NO_PAGES",
-    "Hashes",
 ]
 
 _MASK = (1 << 64) - 1

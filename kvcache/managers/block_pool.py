@@ -285,7 +285,7 @@ class BlockTable:
     # Along a chain (root first) ref counts never grow (a lock covers a whole chain from its
     # first block), so a chain's free blocks are a suffix of it: its first block's count says
     # whether any is held, its last one's whether all are, else ``count_nonzero`` finds where.
-    def _held(self, pages: np.ndarray) -> int:
+    def held(self, pages: np.ndarray) -> int:
         """How many blocks of the chain ``pages`` (not empty) are locked: a prefix of it."""
         ref = self.ref
         if not ref.item(pages.item(0)):  # item(): plain ints, no NumPy scalars
@@ -302,7 +302,7 @@ class BlockTable:
             self.free.remove(pages)
             self.num_locked += len(pages)
             return
-        held = self._held(pages)
+        held = self.held(pages)
         ref[pages] += 1
         if held < len(pages):
             self.free.remove(pages[held:])
@@ -321,7 +321,7 @@ class BlockTable:
             n = len(pages)
         else:
             ref[pages] -= 1
-            n = len(pages) - self._held(pages)
+            n = len(pages) - self.held(pages)
         self.num_locked -= n
         if chain is not None:
             n += new
@@ -334,7 +334,7 @@ class BlockTable:
 
     def use(self, pages: np.ndarray, tic: int) -> None:
         """Mark a chain used at ``tic``: its free blocks move to the queue's tail, deepest first."""
-        held = self._held(pages) if len(pages) else 0
+        held = self.held(pages) if len(pages) else 0
         if held < len(pages):
             idle = pages[: held - 1 if held else None : -1]
             self.last[idle] = tic
