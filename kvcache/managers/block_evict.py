@@ -38,6 +38,17 @@ def prefix_tokens(table: BlockTable, page: int) -> list[int]:
     return tokens
 
 
+_ONE = np.int64(1).tobytes()
+
+
+_CHILDREN = bytes(8) + _ONE * 1023
+
+
+def chain_children(n: int) -> bytes:
+    """``nchild`` of ``n`` victims forming one chain, deepest first, as int64 bytes."""
+    return _CHILDREN[: 8 * n] if n <= 1024 else bytes(8) + _ONE * (n - 1)
+
+
 #: What ``gen`` holds for a victim while `evict_blocks` checks its children (a page that holds no
 #: block has -1).
 _VICTIM = -3
@@ -52,20 +63,28 @@ def evict_blocks(table: BlockTable, size: int, events: EventLog | None) -> np.nd
     Array operations on the victims, whatever their number, but for the key index (``dict``
     deletions in C) and the parents that stay (usually one).
     """
-    pages, lo = table.free.head(-(-size // table.page_size))
-    gen = table.gen
-    before = gen[pages]
-    gen[pages] = _VICTIM
+    n = -(-size // table.page_size)
+    pages, lo = table.free.head(n)
+    gen, nchild = table.gen, table.nchild
     ups = table.parent[pages]
-    up_gen = gen[ups]  # a first block's parent is the spare row: -1
-    # Every victim's children must be victims too (the queue's order promises it): the victims
-    # chaining from a victim are among its children, so equal totals mean all of them.
-    # (Lists: a few dozen victims are counted faster in Python than by a ufunc call.)
-    if up_gen.tolist().count(_VICTIM) != sum(table.nchild[pages].tolist()):
-        gen[pages] = before
-        _refuse(table, pages.tolist(), ups.tolist())
-    gen[pages] = -1
-    outer: list[int] = ups[up_gen >= 0].tolist()  # parents that stay
+    # Every victim's children must be victims too (the queue's order promises it).
+    if ups.tobytes()[:-8] == pages.tobytes()[8:] and nchild[pages].tobytes() == chain_children(n):
+        # The usual case: one chain, deepest block first (each victim the parent of the one
+        # before it), the first one a leaf and each other one the parent of that one only.
+        gen[pages] = -1
+        up = ups.item(n - 1)
+        outer = [up] if up >= 0 else []  # the parent that stays
+    else:
+        before = gen[pages]
+        gen[pages] = _VICTIM
+        up_gen = gen[ups]  # a first block's parent is the spare row: -1
+        # The victims chaining from a victim are among its children, so equal totals mean all
+        # of them. (Lists: a few dozen victims are counted faster in Python than by a ufunc.)
+        if up_gen.tolist().count(_VICTIM) != sum(nchild[pages].tolist()):
+            gen[pages] = before
+            _refuse(table, pages.tolist(), ups.tolist())
+        gen[pages] = -1
+        outer = ups[up_gen >= 0].tolist()  # parents that stay
     table.free.drop(pages, lo)
     if events is not None:
         ps = table.page_size
@@ -80,12 +99,12 @@ def evict_blocks(table: BlockTable, size: int, events: EventLog | None) -> np.nd
         for page, up in zip(pages.tolist(), ups.tolist(), strict=True):
             if up < 0:
                 ns.pop(page, None)
-    nchild = table.nchild  # victims' own counts drop to 0 with them
+    # Victims' own counts are left as they are: `BlockTable.add` writes a page's afresh.
     if len(outer) > 8:
         np.subtract.at(nchild, outer, 1)
     else:
         for up in outer:
-            nchild[up] -= 1
+            nchild[up] = nchild.item(up) - 1  # plain ints: no NumPy scalars
     return pages
 
 

@@ -7,32 +7,29 @@ the blocks of a prompt one after another and stopping at the first miss finds th
 prefix without any tree. The manager keeps:
 
 - a table of blocks indexed by page (`block_pool.BlockTable`): per page, in NumPy arrays, the
-  tokens, the key, the parent's page, a ref count, a child count and the logical time of last
-  use; and ``key -> page`` in a dict;
+  tokens, key, parent's page, ref count, child count and time of last use; ``key -> page``;
 - a *free queue* (`block_queue.FreeQueue`: a log of pages with lazy removal, a chain's run
-  appended in one slice) of the pages whose ref count is 0. It is also the eviction order:
-  ``evict`` takes blocks from its head;
+  appended in one slice) of the pages whose ref count is 0, in eviction order (head first);
 - the locked handles and how often each is locked, so that unlocking a handle that is not locked
   is refused even while its blocks are locked through another handle.
 
 Speed. The default hash (`block_hash_chain`) is computed for every block of a sequence at once
-with a few NumPy passes; a lookup is then one dict probe per block (``map`` in C), and the
-parents and tokens of the whole matched chain are compared in one array operation each
-(`block_lookup.walk`). The hashes and chains of recent sequences are remembered
-(`block_lookup.RequestHashes`): a conversation's next turn, which resends its whole history,
-reuses what the last turn's insert left, so it neither hashes nor walks again what is still
-cached (the bytes are compared, and each remembered page's serial); a request's insert reuses
-what its match found (vLLM's ``Request.block_hashes``): the fused insert reads it off the handle
-it releases (locked, so still cached), a separate insert off the memo. A match hashes only up to
-the first block past that chain; the insert hashes the rest. Locking, unlocking, queueing and
-the LRU refresh are array operations on the chain's pages; slots are built in NumPy; an insert
-validates its new blocks only, in NumPy; eviction is array operations on its victims but for
-the key index. No per-block Python object exists: a handle carries its chain's pages, so
-locking one made since the last eviction re-checks nothing, and a match's LRU refresh waits for
-the next call, which skips it when it locks that very chain. The fused calls and ``evict`` also
-take and give the flow's host NumPy arrays (`takes_host_arrays`).
+with a few NumPy passes; a lookup is then one dict probe per block, and the parents and tokens
+of the whole matched chain are compared in one array operation each (`block_lookup.walk`).
+Recent sequences' hashes and chains are remembered (`block_lookup.RequestHashes`): a
+conversation's next turn, which resends its whole history, neither hashes nor walks again what
+is still cached (the bytes are compared, and each remembered page's serial); a request's insert
+reuses what its match found (vLLM's ``Request.block_hashes``), read off the handle it releases
+(locked, so still cached) or the memo. A match hashes only up to the first block past that
+chain; the insert hashes the rest. Locking, unlocking, queueing, the LRU refresh, the checks of
+an insert's new blocks and eviction (but for the key index) are array operations on the chain's
+pages; no per-block Python object exists. A handle carries its chain's pages, so locking one
+made since the last eviction re-checks nothing; a match's LRU refresh waits for the next call,
+which skips it when it locks that very chain. The fused calls and ``evict`` also take and give
+the flow's host NumPy arrays (`takes_host_arrays`).
 
-Locking and the flow's fused calls: see `block_locks`. Collisions: see `block_lookup`. Eviction rule: see `block_evict`; ``check_integrity`` verifies the free queue's order.
+Locking and the flow's fused calls: `block_locks`. Collisions: `block_lookup`. Eviction rule:
+`block_evict` (``check_integrity`` verifies the free queue's order).
 """
 
 from __future__ import annotations
@@ -55,10 +52,11 @@ from .block_hash_chain import (
     default_block_hash,
 )
 from .block_insert import file_keys, new_pages, slot_rows
-from .block_lookup import RequestHashes, handle_pages, hash_rest, walk
+from .block_lookup import Hashes, RequestHashes, handle_pages, hash_rest, walk
 from .block_pool import BlockHashCacheHandle, BlockTable, CachedBlock, new_handle
 from .cache_events import CacheEvent, EventLog, check_extra_key, events_off
 
+_new_tuple = tuple.__new__
 __all__ = [
     "CachedBlock",
     "BlockHashCacheHandle",
@@ -132,7 +130,8 @@ class BlockHashCacheManager(BaseCacheManager):
     @property
     def size_info(self) -> SizeInfo:
         t, ps = self._table, self.page_size
-        return SizeInfo(t.free.size * ps, t.num_locked * ps)  # (evictable, protected)
+        # (evictable, protected), made as NamedTuple's own __new__ makes it, minus its frame
+        return _new_tuple(SizeInfo, (t.free.size * ps, t.num_locked * ps))
 
     @property
     def num_blocks(self) -> int:
@@ -162,8 +161,7 @@ class BlockHashCacheManager(BaseCacheManager):
     def free_queue(self) -> list[int]:
         """Keys of the evictable blocks in eviction order (head first)."""
         self._flush()
-        t = self._table
-        return t.keys_of(t.free.pages())
+        return self._table.keys_of(self._table.free.pages())
 
     def locked_handles(self) -> dict[BlockHashCacheHandle, int]:
         """Each locked handle and how many times it is locked (a copy)."""
@@ -173,9 +171,7 @@ class BlockHashCacheManager(BaseCacheManager):
         """The slots of ``pages``, page after page (1-D int32 on ``device``)."""
         if not len(pages):
             return self.empty_tensor
-        out = torch.from_numpy(
-            self._table.slots.take(pages, axis=0).reshape(-1)
-        )  # take: faster for rows
+        out = torch.from_numpy(self._table.slots.take(pages, axis=0).reshape(-1))  # rows: take
         return out if self._on_cpu else out.to(self.device)
 
     def cached_indices(self) -> torch.Tensor:
@@ -194,10 +190,8 @@ class BlockHashCacheManager(BaseCacheManager):
             self._events.cleared()
 
     def take_events(self) -> list[CacheEvent]:
-        """What was stored, removed and cleared since the last call, oldest first; empties the log.
-
-        ``RuntimeError`` unless the manager was built with ``events=True``.
-        """
+        """What was stored, removed and cleared since the last call, oldest first; empties the log
+        (``RuntimeError`` unless the manager was built with ``events=True``)."""
         if self._events is None:
             raise events_off(type(self).__name__)
         return self._events.take()
@@ -210,7 +204,9 @@ class BlockHashCacheManager(BaseCacheManager):
             self._touch = None
             self._table.use(pages, tic)
 
-    def _handle(self, pages: np.ndarray, hashes: list[int], raw: bytes) -> BlockHashCacheHandle:
+    def _handle(
+        self, pages: np.ndarray, hashes: Hashes, raw: bytes, gens: bytes | None
+    ) -> BlockHashCacheHandle:
         k = len(pages)
         if self._table.max_probe:
             keys = tuple(self._table.keys_of(pages))
@@ -218,7 +214,8 @@ class BlockHashCacheManager(BaseCacheManager):
             keys = tuple(hashes if k == len(hashes) else hashes[:k])
         pages.setflags(write=False)  # shared by the handle, its lock record and the memo
         # ``raw``: the request's tokens; the chain's are its first ``k`` blocks.
-        return new_handle(k * self.page_size, keys, raw, pages, (self._token, self._epoch, keys))
+        stamp = (self._token, self._epoch, keys)
+        return new_handle(k * self.page_size, keys, raw, pages, stamp, gens)
 
     # ------------------------------------------------------------- public
     def match_prefix(
@@ -244,10 +241,10 @@ class BlockHashCacheManager(BaseCacheManager):
         table = self._table
         raw = rows.tobytes()
         hasher = self._hasher
-        hashes, known, gens = self._pending.recall(rows, raw, table, hasher, extra_key, lazy=True)
+        hashes, known, gens, _ = self._pending.recall(rows, raw, table, hasher, extra_key, True)
         self._flush()
         pages = walk(table, rows, hashes, known, extra_key)
-        if len(pages) == len(hashes) < len(rows) and table.nchild[pages[-1]]:  # all cached: on
+        if len(pages) == len(hashes) < len(rows) and table.nchild.item(pages.item(-1)):  # on
             hashes = hash_rest(hasher, rows, hashes, extra_key)
             pages = walk(table, rows, hashes, pages, extra_key)
         if keep:
@@ -255,7 +252,7 @@ class BlockHashCacheManager(BaseCacheManager):
                 gens = table.gen[pages].tobytes()
             self._pending.remember(raw, hashes, pages, gens, extra_key)
         self._clock += 1
-        handle = self._handle(pages, hashes, raw)
+        handle = self._handle(pages, hashes, raw, gens if pages is known else None)
         if len(pages):
             self._touch = (pages, self._clock)
         if host:
@@ -306,7 +303,8 @@ class BlockHashCacheManager(BaseCacheManager):
             raise ValueError(
                 f"len(indices) ({len(slots)}) must equal len(input_ids) ({input_ids.shape[0]})"
             )
-        self._flush()
+        if self._touch is not None:
+            self._flush()
         table = self._table
         raw = rows.tobytes()
         hasher = self._hasher
@@ -318,12 +316,13 @@ class BlockHashCacheManager(BaseCacheManager):
         if carried is None:
             carried = self._pending.recall(rows, raw, table, hasher, extra_key)
             held = None
-        hashes, known, gens = carried  # with ``held``: ``known`` is locked (no LRU refresh)
+        hashes, known, gens, tail = carried  # with ``held``: ``known`` is locked (no LRU refresh)
         i0 = len(known)
         if i0 and not table.max_probe and (i0 == len(hashes) or hashes[i0] not in table.page_of):
             pages = known  # `walk`'s usual case for an insert: nothing cached past the match
         else:
             pages = walk(table, rows, hashes, known, extra_key)
+            tail = None  # ``hashes[len(known):]``: not the new blocks' when the walk went on
         ps, m, nb = self.page_size, len(pages), len(rows)
         if m == nb:
             self._clock += 1
@@ -332,16 +331,19 @@ class BlockHashCacheManager(BaseCacheManager):
             if pages is not known:
                 gens = table.gen[pages].tobytes()
             self._pending.remember(raw, hashes, pages, gens, extra_key)
-            return m * ps, self._handle(pages, hashes, raw)
+            return m * ps, self._handle(pages, hashes, raw, gens)
         slots = slots[m * ps : nb * ps]
         fresh, listed, top = new_pages(slots, ps, table)
         keys, probes = file_keys(table, hashes[m:], listed)
         # Validation done; from here on nothing raises.
         self._clock += 1
         tic = self._clock
-        up = int(pages[-1]) if m else -1
+        up = pages.item(-1) if m else -1
         queue = defer is None or held is None or pages is not known
-        serial = table.add(fresh, listed, top, keys, probes, rows[m:], up, tic, extra_key, queue)
+        key_values = keys if probes is not None or tail is None else tail  # tail: ``hashes[m:]``
+        serial = table.add(
+            fresh, listed, top, key_values, probes, rows[m:], up, tic, extra_key, queue
+        )
         if not queue:
             defer.append(len(listed))  # type: ignore[union-attr]
         if held is None or pages is not known:
@@ -353,7 +355,7 @@ class BlockHashCacheManager(BaseCacheManager):
         self._pending.remember(raw, hashes, pages, gens, extra_key)
         if self._events is not None:
             self._events.stored(extra_key, rows.reshape(-1).tolist(), slots.tolist())
-        return m * ps, self._handle(pages, hashes, raw)
+        return m * ps, self._handle(pages, hashes, raw, gens)
 
     def _chain(self, handle: BaseCacheHandle) -> np.ndarray:
         """The pages behind ``handle``, root first, after checking the handle names them."""
@@ -378,7 +380,8 @@ class BlockHashCacheManager(BaseCacheManager):
             raise TypeError(f"host must be a bool, got {type(host).__name__}")
         if size == 0:
             return np.zeros(0, dtype=np.int32) if host else self.empty_tensor  # type: ignore[return-value]
-        self._flush()
+        if self._touch is not None:
+            self._flush()
         evictable = self._table.free.size * self.page_size
         if size > evictable:
             raise RuntimeError(

@@ -92,12 +92,11 @@ def block_rows(input_ids: torch.Tensor | np.ndarray, page_size: int, host: bool)
     be), checked as `check_token_ids` checks a tensor; ``host``: a 1-D NumPy array of an integer
     dtype is taken too (checked as `host_array` checks)."""
     ids: np.ndarray | None
+    if host and type(input_ids) is np.ndarray and input_ids.dtype == _INT64 and input_ids.ndim == 1:
+        nb = len(input_ids) // page_size  # the flow's usual form, checked
+        return input_ids[: nb * page_size].reshape(nb, page_size)
     if type(input_ids) is torch.Tensor and input_ids.is_cpu:
         ids = input_ids.numpy()
-    elif (
-        host and type(input_ids) is np.ndarray and input_ids.dtype == _INT64 and input_ids.ndim == 1
-    ):
-        ids = input_ids  # the flow's usual form, checked
     elif host and isinstance(input_ids, np.ndarray):
         ids = host_array(input_ids, "input_ids", TOKEN_DTYPES)
     else:
@@ -135,6 +134,7 @@ class ChainHasher:
         self._weights: list[int] = self._token_weights.tolist()
         self._m_pow = _powers(_M, 1)
         self._k_m_inv_pow = _powers(_M_INV, 1) * _K_NP  # mix's factor K folded in: one pass fewer
+        self._powers: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def one(self, parent_hash: int, tokens: tuple[int, ...]) -> int:
         """The hash of one block; ``TypeError`` when a custom ``hash_fn`` returns a non-int."""
@@ -145,33 +145,45 @@ class ChainHasher:
 
     def chain(self, blocks: np.ndarray, seed: int = ROOT_HASH_SEED) -> list[int]:
         """Hashes of the rows of ``blocks`` (shape ``(num_blocks, page_size)``, int64), in order."""
+        return self.chain_array(blocks, seed)[0]
+
+    def chain_array(
+        self, blocks: np.ndarray, seed: int = ROOT_HASH_SEED
+    ) -> tuple[list[int], np.ndarray | None]:
+        """`chain`, and the same hashes as a ``uint64`` array when it computed one (the default
+        hash over more than a few blocks; else ``None``): writing them into an array from it
+        skips converting a list of ints."""
         nb = blocks.shape[0]
         if nb == 0:
-            return []
+            return [], None
         if self.custom:
             out: list[int] = []
             parent = seed
             for row in blocks.tolist():
                 parent = self.one(parent, tuple(row))
                 out.append(parent)
-            return out
+            return out, None
         if nb <= _FEW:  # a few blocks: plain ints beat NumPy's fixed cost per call
             weights, short = self._weights, []
             for row in blocks.tolist():
                 c = sum(map(mul, row, weights)) & _MASK
                 seed = (seed * _M + (((c ^ (c >> 32)) * _K) & _MASK)) & _MASK
                 short.append(seed)
-            return short
-        if len(self._m_pow) < nb + 1:
-            size = max(nb + 1, 2 * len(self._m_pow))
-            self._m_pow, self._k_m_inv_pow = _powers(_M, size), _powers(_M_INV, size) * _K_NP
+            return short, None
+        powers = self._powers.get(nb)  # the first ``nb`` of each, sliced once per length
+        if powers is None:
+            if len(self._m_pow) < nb + 1:
+                size = max(nb + 1, 2 * len(self._m_pow))
+                self._m_pow, self._k_m_inv_pow = _powers(_M, size), _powers(_M_INV, size) * _K_NP
+                self._powers = {}
+            powers = self._powers[nb] = (self._k_m_inv_pow[:nb], self._m_pow[:nb])
         # Integer array arithmetic wraps modulo 2**64 without a warning (only scalars warn).
         # c_i * M^-i = ((x ^ (x >> 32)) * K) * M^-i, the last two factors precomputed as one.
         c = blocks.view(np.uint64) @ self._token_weights
         c ^= c >> _SHIFT_NP
-        c *= self._k_m_inv_pow[:nb]
-        c[0] = (int(c[0]) + seed * _M) & _MASK  # the seed's term joins every partial sum
+        c *= powers[0]
+        c[0] = (c.item(0) + seed * _M) & _MASK  # the seed's term joins every partial sum
         np.add.accumulate(c, out=c)  # uint64 in, uint64 out (the ufunc skips cumsum's wrappers)
-        c *= self._m_pow[:nb]
+        c *= powers[1]
         hashes: list[int] = c.tolist()
-        return hashes
+        return hashes, c

@@ -4,6 +4,8 @@ their keys (with the collision probing `block_lookup` describes).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -21,20 +23,21 @@ def slot_rows(
 ) -> np.ndarray:
     """``indices`` as 1-D int32 NumPy on the host, checked as `check_indices` checks a tensor;
     ``host``: a NumPy array is taken too (1-D int32, checked as `host_array` checks)."""
+    if host and type(indices) is np.ndarray and indices.dtype == _INT32 and indices.ndim == 1:
+        return indices  # the flow's form
     if type(indices) is torch.Tensor and indices.is_cpu and on_cpu:
         slots: np.ndarray = indices.numpy()
         if slots.ndim != 1 or slots.dtype != _INT32:
             check_indices(indices, device)  # raises
         return slots
     if host and isinstance(indices, np.ndarray):
-        if indices.dtype == _INT32 and indices.ndim == 1:  # the flow's form
-            return indices
         return host_array(indices, "indices", SLOT_DTYPES)
     out: np.ndarray = check_indices(indices, device).cpu().numpy()
     return out
 
 
 _MASK = (1 << 64) - 1
+_NONE = np.int64(-1).tobytes()  # ``gen`` of a page that holds no block
 
 
 def new_pages(
@@ -49,17 +52,18 @@ def new_pages(
     """
     ps = page_size
     pages = np.floor_divide(new[::ps], ps, dtype=np.int64) if ps > 1 else new.astype(np.int64)
-    # The usual case in one comparison: ``clip`` reads a page outside a table that has rows as
-    # row 0 (a negative page) or as the spare row (slots -1), neither of which can equal its
-    # slots, so equal bytes mean every page is inside the table and every block's slots are its
-    # page's.
-    if (
-        ps > 1
-        and table.capacity
-        and table.slots.take(pages, axis=0, mode="clip").tobytes() == new.tobytes()
-    ):
+    # The usual case in one comparison: a negative page reads a row from the end of the table
+    # (nonnegative slots, or the spare row's, which no block of page -1 has), which cannot equal
+    # its slots, and one past the end raises, so equal bytes mean every page is inside the table
+    # and every block's slots are its page's.
+    try:
+        usual = ps > 1 and table.slot_rows[pages].tobytes() == new.tobytes()
+    except IndexError:
+        usual = False
+    if usual:
         top = -1
-        taken_by = int(np.maximum.reduce(table.gen[pages]))  # -1: no block on any of them
+        # A page that holds no block has gen -1: all bytes 0xff.
+        taken_by = 0 if table.gen[pages].tobytes() != _NONE * len(pages) else -1
     # Seen unsigned, a negative page is huge: one pass bounds the pages on both sides.
     elif (top := int(np.maximum.reduce(pages.view(np.uint64)))) < table.capacity:
         if ps > 1 and table.slots.take(pages, axis=0).tobytes() != new.tobytes():
@@ -96,8 +100,8 @@ def _bad_slots(new: np.ndarray, ps: int) -> None:
 
 
 def file_keys(
-    table: BlockTable, new_hashes: list[int], listed: list[int]
-) -> tuple[list[int], list[int] | None]:
+    table: BlockTable, new_hashes: Sequence[int], listed: list[int]
+) -> tuple[Sequence[int], list[int] | None]:
     """File new blocks with these hashes, on pages ``listed``, in ``table.page_of``; return
     their keys and probe offsets (``None``: all 0).
 
@@ -106,7 +110,8 @@ def file_keys(
     further than any before."""
     taken = table.page_of
     before = len(taken)
-    taken.update(zip(new_hashes, listed, strict=True))  # usually every hash is a new key
+    # Usually every hash is a new key. (Equal lengths: no ``strict``, whose check costs more.)
+    taken.update(zip(new_hashes, listed))  # noqa: B905
     if len(taken) == before + len(new_hashes):
         return new_hashes, None
     # A hash was taken (by a cached block or an earlier new one): undo, then probe. A cached

@@ -11,7 +11,7 @@ manager's) goes through the separate calls, with their checks and errors.
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -27,6 +27,7 @@ class _Manager(Protocol):
     _table: BlockTable
     _touch: tuple[np.ndarray, int] | None
     _plain_match: bool  # match_prefix is the class's own (no subclass overrides it)
+    _clock: int
 
     @property
     def clock(self) -> int: ...
@@ -50,6 +51,8 @@ class _Manager(Protocol):
 
 
 __all__ = ["lock_handle", "match_and_lock", "insert_and_unlock"]
+
+_new_tuple = tuple.__new__
 
 
 def lock_handle(self: _Manager, handle: BaseCacheHandle, unlock: bool = False) -> None:
@@ -78,8 +81,10 @@ def lock_handle(self: _Manager, handle: BaseCacheHandle, unlock: bool = False) -
 
 
 def _lock(self: _Manager, handle: BaseCacheHandle, pages: np.ndarray) -> None:
-    record = self._locks.get(handle)  # type: ignore[call-overload]
-    self._locks[handle] = (record[0] + 1, record[1]) if record else (1, pages)  # type: ignore[index]
+    first = (1, pages)
+    record = self._locks.setdefault(handle, first)  # type: ignore[arg-type]
+    if record is not first:  # locked already (through an equal handle, maybe)
+        self._locks[handle] = (record[0] + 1, record[1])  # type: ignore[index]
     self._table.lock(pages)
 
 
@@ -107,14 +112,16 @@ def _release(
     chain: np.ndarray | None = None,
     new: int = 0,
 ) -> None:
-    """One lock of ``handle`` released; ``chain``, ``new``: see `BlockTable.release`."""
-    times, locked = self._locks.get(handle, record)  # re-read: a relock may have just added one
-    self._flush()
+    """One lock of ``handle`` (its lock record ``record``) released; ``chain``, ``new``: see
+    `BlockTable.release`."""
+    times, locked = record
+    if self._touch is not None:
+        self._flush()
     if times == 1:
         del self._locks[handle]
     else:
         self._locks[handle] = (times - 1, locked)
-    self._table.release(locked, self.clock, chain, new)
+    self._table.release(locked, self._clock, chain, new)
 
 
 @takes_host_arrays
@@ -173,15 +180,17 @@ def insert_and_unlock(
         input_ids,
         indices,
         extra_key,
-        cast(BlockHashCacheHandle, handle) if record is not None else None,
+        handle if record is not None else None,  # type: ignore[arg-type]
         True,
         defer,
     )
     if relock and made.cached_len:
         _lock(self, made, made.pages)  # type: ignore[arg-type]
+        if record is not None:
+            record = self._locks[handle]  # type: ignore[index]  # one more lock when made == handle
     if record is not None:
         if defer:
             _release(self, handle, record, made.pages, defer[0])  # type: ignore[arg-type]
         else:
             _release(self, handle, record)  # type: ignore[arg-type]
-    return InsertResult(cached, made)
+    return _new_tuple(InsertResult, (cached, made))  # NamedTuple's own __new__, minus its frame

@@ -13,7 +13,7 @@ block's name.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 
@@ -30,6 +30,9 @@ __all__ = [
 ]
 
 _MASK = (1 << 64) - 1
+#: The hashes of a sequence's first blocks: a list, or the tuple a handle carries (extended
+#: without copying it into a list first).
+Hashes = Sequence[int]
 NO_PAGES = np.zeros(0, dtype=np.int64)
 NO_PAGES.flags.writeable = False
 
@@ -37,7 +40,7 @@ NO_PAGES.flags.writeable = False
 def walk(
     table: BlockTable,
     rows: np.ndarray,
-    hashes: list[int],
+    hashes: Hashes,
     known: np.ndarray = NO_PAGES,
     extra_key: Hashable = None,
 ) -> np.ndarray:
@@ -83,7 +86,7 @@ def walk(
 def _walk_probing(
     table: BlockTable,
     rows: np.ndarray,
-    hashes: list[int],
+    hashes: Hashes,
     known: np.ndarray,
     extra_key: Hashable,
 ) -> np.ndarray:
@@ -130,12 +133,12 @@ class RequestHashes:
         self.width = 8 * page_size
         self.capacity = capacity
         # Insertion order is filing order (a plain dict: cheaper than an OrderedDict here).
-        self._index: dict[Hashable, tuple[bytes, list[int], np.ndarray, bytes]] = {}
+        self._index: dict[Hashable, tuple[bytes, Hashes, np.ndarray, bytes]] = {}
 
     def remember(
         self,
         raw: bytes,
-        hashes: list[int],
+        hashes: Hashes,
         pages: np.ndarray,
         gens: bytes,
         extra_key: Hashable = None,
@@ -164,9 +167,11 @@ class RequestHashes:
         hasher: ChainHasher,
         extra_key: Hashable = None,
         lazy: bool = False,
-    ) -> tuple[list[int], np.ndarray, bytes]:
+    ) -> tuple[Hashes, np.ndarray, bytes, np.ndarray | None]:
         """The hashes of the rows of ``rows`` (only rows not remembered are hashed), the longest
-        remembered chain that still matches them (possibly empty) and its serials (as bytes).
+        remembered chain that still matches them (possibly empty), its serials (as bytes), and
+        the hashes past that chain as a ``uint64`` array when they were all computed here by
+        `ChainHasher.chain_array` (else ``None``).
 
         Every row is hashed unless ``lazy``: then, when a remembered chain is found, only up to
         the first row past it (a walk stops at the first block not cached; `hash_rest` hashes the
@@ -196,7 +201,8 @@ class RequestHashes:
                 k = min((first if differ[first] else n) // self.page_size, len(partial[1]))
                 if k:
                     return self._reuse(partial, k, rows, table, hasher, lazy)
-        return hasher.chain(rows, key_seed(extra_key)), NO_PAGES, b""
+        hashes, tail = hasher.chain_array(rows, key_seed(extra_key))
+        return hashes, NO_PAGES, b"", tail
 
     def carried(
         self,
@@ -206,7 +212,7 @@ class RequestHashes:
         table: BlockTable,
         hasher: ChainHasher,
         extra_key: Hashable,
-    ) -> tuple[list[int], np.ndarray, bytes] | None:
+    ) -> tuple[Hashes, np.ndarray, bytes, np.ndarray | None] | None:
         """What `recall` returns, taken from ``held`` (a handle locked since its match, so its
         chain is still cached) instead of the memo, when ``raw`` starts with its tokens, its chain
         is in namespace ``extra_key`` and keys are hashes (no collision yet); else ``None``."""
@@ -215,22 +221,25 @@ class RequestHashes:
             return None
         if (table.ns.get(known.item(0)) if table.ns else None) != extra_key:
             return None
-        hashes = list(held.block_hashes)
+        hashes = held.block_hashes
+        tail = None
         if len(hashes) < len(rows):
-            hashes += hasher.chain(rows[len(hashes) :], hashes[-1])
-        return hashes, known, table.gen[known].tobytes()
+            more, tail = hasher.chain_array(rows[len(hashes) :], hashes[-1])
+            hashes += tuple(more)  # a new tuple: the handle that `_handle` makes takes it as is
+        gens = held.serials  # locked since: still theirs
+        return hashes, known, table.gen[known].tobytes() if gens is None else gens, tail
 
     @staticmethod
     def _reuse(
-        entry: tuple[bytes, list[int], np.ndarray, bytes],
+        entry: tuple[bytes, Hashes, np.ndarray, bytes],
         k: int,
         rows: np.ndarray,
         table: BlockTable,
         hasher: ChainHasher,
         lazy: bool,
-    ) -> tuple[list[int], np.ndarray, bytes]:
-        """Hashes, still-valid pages and their serials for ``rows`` from ``entry``, whose first
-        ``k >= 1`` blocks hold the same tokens as ``rows``'s and have hashes there."""
+    ) -> tuple[Hashes, np.ndarray, bytes, np.ndarray | None]:
+        """What `recall` returns for ``rows`` from ``entry``, whose first ``k >= 1`` blocks hold
+        the same tokens as ``rows``'s and have hashes there."""
         _, hashes, pages, gens = entry
         if len(pages) > k:
             pages, gens = pages[:k], gens[: 8 * k]
@@ -247,21 +256,23 @@ class RequestHashes:
             upto = min(len(pages) + more, len(rows))
         else:
             upto = len(rows)
+        tail = None
         if k < upto:
-            hashes = hashes[:k] + hasher.chain(rows[k:upto], hashes[k - 1])
+            rest, tail = hasher.chain_array(rows[k:upto], hashes[k - 1])
+            hashes = [*hashes[:k], *rest]
+            if len(pages) < k:
+                tail = None  # not all the hashes past the chain
         elif k < len(hashes):
             hashes = hashes[:k]
-        return hashes, pages, gens
+        return hashes, pages, gens, tail
 
 
-def hash_rest(
-    hasher: ChainHasher, rows: np.ndarray, hashes: list[int], extra_key: Hashable
-) -> list[int]:
+def hash_rest(hasher: ChainHasher, rows: np.ndarray, hashes: Hashes, extra_key: Hashable) -> Hashes:
     """``hashes`` (those of the first rows of ``rows``) extended to every row."""
     if len(hashes) >= len(rows):
         return hashes
     seed = hashes[-1] if hashes else key_seed(extra_key)
-    return hashes + hasher.chain(rows[len(hashes) :], seed)
+    return [*hashes, *hasher.chain(rows[len(hashes) :], seed)]
 
 
 def handle_pages(

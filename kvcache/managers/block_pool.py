@@ -11,7 +11,7 @@ keeps a chain's run of pages as one entry. The only per-block Python work left i
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import count
 
@@ -111,6 +111,9 @@ class BlockHashCacheHandle(BaseCacheHandle):
     #: ``block_hashes`` object) then: a handle made since the last eviction needs no re-check.
     pages: np.ndarray | None = field(default=None, compare=False, repr=False)
     stamp: tuple[object, int, object] | None = field(default=None, compare=False, repr=False)
+    #: The serials of ``pages`` then (int64 bytes; ``None``: not recorded), which the fused
+    #: insert of a locked handle carries to its memo entry instead of reading them again.
+    serials: bytes | None = field(default=None, compare=False, repr=False)
 
     def __hash__(self) -> int:
         # Equal handles have equal lengths and last keys, so those two suffice (a chained key
@@ -127,17 +130,27 @@ def new_handle(
     tokens: bytes,
     pages: np.ndarray,
     stamp: tuple[object, int, object],
+    serials: bytes | None = None,
 ) -> BlockHashCacheHandle:
-    """``BlockHashCacheHandle(cached_len, block_hashes, tokens, pages, stamp)``, made the way
+    """``BlockHashCacheHandle(cached_len, block_hashes, tokens, pages, stamp, serials)``, made the way
     unpickling makes one (fields written straight into the new object): a frozen dataclass's
     ``__init__`` sets each field through ``object.__setattr__``, which costs a few microseconds
     on every match and insert. The manager passes values that are already checked."""
     handle: BlockHashCacheHandle = object.__new__(BlockHashCacheHandle)
     handle.__dict__.update(
-        cached_len=cached_len, block_hashes=block_hashes, tokens=tokens, pages=pages, stamp=stamp
+        cached_len=cached_len,
+        block_hashes=block_hashes,
+        tokens=tokens,
+        pages=pages,
+        stamp=stamp,
+        serials=serials,
     )
     return handle
 
+
+#: The slots of the spare row: no page's, and no block of page -1 (which a negative index
+#: reads there) has them, so that `block_insert.new_pages` compares slots without a range check.
+_NO_SLOT = np.iinfo(np.int32).min
 
 #: Columns of `BlockTable.meta`.
 PARENT, REF, NCHILD, LAST, PROBE, GEN = range(6)
@@ -164,8 +177,10 @@ class BlockTable:
         self.page_size = page_size
         self.capacity = 0
         self.tok = np.zeros((1, page_size), dtype=np.int64)
+        self._row = np.dtype((np.void, 8 * page_size))
+        self._slot_row = np.dtype((np.void, 4 * page_size))
         self.key = np.zeros(1, dtype=np.uint64)
-        self.slots: np.ndarray = np.full((1, page_size), -1, dtype=np.int32)  # the spare row
+        self.slots: np.ndarray = np.full((1, page_size), _NO_SLOT, dtype=np.int32)  # spare row
         self.meta = np.array([[-1, 0, 0, 0, 0, -1]], dtype=np.int64)
         self._views()
         self.page_of: dict[int, int] = {}
@@ -175,6 +190,10 @@ class BlockTable:
         self.max_probe = 0  # the largest probe ever used
 
     def _views(self) -> None:
+        # Each page's tokens (slots) as one item: rows are written (read) through these as 1-D
+        # fancy indexing, which costs less than that of 2-D rows.
+        self._tok_rows = self.tok.view(self._row).reshape(-1)
+        self.slot_rows = self.slots.view(self._slot_row).reshape(-1)
         meta = self.meta
         self.parent, self.ref, self.nchild = meta[:, PARENT], meta[:, REF], meta[:, NCHILD]
         self.last, self.probe, self.gen = meta[:, LAST], meta[:, PROBE], meta[:, GEN]
@@ -194,7 +213,7 @@ class BlockTable:
 
         self.tok, self.key, self.meta = grown(self.tok), grown(self.key), grown(self.meta)
         slots = np.arange((size + 1) * ps, dtype=np.int32).reshape(size + 1, ps)
-        slots[-1] = -1
+        slots[-1] = _NO_SLOT
         self.slots = slots
         self.capacity = size
         self.free.reserve(size)
@@ -216,7 +235,7 @@ class BlockTable:
         pages: np.ndarray,
         listed: list[int],
         top: int,
-        keys: list[int],
+        keys: Sequence[int] | np.ndarray,
         probes: list[int] | None,
         rows: np.ndarray,
         parent: int,
@@ -225,26 +244,40 @@ class BlockTable:
         queue: bool = True,
     ) -> int:
         """Cache a chain: ``rows[i]`` (int64 tokens) under ``keys[i]`` (already filed in
-        ``page_of``) on ``pages[i]`` (int64, unused, none twice; ``listed`` the same as a list,
-        ``top`` the largest), the first chaining from page ``parent`` (``-1``: none). The new
-        blocks are free, used at ``tic``, and join the free queue deepest first (not ``queue``:
-        the caller's `release` queues them). Returns their serial."""
+        ``page_of``; a list or a ``uint64`` array) on ``pages[i]`` (int64, unused, none twice;
+        ``listed`` the same as a list, ``top`` the largest), the first chaining from page
+        ``parent`` (``-1``: none). The new blocks are free, used at ``tic``, and join the free
+        queue deepest first (not ``queue``: the caller's `release` queues them and marks their
+        use, at ``tic``). Returns their serial."""
         if top >= self.capacity:
             self.reserve(top)
-        self.tok[pages] = rows
+        if rows.flags.c_contiguous:
+            self._tok_rows[pages] = rows.view(self._row).reshape(-1)
+        else:
+            self.tok[pages] = rows
         self.key[pages] = keys
-        meta = self.meta
         serial = next_serial()
-        meta[pages] = (parent, 0, 1, tic, 0, serial)
+        # Column by column: a 1-D fancy write costs a third of a row write of the 2-D ``meta``.
+        # A page that holds no block has ref 0 (only free blocks are evicted) and, until a
+        # collision has happened, probe 0.
+        self.gen[pages] = serial
+        if queue:
+            self.last[pages] = tic
+        nchild, first = self.nchild, listed[0]
         if len(listed) > 1:
-            meta[pages[1:], PARENT] = pages[:-1]
-        meta[listed[-1], NCHILD] = 0
+            above = pages[:-1]
+            self.parent[pages[1:]] = above
+            nchild[above] = 1
+        self.parent[first] = parent
+        nchild[listed[-1]] = 0
         if probes is not None:
-            meta[pages, PROBE] = probes
+            self.probe[pages] = probes
+        elif self.max_probe:
+            self.probe[pages] = 0
         if parent >= 0:
-            meta[parent, NCHILD] += 1
+            nchild[parent] = nchild.item(parent) + 1
         elif extra_key is not None:
-            self.ns[listed[0]] = extra_key
+            self.ns[first] = extra_key
         if queue:
             self.free.push(pages[::-1], len(listed))
         return serial
@@ -252,7 +285,7 @@ class BlockTable:
     # Along a chain (root first) ref counts never grow (a lock covers a whole chain from its
     # first block), so a chain's free blocks are a suffix of it: its first block's count says
     # whether any is held, its last one's whether all are, else ``count_nonzero`` finds where.
-    def _held(self, pages: np.ndarray) -> int:
+    def held(self, pages: np.ndarray) -> int:
         """How many blocks of the chain ``pages`` (not empty) are locked: a prefix of it."""
         ref = self.ref
         if not ref.item(pages.item(0)):  # item(): plain ints, no NumPy scalars
@@ -263,34 +296,45 @@ class BlockTable:
 
     def lock(self, pages: np.ndarray) -> None:
         """``ref += 1`` on every page of a chain; those locked for the first time leave the queue."""
-        held = self._held(pages)
-        self.ref[pages] += 1
+        ref = self.ref
+        if not ref.item(pages.item(0)):  # none is locked: every count goes from 0 to 1
+            ref[pages] = 1  # (a plain write costs half of ``+= 1``)
+            self.free.remove(pages)
+            self.num_locked += len(pages)
+            return
+        held = self.held(pages)
+        ref[pages] += 1
         if held < len(pages):
-            self.free.remove(pages[held:] if held else pages)
+            self.free.remove(pages[held:])
             self.num_locked += len(pages) - held
 
     def release(
         self, pages: np.ndarray, clock: int, chain: np.ndarray | None = None, new: int = 0
     ) -> None:
-        """``ref -= 1`` on every page of a chain; those left unlocked join the queue's tail,
-        deepest first, used at ``clock``. ``chain``: ``pages`` followed by ``new`` blocks that
-        `add` left out of the queue: they join first, deepest first, in the same run."""
-        self.ref[pages] -= 1
-        held = self._held(pages)
-        n = len(pages) - held
-        if n:
-            zero = pages[: held - 1 if held else None : -1]
-            self.last[zero] = clock
-            self.num_locked -= n
+        """``ref -= 1`` on every page of a chain (each locked); those left unlocked join the
+        queue's tail, deepest first, used at ``clock``. ``chain``: ``pages`` followed by ``new``
+        blocks that `add` left out of the queue: they join first, deepest first, in the same
+        run, used at ``clock`` too."""
+        ref = self.ref
+        if ref.item(pages.item(0)) == 1:  # the first block's count is the largest: all are 1
+            ref[pages] = 0
+            n = len(pages)
+        else:
+            ref[pages] -= 1
+            n = len(pages) - self.held(pages)
+        self.num_locked -= n
         if chain is not None:
-            if new + n:
-                self.free.push(chain[::-1][: new + n], new + n)
+            n += new
+            run = chain[::-1] if n == len(chain) else chain[::-1][:n]  # usually all of it
         elif n:
-            self.free.push(zero, n)
+            run = pages[::-1][:n]
+        if n:
+            self.last[run] = clock
+            self.free.push(run, n)
 
     def use(self, pages: np.ndarray, tic: int) -> None:
         """Mark a chain used at ``tic``: its free blocks move to the queue's tail, deepest first."""
-        held = self._held(pages) if len(pages) else 0
+        held = self.held(pages) if len(pages) else 0
         if held < len(pages):
             idle = pages[: held - 1 if held else None : -1]
             self.last[idle] = tic

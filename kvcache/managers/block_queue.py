@@ -38,6 +38,7 @@ class FreeQueue:
     def __init__(self) -> None:
         self.log = np.full(_MIN, -1, dtype=np.int64)
         self.pos = np.arange(_MIN, dtype=np.int64)  # ``pos[i] == i``: compared with ``where``
+        self._pos_bytes = self.pos.tobytes()  # a slice of it costs less than one of ``pos``
         self.where = np.full(1, -1, dtype=np.int64)
         self.lo = self.hi = 0
         self.size = 0  # queued pages
@@ -81,7 +82,7 @@ class FreeQueue:
         here)."""
         lo, hi, log, where, pos = self.lo, self.hi, self.log, self.where, self.pos
         window = log[lo : lo + n]
-        if where[window].tobytes() == pos[lo : lo + n].tobytes():  # no stale entry among them
+        if where[window].tobytes() == self._pos_bytes[8 * lo : 8 * (lo + n)]:  # none is stale
             return window, lo + n
         span = 2 * n + 16
         while True:
@@ -95,7 +96,8 @@ class FreeQueue:
 
     def drop(self, pages: np.ndarray, lo: int) -> None:
         """Remove the head ``pages`` that `head` returned with ``lo``."""
-        self.remove(pages)
+        self.where[pages] = -1
+        self.size -= len(pages)
         self.lo = lo
 
     def _compact(self, room: int) -> None:
@@ -107,6 +109,7 @@ class FreeQueue:
             cap = max(2 * size, 2 * len(self.log))
             self.log = np.full(cap, -1, dtype=np.int64)
             self.pos = np.arange(cap, dtype=np.int64)
+            self._pos_bytes = self.pos.tobytes()
         self.log[: len(live)] = live
         self.where[live] = self.pos[: len(live)]
         self.lo, self.hi = 0, len(live)
