@@ -283,18 +283,7 @@ class PageAllocator(FlowPageCalls):
             for p in pages:
                 free[p] = 0
             return False
-        tail, size = self._head + self._count, self.num_pages
-        if tail >= size:
-            tail -= size
-        if n == 1:
-            self._ring[tail] = pages[0]
-        elif tail + n <= size:
-            self._ring[tail : tail + n] = pages
-        else:
-            first = size - tail
-            self._ring[tail:] = pages[:first]
-            self._ring[: n - first] = pages[first:]
-        self._count += n
+        self._append_ring(pages)
         return True
 
     def _push_list(self, pages: list[int]) -> None:
@@ -308,6 +297,11 @@ class PageAllocator(FlowPageCalls):
             raise ValueError(f"pages listed more than once: {pages}")
         for p in pages:
             free[p] = 1
+        self._append_ring(pages)
+
+    def _append_ring(self, pages: list[int]) -> None:
+        """Queue ``pages`` (already marked free) at the ring's tail, wrapping around its end."""
+        n = len(pages)
         tail, size = self._head + self._count, self.num_pages
         if tail >= size:
             tail -= size
