@@ -99,3 +99,25 @@ def test_free_page_start_frees_one_page_or_refuses_changing_nothing():
             a.free_page_start(bad_type)  # type: ignore[arg-type]
     a.free_page_start(8)
     assert a.num_free_pages == 5
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+@pytest.mark.parametrize("big", [False, True])
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_read_only_out_is_refused_with_the_pages_still_free(ps, big, k):
+    """A write into ``out`` that fails must not cost the pool its pages: both calls that write
+    into a caller's array (`allocate_page_slots`, `allocate_host_slots(out=)`) refuse a read-only
+    one, naming it, with the allocator unchanged (one page and several; table rows and computed
+    slots; the ring wrapping)."""
+    num_pages = (1 << 22) // ps + 1 if big and ps == 16 else 8
+    a = PageAllocator(num_pages, ps)
+    a.free(a.allocate(num_pages - 1)[:5])  # the free list now wraps around the ring's end
+    n = k * ps - (ps > 1)  # host slots: the last page partial where it can be
+    for call, out in (
+        (lambda o: a.allocate_page_slots(k, o), np.zeros(k * ps + 3, dtype=np.int32)),
+        (lambda o: a.allocate_host_slots(n, o), np.zeros(n, dtype=np.int32)),
+    ):
+        out.setflags(write=False)
+        with unchanged(a), pytest.raises(ValueError, match="writeable"):
+            call(out)
+        assert not out.any()

@@ -21,7 +21,7 @@ from .._validate import (
     pages_to_slots,
     slots_to_pages,
 )
-from .allocator_flow import FlowPageCalls
+from .allocator_flow import FlowPageCalls, write_slots
 
 __all__ = ["PageAllocator"]
 
@@ -146,24 +146,25 @@ class PageAllocator(FlowPageCalls):
         if k > self._count:
             raise RuntimeError(f"cannot allocate {k} pages: only {self._count} are free")
         head = self._head
+        # ``out`` is written before the free list changes: a write that fails (``out`` read-only)
+        # must leave the pages free.
         if out is not None and k == 1:
             # One page (a short prompt or a decode step): scalar work, no fancy indexing.
             p = int(self._ring[head])
+            write_slots(
+                out,
+                p
+                if ps == 1
+                else self._rows[p, :n]
+                if self._rows is not None
+                else p * ps + self._offsets[:n],
+            )
             self._head = head + 1 if head + 1 < self.num_pages else 0
             self._count -= 1
             self._free_bytes[p] = 0
-            if ps == 1:
-                out[0] = p
-            elif self._rows is not None:
-                out[:] = self._rows[p, :n]
-            else:
-                out[:] = p * ps + self._offsets[:n]
             return out
         # A view of the ring where the pages do not wrap (no copy: they are read once, below).
         pages = self._ring[head : head + k] if head + k <= self.num_pages else self._take(head, k)
-        self._head = (head + k) % self.num_pages
-        self._count -= k
-        self._is_free[pages] = False
         if ps == 1:
             slots = pages
         elif self._rows is not None:
@@ -171,8 +172,14 @@ class PageAllocator(FlowPageCalls):
         else:
             slots = (pages[:, None] * ps + self._offsets).reshape(-1)[:n]
         if out is None:
-            return slots.astype(np.int32)
-        out[:] = slots
+            slots = slots.astype(np.int32)  # a copy: ``pages`` is a view of the ring
+        else:
+            write_slots(out, slots)
+        self._head = (head + k) % self.num_pages
+        self._count -= k
+        self._is_free[pages] = False
+        if out is None:
+            return slots
         return out
 
     def free(self, pages: torch.Tensor | np.ndarray) -> None:

@@ -14,10 +14,22 @@ import numpy as np
 
 from .._validate import check_size
 
-__all__ = ["FlowPageCalls"]
+__all__ = ["FlowPageCalls", "write_slots"]
 
 _I32 = np.dtype(np.int32)
 _FALSE = np.zeros((), dtype=np.bool_)
+
+
+def _unwritable(out: np.ndarray) -> ValueError:
+    return ValueError(f"out must be a writeable array, got a read-only one: {out!r:.80}")
+
+
+def write_slots(out: np.ndarray, values: np.ndarray | int) -> None:
+    """``out[:] = values``, with ``ValueError`` naming ``out`` when it is read-only."""
+    try:
+        out[:] = values
+    except ValueError as e:
+        raise _unwritable(out) from e
 
 
 class FlowPageCalls:
@@ -72,27 +84,37 @@ class FlowPageCalls:
         if k > self._count:
             raise RuntimeError(f"cannot allocate {k} pages: only {self._count} are free")
         head = self._head
+        # ``out`` is written before the free list changes: a write that fails (``out`` read-only)
+        # must leave the pages free.
         if k == 1:  # one page (a short prompt, a decode step): scalar work, no fancy indexing
             p = self._ring.item(head)
+            try:
+                if ps == 1:
+                    out[start] = p
+                else:
+                    out[start:end] = (
+                        self._rows[p] if self._rows is not None else p * ps + self._offsets
+                    )
+            except ValueError as e:
+                raise _unwritable(out) from e
             self._head = head + 1 if head + 1 < self.num_pages else 0
             self._count -= 1
             self._free_bytes[p] = 0
-            if ps == 1:
-                out[start] = p
-            else:
-                out[start:end] = self._rows[p] if self._rows is not None else p * ps + self._offsets
             return
         stop = head + k
         pages = self._ring[head:stop] if stop <= self.num_pages else self._take(head, k)
+        try:
+            if ps == 1:
+                out[start:end] = pages
+            elif self._rows is not None:  # a gather of the pages' rows, straight into ``out``
+                self._rows.take(pages, axis=0, out=out[start:end].reshape(k, ps), mode="clip")
+            else:
+                out[start:end].reshape(k, ps)[:] = pages[:, None] * ps + self._offsets
+        except ValueError as e:
+            raise _unwritable(out) from e
         self._head = stop if stop < self.num_pages else stop - self.num_pages
         self._count -= k
         self._is_free[pages] = _FALSE  # a 0-d array: no conversion of a Python bool per call
-        if ps == 1:
-            out[start:end] = pages
-        elif self._rows is not None:  # a gather of the pages' rows, straight into ``out``
-            self._rows.take(pages, axis=0, out=out[start:end].reshape(k, ps), mode="clip")
-        else:
-            out[start:end].reshape(k, ps)[:] = pages[:, None] * ps + self._offsets
 
     def free_page_start(self, slot: int) -> None:
         """Return the one page whose first slot is ``slot`` (a Python int) to the end of the free
