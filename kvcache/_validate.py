@@ -108,6 +108,12 @@ def check_indices(indices: object, device: torch.device, name: str = "indices") 
     return indices
 
 
+def native_order(arr: np.ndarray) -> np.ndarray:
+    """``arr`` with its values in this machine's byte order: itself, or a converted copy (a
+    big-endian array read through a native view would see other values)."""
+    return arr if arr.dtype.isnative else arr.astype(arr.dtype.newbyteorder("="))
+
+
 def check_id_array(ids: object, name: str, limit: int) -> np.ndarray:
     """Page ids or slots: a 1-D integer tensor (any device) or NumPy array, of values in
     ``[0, limit)``.
@@ -124,7 +130,7 @@ def check_id_array(ids: object, name: str, limit: int) -> np.ndarray:
     elif isinstance(ids, np.ndarray):
         if ids.dtype.kind not in "iu":
             raise TypeError(f"{name} must have an integer dtype, got {ids.dtype}")
-        arr = ids
+        arr = native_order(ids)
     else:
         raise TypeError(f"{name} must be a torch.Tensor or numpy.ndarray, got {type(ids).__name__}")
     if arr.ndim != 1:

@@ -164,6 +164,11 @@ BAD_IDS = [
     ),
     (np.array([[1, 2]]), ValueError, r"input_ids must be 1-D, got shape \(1, 2\)"),
     (np.array(["a", "b"]), TypeError, "input_ids must have an integer dtype, got <U1"),
+    (  # the values are fine, but a byte view of them (the managers' keys) would not be
+        np.array([1, 2], dtype=">i8"),
+        TypeError,
+        "input_ids must have an integer dtype in this machine's byte order, got >i8",
+    ),
 ]
 
 

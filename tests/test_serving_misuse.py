@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from conftest import unchanged
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -252,6 +253,24 @@ def test_free_checks_the_range_before_any_cast():
     with pytest.raises(ValueError, match="outside"):
         a.free(np.array([2**32 + 3], dtype=np.uint64))
     assert a.free_pages().tolist() == [1, 2]
+
+
+@pytest.mark.parametrize("dtype", [">i2", ">i4", ">i8", ">u4", "<i8"])
+def test_page_ids_in_either_byte_order_are_read_as_their_values(dtype):
+    """Found: a big-endian array was range-checked through a native view (other values), so
+    ``[2**24, 2**25]`` as ``>i4`` passed as ``[1, 2]`` and then failed deep inside with an
+    IndexError instead of naming the value. Every call that takes page ids or slots as NumPy
+    reads the values as given: right ones are taken, wrong ones refused naming them."""
+    small = [1, 2, 3]
+    big = [300, 301] if np.dtype(dtype).itemsize == 2 else [2**24, 2**25]
+    for call, scale in (("free", 1), ("free_slots", 4), ("free_page_runs", 4)):
+        a = PageAllocator(8, 4)
+        a.allocate(8)
+        with unchanged(a), pytest.raises(ValueError, match="is outside"):
+            getattr(a, call)(np.array([b * scale for b in big], dtype=dtype))
+        ids = np.array([p * scale for p in small], dtype=dtype)
+        getattr(a, call)(ids if call != "free_page_runs" else np.arange(4, 16, dtype=dtype))
+        assert a.free_pages().tolist() == small
 
 
 @SETTINGS

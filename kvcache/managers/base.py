@@ -78,7 +78,8 @@ def host_array(values: np.ndarray, name: str, dtypes: frozenset[np.dtype[Any]]) 
         raise ValueError(f"{name} must be 1-D, got shape {tuple(values.shape)}")
     if values.dtype not in dtypes:
         want = "dtype int32" if dtypes is SLOT_DTYPES else "an integer dtype"
-        raise TypeError(f"{name} must have {want}, got {values.dtype}")
+        order = "" if values.dtype.isnative else " in this machine's byte order"
+        raise TypeError(f"{name} must have {want}{order}, got {values.dtype}")
     return values
 
 

@@ -18,6 +18,7 @@ from .._validate import (
     check_int_in,
     check_positive_int,
     check_size,
+    native_order,
     pages_to_slots,
     slots_to_pages,
 )
@@ -226,9 +227,9 @@ class PageAllocator(FlowPageCalls):
                 self._count += 1
                 return
         if isinstance(slots, np.ndarray):
-            arr = slots
-            if arr.dtype.kind not in "iu":
-                check_id_array(arr, "slots", self.num_slots)  # raises naming the dtype
+            if slots.dtype.kind not in "iu":
+                check_id_array(slots, "slots", self.num_slots)  # raises naming the dtype
+            arr = native_order(slots)
         else:
             if not isinstance(slots, torch.Tensor) or slots.dtype not in _INT_DTYPES:
                 check_id_array(slots, "slots", self.num_slots)  # raises naming what it got
