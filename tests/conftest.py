@@ -25,11 +25,13 @@ is on ``sys.path`` under pytest's default import mode, as for ``radix_reference`
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import settings
 
 import kvcache.kernels.store as store_module
 from kvcache import (
@@ -44,6 +46,13 @@ from kvcache import (
 from kvcache.storage.distributed import reset_tp_info
 
 __all__ = ["ids", "slots", "page_slots", "observe", "unchanged", "integrity_error"]
+
+# CI (``CI`` set, as CI services do) runs the same hypothesis examples every time, so that a red
+# run is one anybody can repeat and a green one is not luck; a developer's run explores new ones.
+# Loaded before the test modules are imported, so their own ``settings(...)`` inherit it.
+settings.register_profile("ci", derandomize=True, database=None)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 
 # ------------------------------------------------------------------ tensors
