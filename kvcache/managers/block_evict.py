@@ -39,9 +39,7 @@ def prefix_tokens(table: BlockTable, page: int) -> list[int]:
 
 
 _ONE = np.int64(1).tobytes()
-
-
-_CHILDREN = bytes(8) + _ONE * 1023
+_CHILDREN = bytes(8) + _ONE * 1023  # `chain_children` of up to 1024 victims, sliced
 
 
 def chain_children(n: int) -> bytes:

@@ -295,7 +295,8 @@ class BlockTable:
         return int(np.count_nonzero(ref[pages]))
 
     def lock(self, pages: np.ndarray) -> None:
-        """``ref += 1`` on every page of a chain; those locked for the first time leave the queue."""
+        """``ref += 1`` on every page of a chain (non-empty, root end first, so the first page's
+        count is the largest); those locked for the first time leave the queue."""
         ref = self.ref
         if not ref.item(pages.item(0)):  # none is locked: every count goes from 0 to 1
             ref[pages] = 1  # (a plain write costs half of ``+= 1``)

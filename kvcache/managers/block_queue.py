@@ -96,8 +96,7 @@ class FreeQueue:
 
     def drop(self, pages: np.ndarray, lo: int) -> None:
         """Remove the head ``pages`` that `head` returned with ``lo``."""
-        self.where[pages] = -1
-        self.size -= len(pages)
+        self.remove(pages)
         self.lo = lo
 
     def _compact(self, room: int) -> None:
