@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -137,6 +138,17 @@ def compare(trace: str, repeats: int) -> dict[str, Any]:
     }
 
 
+def _commit() -> str | None:
+    """The repository's commit, where git can tell."""
+    out = subprocess.run(
+        ["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return out.stdout.strip() or None
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
@@ -168,6 +180,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "torch": torch.__version__,
         "vllm": "0.33.0",
         "date": time.strftime("%Y-%m-%d"),
+        "commit": _commit(),
         "clock": "wall (perf_counter)",
         "block_size": BLOCK,
         "pool_tokens": POOL,
