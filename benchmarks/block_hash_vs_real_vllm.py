@@ -17,8 +17,8 @@ for prefix caching only, when a request arrives and as it grows). vLLM is handed
 request, or the run stops. Ratios: vLLM's time over ours.
 
 vLLM is not a dependency of this project: its wheel requires a CUDA build of torch. Make a folder
-it imports from with ``bash scripts/real_vllm_env.sh DIR``, then run
-``python benchmarks/block_hash_vs_real_vllm.py --vllm-path DIR [--repeats 5] [--traces chat]
+it imports from with ``bash scripts/real_engines_env.sh DIR``, then run
+``python benchmarks/block_hash_vs_real_vllm.py --engines-path DIR [--repeats 5] [--traces chat]
 [--json PATH]``. Prints what it ran on.
 """
 
@@ -152,7 +152,7 @@ def _commit() -> str | None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
-        "--vllm-path", type=Path, default=None, help="a folder from scripts/real_vllm_env.sh"
+        "--engines-path", type=Path, default=None, help="a folder from scripts/real_engines_env.sh"
     )
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument(
@@ -163,15 +163,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
-    if args.vllm_path is not None:
-        sys.path.insert(0, str(args.vllm_path.resolve()))
+    if args.engines_path is not None:
+        sys.path.insert(0, str(args.engines_path.resolve()))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     try:
         from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: F401
     except ImportError as e:
         raise SystemExit(
             f"vLLM's prefix cache does not import ({e}); make a folder for it with "
-            "`bash scripts/real_vllm_env.sh DIR` and pass --vllm-path DIR"
+            "`bash scripts/real_engines_env.sh DIR` and pass --engines-path DIR"
         ) from None
     torch.set_num_threads(1)
     info = {

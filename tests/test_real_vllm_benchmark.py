@@ -1,5 +1,5 @@
 """`benchmarks/block_hash_vs_real_vllm.py`: it says how to get vLLM when it cannot import it, and
-where vLLM's prefix cache imports (a folder from `scripts/real_vllm_env.sh` on ``PYTHONPATH``)
+where vLLM's prefix cache imports (a folder from `scripts/real_engines_env.sh` on ``PYTHONPATH``)
 it runs and finds the same reused tokens as `BlockHashCacheManager`."""
 
 import sys
@@ -16,7 +16,7 @@ import block_hash_vs_vllm as stand_in_bench
 
 def test_without_vllm_it_names_the_script_that_makes_its_folder(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm.v1.core.kv_cache_manager", None)  # import fails
-    with pytest.raises(SystemExit, match=r"scripts/real_vllm_env\.sh DIR.*--vllm-path DIR"):
+    with pytest.raises(SystemExit, match=r"scripts/real_engines_env\.sh DIR.*--engines-path DIR"):
         real.main(["--traces", "chat", "--repeats", "1"])
 
 

@@ -1,0 +1,323 @@
+"""`RadixCacheManager` against SGLang 0.5.23's own `RadixCache`, in one process.
+
+`radix_ops --traces` times a stand-in written from SGLang's design, which the book can run
+everywhere. This runs SGLang's real ``sglang.srt.mem_cache.radix_cache.RadixCache`` (LRU, no
+metrics, no events: its leanest setting) on the same three seeded traces (chat, few-shot, agent;
+their pools, so both evict) at page sizes 16 and 1, one request at a time, with the calls SGLang's
+scheduler makes around a request:
+
+    match_prefix -> path_device_indices -> inc_lock_ref      (a request starts)
+    evict(tokens short)                                     (when the free pages run out)
+    insert(key, int64 copy of the slots) -> dec_lock_ref    (it finishes: cache_finished_req)
+
+and ours with the calls `RequestFlow` makes (``match_and_lock``, ``evict``,
+``insert_and_unlock``, on the flow's NumPy arrays). One driver serves both, with the same
+untimed page allocator and the same clock around each call; a pool's pages are handed out and
+taken back alike. SGLang's keys are built untimed from ``array('q')`` token ids (its scheduler
+keeps them), but the slicing, page alignment and int64 copy inside its insert path are timed, as
+they are inside its ``cache_finished_req``.
+
+SGLang stamps access times with ``time.monotonic()``; here its module's clock is a counter (one
+call, as the stand-in does), so two nodes never tie and the eviction order is defined. SGLang
+also stamps a node before it splits it, where ours keeps the split-off lower part's old stamp;
+on traces with partial matches under memory pressure that can make the two evict differently,
+so the script prints, for each trace, whether both reused and evicted exactly the same tokens.
+
+SGLang is not a dependency of this project (its wheel requires a CUDA build of torch): make a
+folder it imports from with ``bash scripts/real_engines_env.sh DIR`` and run
+``python benchmarks/radix_vs_real_sglang.py --engines-path DIR [--repeats 5] [--page-size 16 1]
+[--json PATH]``. SGLang's unrelated multimodal modules import torchvision, which has no build for
+this torch here; a stub module stands in for it (nothing of it is ever called).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.abc
+import importlib.machinery
+import itertools
+import json
+import platform
+import sys
+import time
+import types
+from array import array
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import radix_ops
+from block_hash_vs_real_vllm import _commit
+
+from kvcache import RadixCacheManager
+from kvcache.serving.workloads import Job
+
+clock = time.perf_counter
+
+
+class _Stub:
+    """Anything torchvision would give: callable, with any attribute, usable as a base class."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _Stub:
+        return _Stub()
+
+    def __getattr__(self, name: str) -> _Stub:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Stub()
+
+    def __mro_entries__(self, bases: tuple) -> tuple:
+        return (object,)
+
+
+class _TorchvisionStub(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds ``torchvision`` and each of its submodules as an empty stub package."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name == "torchvision" or name.startswith("torchvision."):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec: Any) -> types.ModuleType:
+        module = types.ModuleType(spec.name)
+        module.__path__ = []
+        module.__version__ = "0.0.0+stub"  # type: ignore[attr-defined]
+        module.__getattr__ = _Stub().__getattr__  # type: ignore[method-assign]
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        pass
+
+
+class _Counter:
+    """Stands in for the ``time`` module inside SGLang's radix cache: a logical clock."""
+
+    def __init__(self) -> None:
+        self.monotonic = itertools.count().__next__
+        self.perf_counter = time.perf_counter
+
+
+class _Pool:
+    """The untimed page allocator both caches share: a list of free pages, FIFO."""
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        self.free = list(range(num_pages))
+        self.page_size = page_size
+        self.offsets = np.arange(page_size, dtype=np.int32)
+
+    def take(self, k: int) -> np.ndarray:
+        pages = np.array(self.free[:k], dtype=np.int32)
+        del self.free[:k]
+        return (pages[:, None] * self.page_size + self.offsets).reshape(-1)
+
+    def give(self, slots: np.ndarray) -> None:
+        """Take back the pages of slots laid out page after page from a page start."""
+        self.free.extend((np.asarray(slots)[:: self.page_size] // self.page_size).tolist())
+
+
+class Ours:
+    """`RadixCacheManager` with the calls `RequestFlow` makes on it."""
+
+    def __init__(self, page_size: int) -> None:
+        self.cache = RadixCacheManager(page_size=page_size)
+
+    def match_lock(self, ids: np.ndarray) -> tuple[int, np.ndarray, Any]:
+        handle, prefix = self.cache.match_and_lock(ids)
+        return handle.cached_len, prefix, handle
+
+    def insert_unlock(self, lock: Any, ids: np.ndarray, slots: np.ndarray) -> int:
+        return self.cache.insert_and_unlock(lock, ids, slots).cached_len
+
+    def evict(self, tokens: int) -> np.ndarray:
+        return self.cache.evict(tokens, host=True)
+
+
+class Sglang:
+    """SGLang's ``RadixCache`` with the calls its scheduler makes around a request."""
+
+    def __init__(self, page_size: int) -> None:
+        from sglang.srt.mem_cache import radix_cache
+        from sglang.srt.mem_cache.base_prefix_cache import (
+            EvictParams,
+            InsertParams,
+            MatchPrefixParams,
+        )
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+        radix_cache.time = _Counter()  # type: ignore[attr-defined]
+        self.Key, self.Match, self.Insert, self.Evict = (
+            radix_cache.RadixKey,
+            MatchPrefixParams,
+            InsertParams,
+            EvictParams,
+        )
+        self.freed: list[torch.Tensor] = []
+        self.device = "cpu"  # read by RadixCache as its allocator's device
+        self.page_size = page_size
+        params = CacheInitParams(
+            disable=False,
+            req_to_token_pool=None,
+            token_to_kv_pool_allocator=self,
+            page_size=page_size,
+        )
+        self.cache = radix_cache.RadixCache(params)
+
+    def free_segment(self, value: torch.Tensor, start_pos: int = 0) -> None:
+        self.freed.append(value)  # SGLang's allocator frees an evicted node's slots here
+
+    def match_lock(self, ids: array) -> tuple[int, torch.Tensor, Any]:
+        res = self.cache.match_prefix(self.Match(key=self.Key(ids)))
+        node = res.last_device_node
+        prefix = self.cache.path_device_indices(node)
+        self.cache.inc_lock_ref(node)
+        return res.device_prefix_len, prefix, node
+
+    def insert_unlock(self, node: Any, ids: array, slots: torch.Tensor) -> int:
+        key = self.Key(ids).page_aligned(self.page_size)
+        values = slots[: len(key)].to(dtype=torch.int64, copy=True)
+        prefix_len = self.cache.insert(self.Insert(key=key, value=values)).prefix_len
+        self.cache.dec_lock_ref(node)
+        return prefix_len
+
+    def evict(self, tokens: int) -> np.ndarray:
+        self.cache.evict(self.Evict(num_tokens=tokens))
+        freed = torch.cat(self.freed).numpy() if self.freed else np.zeros(0, np.int64)
+        self.freed = []
+        return freed
+
+
+def drive(cache: Ours | Sglang, jobs: list[Job], num_slots: int, ps: int) -> dict[str, Any]:
+    """The flow's requests (begin on all but the last token, decode the output, finish) with
+    only ``cache``'s calls timed. Returns the seconds, reused tokens per request and evicted
+    tokens."""
+    pool = _Pool(num_slots // ps, ps)
+    sglang = isinstance(cache, Sglang)
+    seconds, reused, evicted = 0.0, [], 0
+
+    def room(pages: int) -> None:
+        nonlocal seconds, evicted
+        if pages > len(pool.free):
+            t0 = clock()
+            slots = cache.evict((pages - len(pool.free)) * ps)
+            seconds += clock() - t0
+            evicted += len(slots)
+            pool.give(slots)
+
+    for job in jobs:
+        ids = np.concatenate((job.prompt.numpy(), job.output.numpy()))
+        n, total = len(job.prompt), len(ids)
+        key = array("q", ids[: n - 1].tobytes()) if sglang else ids[: n - 1]
+        t0 = clock()
+        m, prefix, lock = cache.match_lock(key)
+        seconds += clock() - t0
+        reused.append(m)
+        k = -(-(n - m) // ps)  # the prompt's pages (at `begin`)
+        room(k)
+        slots = np.concatenate((np.asarray(prefix, dtype=np.int32), pool.take(k)))
+        more = -(-(total - len(slots)) // ps)  # the output's (at `extend`)
+        if more > 0:
+            room(more)
+            slots = np.concatenate((slots, pool.take(more)))
+        whole = total - total % ps
+        key = array("q", ids[:whole].tobytes()) if sglang else ids[:whole]
+        values = torch.from_numpy(slots[:whole]) if sglang else slots[:whole]
+        t0 = clock()
+        already = cache.insert_unlock(lock, key, values)
+        seconds += clock() - t0
+        own = slots[m:already]  # the request's duplicates of what another request cached
+        if whole < total:
+            own = np.concatenate((own, slots[whole:total]))  # and its partial last page
+        if len(own):
+            pool.give(own)
+    return {"seconds": seconds, "reused": reused, "evicted": evicted}
+
+
+def compare(trace: str, ps: int, repeats: int) -> dict[str, Any]:
+    """Best of ``repeats`` for each cache, interleaved, on ``trace`` at page size ``ps``."""
+    jobs, num_slots = radix_ops.TRACES[trace]()
+    makers: dict[str, Callable[[int], Ours | Sglang]] = {"ours": Ours, "sglang": Sglang}
+    best: dict[str, dict[str, Any]] = {}
+    for _ in range(repeats):
+        for name, make in makers.items():
+            run = drive(make(ps), jobs, num_slots, ps)
+            if name not in best or run["seconds"] < best[name]["seconds"]:
+                best[name] = run
+    ours, sglang = best["ours"], best["sglang"]
+    return {
+        "requests": len(jobs),
+        "same_decisions": ours["reused"] == sglang["reused"]
+        and ours["evicted"] == sglang["evicted"],
+        "reused_tokens": {"ours": sum(ours["reused"]), "sglang": sum(sglang["reused"])},
+        "evicted_tokens": {"ours": ours["evicted"], "sglang": sglang["evicted"]},
+        "ours_seconds": ours["seconds"],
+        "sglang_seconds": sglang["seconds"],
+        "ratio": sglang["seconds"] / ours["seconds"],
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--engines-path", type=Path, default=None, help="a folder from scripts/real_engines_env.sh"
+    )
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--page-size", type=int, nargs="+", default=[16, 1])
+    ap.add_argument(
+        "--traces", nargs="+", choices=list(radix_ops.TRACES), default=list(radix_ops.TRACES)
+    )
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    if args.engines_path is not None:
+        sys.path.insert(0, str(args.engines_path.resolve()))
+    if not any(isinstance(f, _TorchvisionStub) for f in sys.meta_path):
+        sys.meta_path.insert(0, _TorchvisionStub())
+    try:
+        from sglang.srt.mem_cache import radix_cache  # noqa: F401
+    except ImportError as e:
+        raise SystemExit(
+            f"SGLang's radix cache does not import ({e}); make a folder for it with "
+            "`bash scripts/real_engines_env.sh DIR` and pass --engines-path DIR"
+        ) from None
+    torch.set_num_threads(1)
+    info = {
+        "cpu": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "sglang": "0.5.23",
+        "date": time.strftime("%Y-%m-%d"),
+        "commit": _commit(),
+        "clock": "wall (perf_counter)",
+    }
+    print(f"ran on: {info}")
+    result: dict[str, Any] = {"machine": info}
+    for ps in args.page_size:
+        for trace in args.traces:
+            row = result[f"{trace}, page size {ps}"] = compare(trace, ps, args.repeats)
+            same = (
+                "same decisions"
+                if row["same_decisions"]
+                else (
+                    f"decisions differ: reused {row['reused_tokens']['ours']} vs "
+                    f"{row['reused_tokens']['sglang']}"
+                )
+            )
+            print(
+                f"  page size {ps:2d} {trace:9s}: ours {row['ours_seconds']:.3f} s | SGLang "
+                f"{row['sglang_seconds']:.3f} s = {row['ratio']:.2f}x ({same})"
+            )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
