@@ -138,10 +138,11 @@ def compare(trace: str, repeats: int) -> dict[str, Any]:
     }
 
 
-def _commit() -> str | None:
-    """The repository's commit, where git can tell."""
+def _commit(where: Path | None = None) -> str | None:
+    """The commit of the repository holding ``where`` (default: this one), where git can tell."""
+    folder = where.resolve() if where is not None else Path(__file__).resolve().parent
     out = subprocess.run(
-        ["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"],
+        ["git", "-C", str(folder), "rev-parse", "--short", "HEAD"],
         capture_output=True,
         text=True,
         check=False,

@@ -1,4 +1,4 @@
-"""`RadixCacheManager` against SGLang 0.5.23's own `RadixCache`, in one process.
+"""`RadixCacheManager` against SGLang 0.5.23's own `RadixCache` (and mini-sglang's), in one process.
 
 `radix_ops --traces` times a stand-in written from SGLang's design, which the book can run
 everywhere. This runs SGLang's real ``sglang.srt.mem_cache.radix_cache.RadixCache`` (LRU, no
@@ -23,10 +23,16 @@ also stamps a node before it splits it, where ours keeps the split-off lower par
 on traces with partial matches under memory pressure that can make the two evict differently,
 so the script prints, for each trace, whether both reused and evicted exactly the same tokens.
 
+With ``--minisgl-path`` (the ``python/`` folder of a mini-sglang checkout) the radix cache of
+mini-sglang runs too (``RadixPrefixCache``: torch keys, its C++ ``fast_compare_key``, which
+tvm-ffi compiles with the machine's C++ compiler on first use), with the calls its scheduler
+makes (``match_prefix``, ``get_matched_indices``, ``lock_handle``; ``insert_prefix``, unlock;
+``evict``) and its module's clock made a counter in the same way.
+
 SGLang is not a dependency of this project (its wheel requires a CUDA build of torch): make a
 folder it imports from with ``bash scripts/real_engines_env.sh DIR`` and run
-``python benchmarks/radix_vs_real_sglang.py --engines-path DIR [--repeats 5] [--page-size 16 1]
-[--json PATH]``. SGLang's unrelated multimodal modules import torchvision, which has no build for
+``python benchmarks/radix_vs_real_sglang.py --engines-path DIR [--minisgl-path DIR]
+[--repeats 5] [--page-size 16 1] [--json PATH]``. SGLang's unrelated multimodal modules import torchvision, which has no build for
 this torch here; a stub module stands in for it (nothing of it is ever called).
 """
 
@@ -101,7 +107,7 @@ class _Counter:
     """Stands in for the ``time`` module inside SGLang's radix cache: a logical clock."""
 
     def __init__(self) -> None:
-        self.monotonic = itertools.count().__next__
+        self.monotonic = self.monotonic_ns = itertools.count(1).__next__
         self.perf_counter = time.perf_counter
 
 
@@ -194,12 +200,42 @@ class Sglang:
         return freed
 
 
-def drive(cache: Ours | Sglang, jobs: list[Job], num_slots: int, ps: int) -> dict[str, Any]:
+class Minisgl:
+    """mini-sglang's ``RadixPrefixCache`` with the calls its scheduler makes around a request."""
+
+    def __init__(self, page_size: int) -> None:
+        import minisgl.core as core
+        from minisgl.kvcache import radix_cache
+
+        core._GLOBAL_CTX = None  # one context a process; mini-sglang's own tests reset it so
+        core.set_global_ctx(core.Context(page_size=page_size))
+        radix_cache.time = _Counter()  # type: ignore[attr-defined]
+        self.cache = radix_cache.RadixPrefixCache(torch.device("cpu"))
+        self.empty = torch.empty(0, dtype=torch.int32)
+
+    def match_lock(self, ids: torch.Tensor) -> tuple[int, torch.Tensor, Any]:
+        handle = self.cache.match_prefix(ids).cuda_handle
+        prefix = handle.get_matched_indices() if handle.cached_len else self.empty
+        self.cache.lock_handle(handle)
+        return handle.cached_len, prefix, handle
+
+    def insert_unlock(self, handle: Any, ids: torch.Tensor, slots: torch.Tensor) -> int:
+        cached_len = self.cache.insert_prefix(ids, slots).cached_len
+        self.cache.lock_handle(handle, unlock=True)
+        return cached_len
+
+    def evict(self, tokens: int) -> np.ndarray:
+        return self.cache.evict(tokens).numpy()
+
+
+def drive(
+    cache: Ours | Sglang | Minisgl, jobs: list[Job], num_slots: int, ps: int
+) -> dict[str, Any]:
     """The flow's requests (begin on all but the last token, decode the output, finish) with
     only ``cache``'s calls timed. Returns the seconds, reused tokens per request and evicted
     tokens."""
     pool = _Pool(num_slots // ps, ps)
-    sglang = isinstance(cache, Sglang)
+    sglang, tensors = isinstance(cache, Sglang), isinstance(cache, Minisgl)
     seconds, reused, evicted = 0.0, [], 0
 
     def room(pages: int) -> None:
@@ -215,6 +251,7 @@ def drive(cache: Ours | Sglang, jobs: list[Job], num_slots: int, ps: int) -> dic
         ids = np.concatenate((job.prompt.numpy(), job.output.numpy()))
         n, total = len(job.prompt), len(ids)
         key = array("q", ids[: n - 1].tobytes()) if sglang else ids[: n - 1]
+        key = torch.from_numpy(key) if tensors else key
         t0 = clock()
         m, prefix, lock = cache.match_lock(key)
         seconds += clock() - t0
@@ -228,7 +265,8 @@ def drive(cache: Ours | Sglang, jobs: list[Job], num_slots: int, ps: int) -> dic
             slots = np.concatenate((slots, pool.take(more)))
         whole = total - total % ps
         key = array("q", ids[:whole].tobytes()) if sglang else ids[:whole]
-        values = torch.from_numpy(slots[:whole]) if sglang else slots[:whole]
+        values = torch.from_numpy(slots[:whole]) if sglang or tensors else slots[:whole]
+        key = torch.from_numpy(key) if tensors else key
         t0 = clock()
         already = cache.insert_unlock(lock, key, values)
         seconds += clock() - t0
@@ -240,10 +278,12 @@ def drive(cache: Ours | Sglang, jobs: list[Job], num_slots: int, ps: int) -> dic
     return {"seconds": seconds, "reused": reused, "evicted": evicted}
 
 
-def compare(trace: str, ps: int, repeats: int) -> dict[str, Any]:
+def compare(trace: str, ps: int, repeats: int, minisgl: bool = False) -> dict[str, Any]:
     """Best of ``repeats`` for each cache, interleaved, on ``trace`` at page size ``ps``."""
     jobs, num_slots = radix_ops.TRACES[trace]()
-    makers: dict[str, Callable[[int], Ours | Sglang]] = {"ours": Ours, "sglang": Sglang}
+    makers: dict[str, Callable[[int], Ours | Sglang | Minisgl]] = {"ours": Ours, "sglang": Sglang}
+    if minisgl:
+        makers["minisgl"] = Minisgl
     best: dict[str, dict[str, Any]] = {}
     for _ in range(repeats):
         for name, make in makers.items():
@@ -251,22 +291,36 @@ def compare(trace: str, ps: int, repeats: int) -> dict[str, Any]:
             if name not in best or run["seconds"] < best[name]["seconds"]:
                 best[name] = run
     ours, sglang = best["ours"], best["sglang"]
-    return {
+    row = {
         "requests": len(jobs),
         "same_decisions": ours["reused"] == sglang["reused"]
         and ours["evicted"] == sglang["evicted"],
-        "reused_tokens": {"ours": sum(ours["reused"]), "sglang": sum(sglang["reused"])},
-        "evicted_tokens": {"ours": ours["evicted"], "sglang": sglang["evicted"]},
+        "reused_tokens": {k: sum(v["reused"]) for k, v in best.items()},
+        "evicted_tokens": {k: v["evicted"] for k, v in best.items()},
         "ours_seconds": ours["seconds"],
         "sglang_seconds": sglang["seconds"],
         "ratio": sglang["seconds"] / ours["seconds"],
     }
+    if minisgl:
+        other = best["minisgl"]
+        row["minisgl_same_decisions"] = (
+            ours["reused"] == other["reused"] and ours["evicted"] == other["evicted"]
+        )
+        row["minisgl_seconds"] = other["seconds"]
+        row["minisgl_ratio"] = other["seconds"] / ours["seconds"]
+    return row
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
         "--engines-path", type=Path, default=None, help="a folder from scripts/real_engines_env.sh"
+    )
+    ap.add_argument(
+        "--minisgl-path",
+        type=Path,
+        default=None,
+        help="the python/ folder of a mini-sglang checkout",
     )
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--page-size", type=int, nargs="+", default=[16, 1])
@@ -286,6 +340,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"SGLang's radix cache does not import ({e}); make a folder for it with "
             "`bash scripts/real_engines_env.sh DIR` and pass --engines-path DIR"
         ) from None
+    if args.minisgl_path is not None:
+        sys.path.insert(0, str(args.minisgl_path.resolve()))
+        from minisgl.kernel import fast_compare_key  # compiled here, not inside a timed call
+
+        fast_compare_key(torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64))
     torch.set_num_threads(1)
     info = {
         "cpu": platform.processor() or platform.machine(),
@@ -295,12 +354,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "date": time.strftime("%Y-%m-%d"),
         "commit": _commit(),
         "clock": "wall (perf_counter)",
+        "minisgl": _commit(args.minisgl_path) if args.minisgl_path else None,
     }
     print(f"ran on: {info}")
     result: dict[str, Any] = {"machine": info}
     for ps in args.page_size:
         for trace in args.traces:
-            row = result[f"{trace}, page size {ps}"] = compare(trace, ps, args.repeats)
+            row = result[f"{trace}, page size {ps}"] = compare(
+                trace, ps, args.repeats, args.minisgl_path is not None
+            )
             same = (
                 "same decisions"
                 if row["same_decisions"]
@@ -313,6 +375,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"  page size {ps:2d} {trace:9s}: ours {row['ours_seconds']:.3f} s | SGLang "
                 f"{row['sglang_seconds']:.3f} s = {row['ratio']:.2f}x ({same})"
             )
+            if "minisgl_seconds" in row:
+                same = "same" if row["minisgl_same_decisions"] else "different"
+                print(
+                    f"{'':22s} mini-sglang {row['minisgl_seconds']:.3f} s = "
+                    f"{row['minisgl_ratio']:.2f}x ({same} decisions)"
+                )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")

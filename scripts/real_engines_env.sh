@@ -27,7 +27,7 @@ find "$DIR/vllm" "$DIR/sglang" -name '*.so' -delete
   click==8.5.1 cloudpickle==3.1.3 compressed-tensors==0.20.1 dill==0.4.1 fastapi==0.165.0 \
   frozenlist==1.8.0 fsspec==2026.9.0 gguf==0.19.0 hf-xet==1.8.0 httpcore2==2.16.2 \
   httpx2==2.16.2 huggingface-hub==2.4.0 llguidance==1.9.1 loguru==0.7.3 markdown-it-py==4.3.0 \
-  mdurl==0.1.2 msgspec==0.23.0 multidict==7.2.1 openai==3.57.0 orjson==3.13.0 \
+  mdurl==0.1.2 msgpack==1.2.4 msgspec==0.23.0 multidict==7.2.1 openai==3.57.0 orjson==3.13.0 \
   openai-harmony==0.0.8 opentelemetry-api==1.45.2 packaging==26.4 \
   partial-json-parser==0.2.1.1.post7 propcache==0.5.4 py-cpuinfo==9.0.0 pybase64==1.5.1 \
   pydantic==2.14.4 pydantic-core==2.50.5 pygments==2.21.0 pyyaml==6.0.4 regex==2026.11.19 \

@@ -46,3 +46,12 @@ def test_real_sglang_runs(monkeypatch):
         torch.set_num_threads(threads)
     assert row["same_decisions"] and row["reused_tokens"]["ours"] > 0
     assert row["sglang_seconds"] > 0 and row["ours_seconds"] > 0
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+def test_minisgl_decides_as_ours(ps):
+    pytest.importorskip("minisgl.kvcache.radix_cache")
+    jobs = agent(80, seed=2)
+    ours = real.drive(real.Ours(ps), jobs, 5000, ps)
+    theirs = real.drive(real.Minisgl(ps), jobs, 5000, ps)
+    assert ours["reused"] == theirs["reused"] and ours["evicted"] == theirs["evicted"] > 0
