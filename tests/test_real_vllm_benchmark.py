@@ -31,3 +31,13 @@ def test_the_real_vllm_reuses_what_ours_reuses(monkeypatch):
         torch.set_num_threads(threads)
     assert row["requests"] == 120 and row["reused_tokens"] > 0
     assert row["vllm_with_hashing_seconds"] > row["vllm_seconds"] > 0
+
+
+def test_our_side_times_the_allocator_and_decides_as_the_stand_in_benchmark():
+    jobs = stand_in_bench.TRACES["chat"]()[:150]
+    manager, pages, reused = real.drive_ours(jobs)
+    _, _, decisions = stand_in_bench.drive(
+        lambda: real.BlockHashCacheManager("cpu", 16), jobs, real.POOL, 16
+    )
+    assert reused == decisions["reused"] and sum(reused) > 0
+    assert manager > 0 and pages > 0
