@@ -12,7 +12,11 @@ jobs three ways, same run, CPU time of the thread, fastest of ``--repeats``:
 
 It must make the flow's cache decisions (the same reused tokens), or the comparison is void.
 
-Run: ``python benchmarks/flow_floor.py [--page-size P] [--requests N] [--repeats R]``.
+With ``--parts`` it also prices the floor per request: each call it makes (tensor <-> NumPy,
+host arrays, copies, allocator calls), counted in one run and timed on its own with arguments of
+the run's median size; what is left of the floor beyond those and the manager is its own loop.
+
+Run: ``python benchmarks/flow_floor.py [--page-size P] [--requests N] [--repeats R] [--parts]``.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import timeit
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -83,12 +89,107 @@ def floor_drive(m: RadixCacheManager, a: PageAllocator, jobs: list[Job]) -> int:
     return reused
 
 
+class _Counting(PageAllocator):
+    """A `PageAllocator` that counts the flow's calls to it and notes their sizes."""
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        super().__init__(num_pages, page_size)
+        self.seen: dict[str, list[int]] = {"allocate": [], "free_start": [], "free_runs": []}
+
+    def allocate_page_slots(self, num_pages: int, out: np.ndarray, start: int = 0) -> None:
+        self.seen["allocate"].append(num_pages)
+        super().allocate_page_slots(num_pages, out, start)
+
+    def free_page_start(self, slot: int) -> None:
+        self.seen["free_start"].append(1)
+        super().free_page_start(slot)
+
+    def free_page_runs(self, slots: torch.Tensor | np.ndarray) -> None:
+        self.seen["free_runs"].append(-(-len(slots) // self.page_size))
+        super().free_page_runs(slots)
+
+
+def _us(
+    stmt: Callable[[], object], setup: Callable[[], object] | None = None, n: int = 500
+) -> float:
+    """Microseconds per call of ``stmt``, fastest of 5 runs of ``n`` (``setup`` before each run)."""
+    best = float("inf")
+    for _ in range(5):
+        if setup is not None:
+            setup()
+        best = min(best, timeit.timeit(stmt, number=n) / n)
+    return best * 1e6
+
+
+def parts(jobs: list[Job], ps: int, num_slots: int) -> dict[str, tuple[float, float]]:
+    """``name -> (calls per request, µs per call)`` for each call `floor_drive` makes besides the
+    manager's: counted in one run, timed on their own at the run's median sizes."""
+    a = _Counting(num_slots // ps, ps)
+    floor_drive(RadixCacheManager(page_size=ps), a, jobs)
+    # Timed below with what they are handed (the lambda and iterator around each add ~0.1 µs).
+    r = len(jobs)
+    n = int(np.median([len(j.prompt) for j in jobs]))
+    k_new = int(np.median([len(j.output) for j in jobs]))
+    med = {key: int(np.median(v)) if v else 1 for key, v in a.seen.items()}
+    with_output = sum(len(j.output) > 0 for j in jobs) / r
+    prompt, out = torch.arange(n), np.empty(n + 64, _I32)
+    ids, own = prompt.numpy(), np.empty(n + 64, _I64)
+    state: dict[str, object] = {}
+
+    def handed_out(pages: int) -> None:
+        """A fresh allocator with every page handed out, and its slots in runs of ``pages``."""
+        alloc = PageAllocator(num_slots // ps, ps)
+        slots = alloc.allocate_slots(alloc.num_slots).numpy()
+        state["a"] = alloc
+        state["runs"] = iter([slots[i : i + pages * ps] for i in range(0, len(slots), pages * ps)])
+        state["starts"] = iter(slots[::ps].tolist())
+
+    def fresh() -> None:
+        state["a"] = PageAllocator(num_slots // ps, ps)
+
+    kk, kr, most = med["allocate"], med["free_runs"], num_slots // ps
+    room = np.empty(kk * ps, _I32)
+    calls = {key: len(v) / r for key, v in a.seen.items()}
+
+    def allocate() -> None:
+        state["a"].allocate_page_slots(kk, room)  # type: ignore[attr-defined]
+
+    def free_start() -> None:
+        state["a"].free_page_start(next(state["starts"]))  # type: ignore[attr-defined, call-overload]
+
+    def free_runs() -> None:
+        state["a"].free_page_runs(next(state["runs"]))  # type: ignore[attr-defined, call-overload]
+
+    return {
+        "tensor.numpy()": (1 + with_output, _us(prompt.numpy, n=5000)),
+        "torch.from_numpy": (with_output, _us(lambda: torch.from_numpy(out[:k_new]), n=5000)),
+        "np.empty": (2.0, _us(lambda: np.empty(n + 64, _I64), n=5000)),
+        "copies (ids, prefix, output)": (
+            2 + with_output,
+            _us(lambda: own.__setitem__(slice(0, n), ids), n=5000),
+        ),
+        f"allocate_page_slots ({kk} pages)": (
+            calls["allocate"],
+            _us(allocate, fresh, n=min(500, most // kk)),
+        ),
+        "free_page_start": (
+            calls["free_start"],
+            _us(free_start, lambda: handed_out(1), n=min(500, most)),
+        ),
+        f"free_page_runs ({kr} pages)": (
+            calls["free_runs"],
+            _us(free_runs, lambda: handed_out(kr), n=min(500, most // kr)),
+        ),
+    }
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--requests", type=int, default=3000)
     ap.add_argument("--pages", type=int, default=100_000, help="pool size in token slots")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--parts", action="store_true", help="price the floor's calls per request")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     ps, jobs = args.page_size, mixed(args.requests, seed=0)
@@ -118,11 +219,26 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         f"whole flow {ms['flow']:.1f} ms = {best['flow'] / best['manager']:.2f}x | "
         f"inline floor {ms['floor']:.1f} ms = {best['floor'] / best['manager']:.2f}x"
     )
-    return {
+    result = {
         **{f"{k}_seconds": v for k, v in best.items()},
         "flow_ratio": best["flow"] / best["manager"],
         "floor_ratio": best["floor"] / best["manager"],
     }
+    if args.parts:
+        per = 1e6 / len(jobs)
+        print(
+            f"per request (µs): manager calls {best['manager'] * per:.1f}, floor {best['floor'] * per:.1f}"
+        )
+        total = 0.0
+        for name, (calls, us) in parts(jobs, ps, args.pages).items():
+            total += calls * us
+            print(f"  {name:34s} {calls:5.2f} calls x {us:5.2f} µs = {calls * us:5.2f} µs")
+        rest = (best["floor"] - best["manager"]) * per - total
+        print(
+            f"  {'those calls together':34s} {total:25.2f} µs; the floor's own loop: {rest:.2f} µs"
+        )
+        result["parts_us_per_request"] = total
+    return result
 
 
 if __name__ == "__main__":

@@ -37,3 +37,19 @@ def test_flow_floor_runs():
     finally:
         torch.set_num_threads(threads)
     assert out["floor_ratio"] > 0 and out["flow_ratio"] > 0
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+def test_flow_floor_prices_its_calls(ps):
+    """``--parts``: every call the floor makes besides the manager's is counted per request and
+    timed; a small pool (fewer pages than a timing run's 500 calls) must not run dry."""
+    threads = torch.get_num_threads()
+    try:
+        argv = ["--requests", "60", "--pages", "2000", "--repeats", "1", "--page-size", str(ps)]
+        out = flow_floor.main([*argv, "--parts"])
+    finally:
+        torch.set_num_threads(threads)
+    assert out["parts_us_per_request"] > 0
+    parts = flow_floor.parts(mixed(60, seed=0), ps, 2000)
+    assert all(calls >= 0 and us > 0 for calls, us in parts.values())
+    assert parts["np.empty"][0] == 2.0
