@@ -24,7 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._validate import check_int_in, check_positive_int, check_slot_tensors, check_token_ids
+from .._validate import (
+    as_list,
+    check_device,
+    check_int_in,
+    check_positive_int,
+    check_slot_tensors,
+    check_token_ids,
+)
 from ..kernels.attention import paged_attention, paged_decode_attention
 from ..storage.base import KVCacheLayout
 from ..storage.mha_pool import MHAKVCache
@@ -126,7 +133,7 @@ class TinyLlama(nn.Module):
             raise TypeError(f"config must be a TinyLlamaConfig, got {type(config).__name__}")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
-        self.config, self.device, self.dtype = config, torch.device(device), dtype
+        self.config, self.device, self.dtype = config, check_device(device), dtype
         g = torch.Generator().manual_seed(config.seed)
 
         def w(*shape: int, ones: bool = False, std: float | None = None) -> nn.Parameter:
@@ -242,7 +249,8 @@ class TinyLlama(nn.Module):
         """
         self.check_ids(ids)
         self.check_kv_cache(kv_cache)
-        slots, q_lens = list(slots), list(q_lens)
+        slots = as_list(slots, "slots", "1-D slot tensors")
+        q_lens = as_list(q_lens, "q_lens", "ints")
         if len(q_lens) != len(slots) or not slots:
             raise ValueError(
                 f"need one q_len per request and at least one request; got {len(q_lens)} and {len(slots)}"
