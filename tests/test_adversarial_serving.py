@@ -25,6 +25,7 @@ from kvcache import (
     Router,
     Scheduler,
     TinyLlama,
+    TinyLlamaConfig,
 )
 from kvcache.serving import workloads as W
 from kvcache.serving.workloads import Job
@@ -266,3 +267,32 @@ def test_workloads_take_integers_of_every_library_and_stay_seeded():
     for p in (-0.1, 1.5, float("nan"), True, "0.5"):
         with pytest.raises((TypeError, ValueError), match="branch_prob"):
             W.agent(4, branch_prob=p)
+
+
+@pytest.mark.parametrize(
+    "kw,exc,match",
+    [
+        ({"rope_theta": float("nan")}, ValueError, "rope_theta must be finite and > 0"),
+        ({"rope_theta": -1.0}, ValueError, "rope_theta must be finite and > 0"),
+        ({"rope_theta": "1e4"}, TypeError, "rope_theta must be a real number"),
+        ({"rms_norm_eps": -1e-6}, ValueError, "rms_norm_eps must be finite and >= 0"),
+        ({"rms_norm_eps": None}, TypeError, "rms_norm_eps must be a real number"),
+        ({"seed": None}, TypeError, "seed must be an integer"),
+        ({"seed": "0"}, TypeError, "seed must be an integer"),
+        ({"seed": 1.0}, TypeError, "seed must be an integer"),
+        ({"seed": 2**64}, ValueError, "seed must be in"),
+    ],
+    ids=repr,
+)
+def test_model_config_numbers_are_checked_by_name(kw, exc, match):
+    """NaN or negative theta/eps made every logit NaN; a string failed at the first forward;
+    a bad seed raised torch's "manual_seed expected a long" (a RuntimeError)."""
+    with pytest.raises(exc, match=match):
+        TinyLlamaConfig(**kw)
+
+
+def test_model_config_sizes_of_every_library_are_kept_as_python_ints():
+    cfg = TinyLlamaConfig(hidden_size=np.int64(64), num_layers=torch.tensor(2), seed=np.int64(5))
+    assert type(cfg.hidden_size) is int and type(cfg.num_layers) is int and type(cfg.seed) is int
+    want = TinyLlama(TinyLlamaConfig(seed=5)).reference_logits(ids(1, 2, 3))
+    torch.testing.assert_close(TinyLlama(cfg).reference_logits(ids(1, 2, 3)), want)

@@ -16,10 +16,12 @@ Both share every weight and every non-attention op, so they differ only in where
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -63,8 +65,17 @@ class TinyLlamaConfig:
             "num_kv_heads",
             "head_dim",
             "intermediate_size",
-        ):
-            check_positive_int(getattr(self, name), name)
+        ):  # kept as Python ints (frozen: set through object.__setattr__)
+            object.__setattr__(self, name, check_positive_int(getattr(self, name), name))
+        for name, floor in (("rope_theta", "> 0"), ("rms_norm_eps", ">= 0")):
+            v = getattr(self, name)  # NaN or a negative value made every logit NaN
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real):
+                raise TypeError(f"{name} must be a real number, got {type(v).__name__}")
+            f = float(v)
+            if not math.isfinite(f) or not (f > 0 if floor == "> 0" else f >= 0):
+                raise ValueError(f"{name} must be finite and {floor}, got {f}")
+        # torch.Generator.manual_seed takes [-2**63, 2**64): its own error names no argument.
+        object.__setattr__(self, "seed", check_int_in(self.seed, "seed", -(2**63), 2**64 - 1))
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_q_heads={self.num_q_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
