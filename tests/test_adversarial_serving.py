@@ -296,3 +296,43 @@ def test_model_config_sizes_of_every_library_are_kept_as_python_ints():
     assert type(cfg.hidden_size) is int and type(cfg.num_layers) is int and type(cfg.seed) is int
     want = TinyLlama(TinyLlamaConfig(seed=5)).reference_logits(ids(1, 2, 3))
     torch.testing.assert_close(TinyLlama(cfg).reference_logits(ids(1, 2, 3)), want)
+
+
+# ------------------------------------------------------------------ tenancy, TP demo, drawings
+@pytest.mark.parametrize("value", [None, 3, 2.5, "ab", [1, 2], np.arange(3)], ids=repr)
+def test_public_prefix_cache_checks_ids_by_name(value):
+    """``public_len`` of a non-tensor raised AttributeError (no ``shape``) or "tuple index out
+    of range"; a non-iterable ``public`` raised "'int' object is not iterable"."""
+    from kvcache.serving.tenancy import PublicPrefixCache
+
+    cache = PublicPrefixCache(RadixCacheManager(), [ids(1, 2)])
+    with pytest.raises((TypeError, ValueError), match="input_ids must be"):
+        cache.public_len(value)
+    if not isinstance(value, (list, str, np.ndarray)):
+        with pytest.raises(TypeError, match="public must be a sequence"):
+            PublicPrefixCache(RadixCacheManager(), value)
+    assert cache.public_len(ids(1, 2, 3)) == 2
+
+
+@pytest.mark.parametrize("cfg", [3, "cfg", {"num_kv_heads": 4}, object()], ids=repr)
+def test_tp_demo_refuses_a_config_that_is_not_one(cfg):
+    """Was AttributeError: no attribute 'validate'."""
+    from kvcache import run_single_process, run_tp_attention
+
+    with pytest.raises(TypeError, match="cfg must be a TPConfig or None"):
+        run_single_process(cfg)
+    with pytest.raises(TypeError, match="cfg must be a TPConfig or None"):
+        run_tp_attention(1, cfg)
+    with pytest.raises((TypeError, ValueError), match=r"^device "):
+        run_single_process(None, device=2**63)  # was torch's "Overflow when unpacking long long"
+
+
+def test_draw_sequence_builds_no_string_of_caption_width_characters():
+    """``caption_width=2**31`` built a 2 GiB string (minutes); past 2**63, OverflowError."""
+    from kvcache import draw_sequence, snapshot
+
+    m = RadixCacheManager()
+    m.insert_prefix(ids(1, 2, 3), torch.arange(3, dtype=torch.int32))
+    snaps = [snapshot(m, "one")]
+    for width in (2**31, 2**63, 10**30):
+        assert draw_sequence(snaps, caption_width=width) is not None
