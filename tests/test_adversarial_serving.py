@@ -336,3 +336,15 @@ def test_draw_sequence_builds_no_string_of_caption_width_characters():
     snaps = [snapshot(m, "one")]
     for width in (2**31, 2**63, 10**30):
         assert draw_sequence(snaps, caption_width=width) is not None
+
+
+@pytest.mark.parametrize("value", [torch.tensor(3), np.array(3)], ids=repr)
+def test_drawings_of_a_0d_tensor_name_their_argument(value):
+    """A 0-d tensor or array passes ``isinstance(x, Iterable)`` and then raised "iteration over
+    a 0-d tensor", naming no argument."""
+    from kvcache import draw_sequence, step_player
+
+    with pytest.raises(TypeError, match="snapshots must be"):
+        draw_sequence(value)
+    with pytest.raises(TypeError, match="source must be"):
+        step_player(value)
