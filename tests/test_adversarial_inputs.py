@@ -180,3 +180,20 @@ def test_sequence_arguments_name_themselves(value):
         flow.extend_batch(value, [ids(1)])
     with unchanged(flow), pytest.raises(TypeError, match="new_ids must be a sequence"):
         flow.extend_batch([r], value)
+
+
+# ------------------------------------------------------------------ NaN namespaces
+@pytest.mark.parametrize("make", MANAGERS)
+@pytest.mark.parametrize("key", [float("nan"), np.float64("nan"), np.float32("nan")], ids=repr)
+def test_a_nan_namespace_is_refused(make, key):
+    """NaN equals no other NaN: a prefix cached under one ``float("nan")`` was never matched
+    under the next (a namespace nobody can reach again, holding pages until evicted)."""
+    m = make("cpu", page_size=2)
+    with unchanged(m), pytest.raises(ValueError, match="extra_key must not be NaN"):
+        m.insert_prefix(ids(1, 2), slots(0, 1), key)
+    with unchanged(m), pytest.raises(ValueError, match="extra_key must not be NaN"):
+        m.match_prefix(ids(1, 2), key)
+    flow = RequestFlow(make("cpu", page_size=2), PageAllocator(8, 2))
+    with unchanged(flow), pytest.raises(ValueError, match="extra_key must not be NaN"):
+        flow.begin(ids(1, 2, 3), extra_key=key)
+    m.insert_prefix(ids(1, 2), slots(0, 1), (float("nan"),))  # a tuple compares by identity
