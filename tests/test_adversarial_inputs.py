@@ -197,3 +197,21 @@ def test_a_nan_namespace_is_refused(make, key):
     with unchanged(flow), pytest.raises(ValueError, match="extra_key must not be NaN"):
         flow.begin(ids(1, 2, 3), extra_key=key)
     m.insert_prefix(ids(1, 2), slots(0, 1), (float("nan"),))  # a tuple compares by identity
+
+
+# ------------------------------------------------------------------ allocator: no host copy
+@pytest.mark.parametrize(
+    "method", ["free", "free_slots", "free_page_runs", "slots_to_pages", "pages_to_slots"]
+)
+@pytest.mark.parametrize(
+    "ids_of",
+    [lambda xs: torch.tensor(xs).to_sparse(), lambda xs: torch.tensor(xs, device="meta")],
+    ids=["sparse", "meta"],
+)
+def test_allocator_ids_without_a_host_copy_are_refused_by_name(method, ids_of):
+    """``free_page_runs`` read them with ``numpy()``/``cpu()`` before any check: torch's "can't
+    convert Sparse layout tensor" and ``NotImplementedError`` ("Cannot copy out of meta")."""
+    a = PageAllocator(8, 4)
+    held = a.allocate(3)
+    with unchanged(a), pytest.raises(TypeError, match="must be a dense"):
+        getattr(a, method)(ids_of([int(held[0]) * 4]))
