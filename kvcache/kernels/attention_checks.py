@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
-from .._validate import as_int, check_dense, min_max
+from .._validate import as_int, as_list, check_dense, min_max
 
 __all__ = [
     "AttentionGeometry",
@@ -123,15 +122,15 @@ def check_q(q: object, geo: AttentionGeometry, total_q: int) -> int:
 
 
 def check_q_lens(q_lens: object, seq_lens: list[int]) -> list[int]:
-    """``q_lens`` as Python ints, one per request, ``q_lens[r]`` in ``[1, seq_lens[r]]``:
-    ``TypeError`` for a non-sequence or a non-integer entry (``bool``, float, ...), ``ValueError``
-    for a wrong length or an entry out of range."""
-    if isinstance(q_lens, (torch.Tensor, str, bytes)) or not isinstance(q_lens, Sequence):
-        raise TypeError(f"q_lens must be a sequence of ints, got {type(q_lens).__name__}")
-    if len(q_lens) != len(seq_lens):
-        raise ValueError(f"len(q_lens)={len(q_lens)} != len(slots)={len(seq_lens)}")
+    """``q_lens`` (any iterable of integers: Python, NumPy or 0-d torch) as Python ints, one per
+    request, ``q_lens[r]`` in ``[1, seq_lens[r]]``: ``TypeError`` for a non-iterable or a
+    non-integer entry (``bool``, float, ...), ``ValueError`` for a wrong length or a value out
+    of range."""
+    items = as_list(q_lens, "q_lens", "ints")
+    if len(items) != len(seq_lens):
+        raise ValueError(f"len(q_lens)={len(items)} != len(slots)={len(seq_lens)}")
     out: list[int] = []
-    for r, (ql, t) in enumerate(zip(q_lens, seq_lens, strict=True)):
+    for r, (ql, t) in enumerate(zip(items, seq_lens, strict=True)):
         v = as_int(ql, f"q_lens[{r}]")
         if not 1 <= v <= t:
             raise ValueError(f"q_lens[{r}]={v} must be an int in [1, T={t}] (T = len(slots[{r}]))")
