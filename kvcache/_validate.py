@@ -10,6 +10,7 @@ the bookkeeping arrays are small, and a NumPy op on them costs a fraction of a t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -66,6 +67,15 @@ def check_positive_int(value: object, name: str) -> int:
     return v
 
 
+def check_page_size(value: object, name: str = "page_size") -> int:
+    """Tokens per page: an integer in ``[1, MAX_SLOTS]`` (a page's slots are int32, so no pool
+    holds a larger page), returned as a Python int, never a NumPy or torch scalar."""
+    v = check_positive_int(value, name)
+    if v > MAX_SLOTS:
+        raise ValueError(f"{name} must be <= {MAX_SLOTS} (a page's slots are int32), got {v}")
+    return v
+
+
 def check_int_in(value: object, name: str, lo: int, hi: int) -> int:
     """A real integer in ``[lo, hi]`` (both ends included), returned as a Python int."""
     v = as_int(value, name)
@@ -75,10 +85,18 @@ def check_int_in(value: object, name: str, lo: int, hi: int) -> int:
 
 
 # ------------------------------------------------------------------------------ tensors
+def check_dense(t: torch.Tensor, name: str) -> None:
+    """``TypeError`` unless ``t`` is a dense (strided) tensor: a sparse one has no NumPy view,
+    no strides and no data pointer, so every later step would fail inside torch."""
+    if t.layout is not torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
+
+
 def check_token_ids(input_ids: object, name: str = "input_ids") -> torch.Tensor:
-    """Token ids must be a 1-D integer tensor on the CPU."""
+    """Token ids must be a dense 1-D integer tensor on the CPU."""
     if not isinstance(input_ids, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(input_ids).__name__}")
+    check_dense(input_ids, name)
     if input_ids.dim() != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(input_ids.shape)}")
     if input_ids.dtype not in _INT_DTYPES:
@@ -86,6 +104,18 @@ def check_token_ids(input_ids: object, name: str = "input_ids") -> torch.Tensor:
     if not input_ids.is_cpu:
         raise ValueError(f"{name} must be on the CPU, got device {input_ids.device}")
     return input_ids
+
+
+def as_list(values: object, name: str, what: str) -> list[Any]:
+    """``list(values)``; ``TypeError`` naming ``name`` when ``values`` is not iterable (an int, a
+    float, ``None``, a 0-d tensor or array), instead of Python's "object is not iterable"."""
+    try:
+        items = iter(values)  # type: ignore[call-overload]
+    except TypeError:
+        raise TypeError(
+            f"{name} must be a sequence of {what}, got {type(values).__name__}"
+        ) from None
+    return list(items)
 
 
 def reject_one_tensor(values: object, name: str) -> None:
@@ -96,9 +126,10 @@ def reject_one_tensor(values: object, name: str) -> None:
 
 
 def check_indices(indices: object, device: torch.device, name: str = "indices") -> torch.Tensor:
-    """KV-slot indices must be a 1-D ``torch.int32`` tensor on ``device``."""
+    """KV-slot indices must be a dense 1-D ``torch.int32`` tensor on ``device``."""
     if not isinstance(indices, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(indices).__name__}")
+    check_dense(indices, name)
     if indices.dim() != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(indices.shape)}")
     if indices.dtype != torch.int32:
@@ -126,7 +157,13 @@ def check_id_array(ids: object, name: str, limit: int) -> np.ndarray:
     if isinstance(ids, torch.Tensor):
         if ids.dtype not in _INT_DTYPES:
             raise TypeError(f"{name} must have an integer dtype, got {ids.dtype}")
-        arr = ids.numpy() if ids.is_cpu else ids.cpu().numpy()
+        try:
+            arr = ids.numpy() if ids.is_cpu else ids.cpu().numpy()
+        except (TypeError, RuntimeError, NotImplementedError):
+            check_dense(ids, name)  # the usual cause: a sparse tensor
+            raise TypeError(
+                f"{name} must be a dense tensor with a host copy, got {ids!r:.80}"
+            ) from None
     elif isinstance(ids, np.ndarray):
         if ids.dtype.kind not in "iu":
             raise TypeError(f"{name} must have an integer dtype, got {ids.dtype}")
@@ -172,6 +209,7 @@ def check_slot_tensors(
     for label, s in zip(labels, slots, strict=True):
         if not isinstance(s, torch.Tensor):
             raise TypeError(f"{label} must be a torch.Tensor, got {type(s).__name__}")
+        check_dense(s, label)
         if s.dim() != 1:
             raise ValueError(f"{label} must be 1-D, got shape {tuple(s.shape)}")
         if s.dtype not in _INT_DTYPES:

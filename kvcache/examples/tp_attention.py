@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .._validate import check_device
 from ..storage.base import KVCacheLayout
 from ..storage.distributed import reset_tp_info, set_tp_info, try_get_tp_info
 
@@ -236,6 +237,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _config(cfg: object) -> TPConfig:
+    """``cfg`` if it is a `TPConfig`, the default one for ``None``; ``TypeError`` otherwise."""
+    if cfg is None:
+        return TPConfig()
+    if not isinstance(cfg, TPConfig):
+        raise TypeError(f"cfg must be a TPConfig or None, got {type(cfg).__name__}")
+    return cfg
+
+
 def run_tp_attention(
     world_size: int, cfg: TPConfig | None = None, *, device: str = "auto"
 ) -> TPResult:
@@ -248,9 +258,9 @@ def run_tp_attention(
     """
     import torch.multiprocessing as mp
 
-    cfg = cfg or TPConfig()
+    cfg = _config(cfg)
     cfg.validate(world_size)
-    if device not in ("auto", "cpu", "cuda"):
+    if not isinstance(device, str) or device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
     n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
     use_cuda = device == "cuda" or (device == "auto" and n_gpu >= world_size)
@@ -270,9 +280,9 @@ def run_tp_attention(
 
 def run_single_process(cfg: TPConfig | None = None, device: str = "cpu") -> TPResult:
     """The same batch with the whole model on one pool in this process (TP size 1)."""
-    cfg = cfg or TPConfig()
+    cfg = _config(cfg)
     cfg.validate(1)
-    out, nbytes = attend_shard(cfg, 0, 1, torch.device(device))
+    out, nbytes = attend_shard(cfg, 0, 1, check_device(device))
     return TPResult(out.cpu(), [nbytes], "single-process")
 
 

@@ -29,7 +29,14 @@ from collections.abc import Sequence
 
 import torch
 
-from .attention_checks import check_caches, check_q, check_slots, default_scale
+from .attention_checks import (
+    check_block_n,
+    check_caches,
+    check_q,
+    check_q_lens,
+    check_slots,
+    default_scale,
+)
 from .store import _HAVE_TRITON, store_cache_backend
 
 if _HAVE_TRITON:
@@ -95,16 +102,7 @@ def paged_attention(
     """
     geo = check_caches(k_cache, v_cache)
     seq_lens = check_slots(geo, slots, check_bounds)
-    if q_lens is None:
-        q_lens = [1] * len(seq_lens)
-    q_lens = list(q_lens)
-    if len(q_lens) != len(seq_lens):
-        raise ValueError(f"len(q_lens)={len(q_lens)} != len(slots)={len(seq_lens)}")
-    for r, (ql, t) in enumerate(zip(q_lens, seq_lens, strict=True)):
-        if isinstance(ql, bool) or not isinstance(ql, int) or not 1 <= ql <= t:
-            raise ValueError(
-                f"q_lens[{r}]={ql!r} must be an int in [1, T={t}] (T = len(slots[{r}]))"
-            )
+    q_lens = [1] * len(seq_lens) if q_lens is None else check_q_lens(q_lens, seq_lens)
     group = check_q(q, geo, sum(q_lens))
     sm_scale = default_scale(scale, geo.head_dim)
 
@@ -265,16 +263,11 @@ def paged_decode_attention(
     geo = check_caches(k_cache, v_cache)
     seq_lens = check_slots(geo, slots, check_bounds)
     group = check_q(q, geo, len(seq_lens))
-    if (
-        isinstance(block_n, bool)
-        or not isinstance(block_n, int)
-        or block_n < 1
-        or block_n & (block_n - 1)
-    ):
-        raise ValueError(f"block_n must be a power of two >= 1, got {block_n!r}")
+    block_n = check_block_n(block_n, group, geo.head_dim)
+    sm_scale = default_scale(scale, geo.head_dim)
     if paged_decode_backend(q.device) == "torch":
         return paged_attention(
-            q, k_cache, v_cache, slots, [1] * len(seq_lens), scale, check_bounds=check_bounds
+            q, k_cache, v_cache, slots, [1] * len(seq_lens), sm_scale, check_bounds=check_bounds
         )
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if len(seq_lens) == 0:
@@ -295,7 +288,7 @@ def paged_decode_attention(
         flat_slots,
         starts,
         out,
-        default_scale(scale, geo.head_dim),
+        sm_scale,
         geo.head_dim,
         geo.page_size,
         geo.num_slots,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .._validate import min_max
+from .._validate import check_dense, min_max
 
 __all__ = ["check_no_self_overlap", "check_tensor", "paged_geometry", "validate_store_args"]
 
@@ -17,6 +17,7 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 def check_tensor(x: object, name: str) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    check_dense(x, name)
     return x
 
 

@@ -75,7 +75,12 @@ def store_cache_backend(device: torch.device | str) -> str:
     Returns ``"triton"`` (CUDA), ``"triton-interpreter"`` (CPU with ``TRITON_INTERPRET=1`` set
     before import) or ``"torch"`` (anything else).
     """
-    dev = torch.device(device)
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a torch.device or str, got {type(device).__name__}")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device {device!r} is not a device torch knows: {e}") from None
     if _HAVE_TRITON and dev.type in ("cuda", "cpu") and TRITON_INTERPRET:
         return "triton-interpreter"  # with the env var set, Triton interprets CUDA launches too
     if _HAVE_TRITON and dev.type == "cuda":
@@ -116,6 +121,13 @@ def _store_torch(
     guard: bool = False,
 ) -> None:
     """``guard``: drop rows whose index is out of range (the kernel's device-side guard)."""
+    if k_cache.requires_grad or v_cache.requires_grad or k.requires_grad or v.requires_grad:
+        # Written outside autograd, as the Triton kernel writes: torch refuses an in-place write
+        # to a leaf that requires grad (after K had been written, not V), and a graph would
+        # otherwise grow on the cache with every store.
+        with torch.no_grad():
+            _store_torch(k_cache.detach(), v_cache.detach(), indices, k.detach(), v.detach(), guard)
+        return
     idx = indices.long()
     if guard:
         num_slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)

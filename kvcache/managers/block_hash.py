@@ -40,7 +40,7 @@ from collections.abc import Hashable, Iterator
 import numpy as np
 import torch
 
-from .._validate import check_count, check_positive_int
+from .._validate import as_int, check_count, check_device, check_page_size
 from . import block_locks
 from .base import BaseCacheHandle, BaseCacheManager, InsertResult, SizeInfo, takes_host_arrays
 from .block_evict import check_table, evict_blocks
@@ -97,12 +97,12 @@ class BlockHashCacheManager(BaseCacheManager):
         hash_fn: HashFn | None = None,
         events: bool = False,
     ) -> None:
-        check_positive_int(page_size, "page_size")
+        page_size = check_page_size(page_size)
         if not isinstance(events, bool):
             raise TypeError(f"events must be a bool, got {type(events).__name__}")
         if hash_fn is not None and not callable(hash_fn):
             raise TypeError(f"hash_fn must be callable, got {type(hash_fn).__name__}")
-        self.device = torch.device(device)
+        self.device = check_device(device)
         self._on_cpu = self.device.type == "cpu"
         self.page_size = page_size
         self._hasher = ChainHasher(page_size, hash_fn)
@@ -153,9 +153,9 @@ class BlockHashCacheManager(BaseCacheManager):
         return iter(list(self._table.snapshots()))
 
     def get_block(self, block_hash: int) -> CachedBlock | None:
-        """A copy of the block cached under key ``block_hash``, or ``None``."""
-        self._flush()
-        page = self._table.page_of.get(block_hash)
+        """A copy of the block cached under key ``block_hash`` (an integer), or ``None``."""
+        page = self._table.page_of.get(as_int(block_hash, "block_hash"))  # True, 1.0: not 1
+        self._flush()  # the LRU refresh only: it moves no block
         return None if page is None else self._table.snapshot(page, self._table.namespace(page))
 
     def free_queue(self) -> list[int]:

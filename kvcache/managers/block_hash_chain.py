@@ -96,7 +96,10 @@ def block_rows(input_ids: torch.Tensor | np.ndarray, page_size: int, host: bool)
         nb = len(input_ids) // page_size  # the flow's usual form, checked
         return input_ids[: nb * page_size].reshape(nb, page_size)
     if type(input_ids) is torch.Tensor and input_ids.is_cpu:
-        ids = input_ids.numpy()
+        try:
+            ids = input_ids.numpy()
+        except (TypeError, RuntimeError):  # sparse, or float that requires grad: checked below
+            ids = None
     elif host and isinstance(input_ids, np.ndarray):
         ids = host_array(input_ids, "input_ids", TOKEN_DTYPES)
     else:
@@ -130,11 +133,22 @@ class ChainHasher:
         self.page_size = page_size
         self.custom = hash_fn is not None and hash_fn is not default_block_hash
         self.hash_fn: HashFn = hash_fn if self.custom else default_block_hash  # type: ignore[assignment]
-        self._token_weights = _powers(_P, page_size + 1)[1:]
-        self._weights: list[int] = self._token_weights.tolist()
+        # ``_token_weights`` (``P**1 .. P**page_size``, uint64) and ``_weights`` (the same as
+        # ints) are made by `__getattr__` on first use: a block of ``page_size`` tokens is then
+        # at hand, so a huge ``page_size`` costs nothing until a block that long is hashed.
+        self._token_weights: np.ndarray
+        self._weights: list[int]
         self._m_pow = _powers(_M, 1)
         self._k_m_inv_pow = _powers(_M_INV, 1) * _K_NP  # mix's factor K folded in: one pass fewer
         self._powers: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def __getattr__(self, name: str) -> object:
+        # Only called for a missing attribute: the weights before their first use.
+        if name not in ("_token_weights", "_weights"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        self._token_weights = _powers(_P, self.page_size + 1)[1:]
+        self._weights = self._token_weights.tolist()
+        return getattr(self, name)
 
     def one(self, parent_hash: int, tokens: tuple[int, ...]) -> int:
         """The hash of one block; ``TypeError`` when a custom ``hash_fn`` returns a non-int."""

@@ -26,7 +26,11 @@ def slot_rows(
     if host and type(indices) is np.ndarray and indices.dtype == _INT32 and indices.ndim == 1:
         return indices  # the flow's form
     if type(indices) is torch.Tensor and indices.is_cpu and on_cpu:
-        slots: np.ndarray = indices.numpy()
+        try:
+            slots: np.ndarray = indices.numpy()
+        except (TypeError, RuntimeError):  # no NumPy view (sparse): the checks name why
+            check_indices(indices, device)
+            raise
         if slots.ndim != 1 or slots.dtype != _INT32:
             check_indices(indices, device)  # raises
         return slots

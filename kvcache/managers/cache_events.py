@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import NamedTuple
 
+import numpy as np
+
 __all__ = [
     "check_extra_key",
     "BlockStored",
@@ -27,7 +29,9 @@ __all__ = [
 
 
 def check_extra_key(extra_key: object) -> Hashable:
-    """``extra_key`` if it can name a namespace (any hashable); ``TypeError`` naming it otherwise."""
+    """``extra_key`` if it can name a namespace (any hashable); ``TypeError`` naming it otherwise,
+    ``ValueError`` for a NaN float (equal to no other NaN: what is cached under one float("nan")
+    could never be matched under the next)."""
     try:
         hash(extra_key)
     except TypeError:
@@ -35,6 +39,8 @@ def check_extra_key(extra_key: object) -> Hashable:
             f"extra_key must be hashable (str, int, bytes, None, ...), got "
             f"{type(extra_key).__name__} {extra_key!r}"
         ) from None
+    if isinstance(extra_key, (float, np.floating)) and extra_key != extra_key:
+        raise ValueError(f"extra_key must not be NaN (it equals no other NaN), got {extra_key!r}")
     return extra_key
 
 

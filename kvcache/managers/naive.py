@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .._validate import check_indices, check_positive_int, check_size, check_token_ids
+from .._validate import check_device, check_indices, check_page_size, check_size, check_token_ids
 from .base import BaseCacheHandle, BaseCacheManager, SizeInfo
 from .cache_events import check_extra_key
 
@@ -30,8 +30,8 @@ class NaiveCacheManager(BaseCacheManager):
     def __init__(self, device: torch.device | str = "cpu", page_size: int = 1) -> None:
         """``page_size`` only says which pools it serves (``RequestFlow`` checks that it matches
         the allocator's): caching nothing, it works the same at every page size."""
-        self.device = torch.device(device)
-        self.page_size = check_positive_int(page_size, "page_size")
+        self.device = check_device(device)
+        self.page_size = check_page_size(page_size)
         self.empty_tensor = torch.empty(0, dtype=torch.int32, device=self.device)
         self._locks: dict[int, list[Any]] = {}  # id(handle) -> [handle, times locked]
 

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._validate import check_positive_int
+from .._validate import check_device, check_page_size
 from .base import SLOT_DTYPES, InsertResult, host_array
 from .cache_events import EventLog, check_extra_key
 from .eviction import EVICTION_POLICIES, EvictionPolicy, LeafHeap
@@ -82,14 +82,20 @@ class RadixCacheManager(RadixLocks):
         *,
         events: bool = False,
     ) -> None:
-        check_positive_int(page_size, "page_size")
+        # Stored as the Python int; the bound keeps the page's byte width a C long.
+        page_size = check_page_size(page_size)
         if not isinstance(events, bool):
             raise TypeError(f"events must be a bool, got {type(events).__name__}")
+        if not isinstance(eviction_policy, str):
+            raise TypeError(
+                f"eviction_policy must be a str (one of {sorted(EVICTION_POLICIES)}), "
+                f"got {type(eviction_policy).__name__} {eviction_policy!r}"
+            )
         if eviction_policy not in EVICTION_POLICIES:
             raise ValueError(
                 f"eviction_policy must be one of {sorted(EVICTION_POLICIES)}, got {eviction_policy!r}"
             )
-        self.device = torch.device(device)
+        self.device = check_device(device)
         self.page_size = page_size
         self.eviction_policy = eviction_policy
         self._policy: EvictionPolicy = EVICTION_POLICIES[eviction_policy]()

@@ -143,7 +143,10 @@ class RadixRoots(BaseCacheManager):
 
     # ------------------------------------------------------------ eviction
     def eviction_priority(self, node: RadixTreeNode) -> tuple[int, ...]:
-        """``node``'s key under this manager's policy: the evictable leaf with the smallest goes first."""
+        """``node``'s key under this manager's policy: the evictable leaf with the smallest goes
+        first. ``TypeError`` unless ``node`` is a `RadixTreeNode`."""
+        if not isinstance(node, RadixTreeNode):
+            raise TypeError(f"node must be a RadixTreeNode, got {type(node).__name__}")
         return tuple(self._policy.priority(node))
 
     @overload

@@ -233,7 +233,11 @@ class PageAllocator(FlowPageCalls):
         else:
             if not isinstance(slots, torch.Tensor) or slots.dtype not in _INT_DTYPES:
                 check_id_array(slots, "slots", self.num_slots)  # raises naming what it got
-            arr = slots.numpy() if slots.is_cpu else slots.cpu().numpy()
+            try:
+                arr = slots.numpy() if slots.is_cpu else slots.cpu().numpy()
+            except (TypeError, RuntimeError, NotImplementedError):  # sparse, meta: no host copy
+                check_id_array(slots, "slots", self.num_slots)  # raises naming why
+                raise
         if arr.ndim != 1:
             raise ValueError(f"slots must be 1-D, got shape {tuple(arr.shape)}")
         starts = arr[::ps] if ps > 1 else arr

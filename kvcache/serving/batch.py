@@ -14,11 +14,53 @@ import torch
 from .engine import Engine
 from .request_flow import Request
 
-__all__ = ["SchedRequest", "StepRecord", "Runner", "model_runner"]
+__all__ = [
+    "SchedRequest",
+    "StepRecord",
+    "Runner",
+    "model_runner",
+    "check_runner",
+    "checked_logits",
+    "next_token",
+]
 
 #: Runs a batch: ``(request, q_len)`` items, each running ``input_ids[num_computed:+q_len]``;
 #: returns logits ``(B, vocab)`` of each item's last token run, or ``None`` (no model).
 Runner = Callable[[Sequence[tuple[Request, int]]], torch.Tensor | None]
+
+
+def check_runner(runner: object) -> Runner | None:
+    """``runner`` if it is callable or ``None``; ``TypeError`` naming it otherwise."""
+    if runner is not None and not callable(runner):
+        raise TypeError(f"runner must be callable or None, got {type(runner).__name__}")
+    return runner
+
+
+def checked_logits(
+    logits: object, items: Sequence[tuple[SchedRequest, int]]
+) -> torch.Tensor | None:
+    """A runner's answer for ``items``: logits ``(len(items), vocab)``, or ``None`` when no item
+    samples a token it was not given (``forced``); ``RuntimeError`` otherwise."""
+    if logits is None:
+        for s, q in items:
+            if s.forced is None and s.req.num_computed + q == len(s.req):
+                raise RuntimeError(f"the runner returned no logits to sample request {s.sid}")
+        return None
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or len(logits) != len(items):
+        got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise RuntimeError(
+            f"the runner must return logits of shape ({len(items)}, vocab) or None, got {got}"
+        )
+    return logits
+
+
+def next_token(s: SchedRequest, logits: torch.Tensor | None, row: int) -> int:
+    """The token ``s`` emits now: its next forced one, else the argmax of ``logits[row]``."""
+    if s.forced is not None:
+        return s.forced[len(s.output)]
+    if logits is None:  # `checked_logits` refuses this first
+        raise RuntimeError(f"the runner returned no logits to sample request {s.sid}")
+    return int(logits[row].argmax())
 
 
 @dataclass(eq=False)  # identity: queues hold each request once

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .._validate import check_size
+
 __all__ = ["CostModel", "LLAMA3_8B_H100", "ServeReport"]
 
 
@@ -45,8 +47,10 @@ class CostModel:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
 
     def step_seconds(self, num_tokens: int) -> float:
-        """Simulated seconds of a step that runs ``num_tokens`` tokens (0 for an empty step)."""
-        if num_tokens <= 0:
+        """Simulated seconds of a step that runs ``num_tokens`` tokens (0 for an empty step);
+        ``num_tokens`` is a count (``TypeError`` for a non-integer, ``ValueError`` below 0)."""
+        num_tokens = check_size(num_tokens, "num_tokens")
+        if num_tokens == 0:
             return 0.0
         return self.step_overhead_s + max(
             self.decode_s_per_step, num_tokens * self.prefill_s_per_token

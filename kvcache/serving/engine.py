@@ -18,7 +18,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from .._validate import as_int, check_size, reject_one_tensor
+from .._validate import as_int, as_list, check_size, reject_one_tensor
 from ..managers.base import BaseCacheManager
 from ..storage.mha_pool import MHAKVCache
 from .allocator import PageAllocator
@@ -121,7 +121,7 @@ class Engine:
         request of the batch is aborted.
         """
         reject_one_tensor(prompts, "prompts")
-        prompts = list(prompts)
+        prompts = as_list(prompts, "prompts", "1-D token-id tensors")
         if not prompts:
             raise ValueError("prompts must hold at least one prompt, got an empty batch")
         for i, p in enumerate(prompts):
@@ -149,7 +149,8 @@ class Engine:
         a bad token, ``RuntimeError`` for a request not running here or listed twice, or when
         the pool cannot take the new pages.
         """
-        reqs, tokens = list(reqs), list(tokens)
+        reqs = as_list(reqs, "reqs", "Requests")
+        tokens = as_list(tokens, "tokens", "token ids")
         if not reqs:
             raise ValueError("reqs must hold at least one request")
         if len(tokens) != len(reqs):
@@ -179,6 +180,14 @@ class Engine:
         """Greedy decoding: ``max_new_tokens`` new token ids ``(max_new_tokens,)`` int64; the
         request is cached (under ``extra_key``)."""
         max_new_tokens = check_size(max_new_tokens, "max_new_tokens")
+        n = len(self.model.check_ids(prompt, "prompt"))
+        ps, pages = self.flow.page_size, self.flow.allocator.num_pages
+        need = -(-(n + max(max_new_tokens, 1) - 1) // ps)  # the last token is never stored
+        if need > pages:  # would decode until the pool ran out, then abort it all
+            raise ValueError(
+                f"prompt ({n} tokens) + max_new_tokens={max_new_tokens} need up to {need} pages "
+                f"of {ps} tokens; the pool has {pages}: it can never fit"
+            )
         req, logits = self.prefill(prompt, extra_key=extra_key)
         out: list[int] = []
         try:

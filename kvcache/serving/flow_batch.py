@@ -8,7 +8,7 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 import numpy as np
 import torch
 
-from .._validate import check_token_ids, reject_one_tensor
+from .._validate import as_list, check_token_ids, reject_one_tensor
 from ..managers.base import BaseCacheHandle, BaseCacheManager
 from ..managers.cache_events import check_extra_key
 from .flow_pages import FlowPages
@@ -47,7 +47,7 @@ class FlowBatchCalls:
         no page taken. Prompts of one batch do not reuse each other (none is cached yet).
         """
         reject_one_tensor(prompts, "prompts")
-        prompts = list(prompts)
+        prompts = as_list(prompts, "prompts", "1-D token-id tensors")
         if not prompts:
             raise ValueError("prompts must hold at least one prompt, got an empty batch")
         for i, p in enumerate(prompts):
@@ -82,7 +82,8 @@ class FlowBatchCalls:
         ``RuntimeError`` for a request not running here or listed twice, or when the pool cannot
         take every new page (one eviction for the batch).
         """
-        reqs, new_ids = list(reqs), list(new_ids)
+        reqs = as_list(reqs, "reqs", "Requests")
+        new_ids = as_list(new_ids, "new_ids", "1-D token-id tensors")
         if len(new_ids) != len(reqs):
             raise ValueError(
                 f"need one new_ids per request: {len(new_ids)} for {len(reqs)} requests"

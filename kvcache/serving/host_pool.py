@@ -12,11 +12,13 @@ that a simulated run can charge ``bytes / bytes_per_s`` seconds for the copies i
 
 from __future__ import annotations
 
+import numbers
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
-from .._validate import check_positive_int
+from .._validate import check_dense, check_positive_int
 from ..storage.mha_pool import MHAKVCache
 
 __all__ = ["HostLink", "PCIE4_X16", "PCIE5_X16", "NVLINK_C2C", "HostKVPool"]
@@ -30,8 +32,18 @@ class HostLink(NamedTuple):
     source: str
 
     def seconds(self, num_bytes: int) -> float:
-        """Seconds to move ``num_bytes`` over the link at its full rate (no overlap, no latency)."""
-        return num_bytes / self.bytes_per_s
+        """Seconds to move ``num_bytes`` (a real number >= 0) over the link at its full rate (no
+        overlap, no latency). ``ValueError`` when the link's ``bytes_per_s`` is not > 0."""
+        n: object = num_bytes  # checked as any object: callers pass what they have
+        if isinstance(n, (bool, np.bool_)) or not isinstance(n, numbers.Real):
+            raise TypeError(f"num_bytes must be a number, got {type(n).__name__}")
+        if not float(n) >= 0:
+            raise ValueError(f"num_bytes must be >= 0, got {n}")
+        rate: object = self.bytes_per_s
+        ok = isinstance(rate, numbers.Real) and not isinstance(rate, (bool, np.bool_))
+        if not ok or not float(rate) > 0:  # type: ignore[arg-type]
+            raise ValueError(f"{self.name}: bytes_per_s must be a number > 0, got {rate!r}")
+        return float(n) / float(rate)  # type: ignore[arg-type]
 
 
 #: PCIe 4.0 x16: 16 GT/s per lane * 16 lanes * 128b/130b encoding / 8 = 31.5 GB/s per direction.
@@ -62,7 +74,13 @@ class HostKVPool:
     def __init__(self, like: MHAKVCache, num_pages: int, *, pin_memory: bool | None = None) -> None:
         if not isinstance(like, MHAKVCache):
             raise TypeError(f"like must be an MHAKVCache, got {type(like).__name__}")
-        check_positive_int(num_pages, "num_pages")
+        num_pages = check_positive_int(num_pages, "num_pages")
+        page_numel = 2 * like.num_layers * like.page_size * like.local_kv_heads * like.head_dim
+        if num_pages * page_numel * like.dtype.itemsize > 2**63 - 1:
+            raise ValueError(
+                f"num_pages={num_pages} host pages of {page_numel} elements each do not fit in one "
+                "tensor (2**63 - 1 bytes)"
+            )
         if pin_memory is None:
             pin_memory = like.device.type == "cuda"
         if not isinstance(pin_memory, bool):
@@ -85,12 +103,32 @@ class HostKVPool:
         return self.buffer.numel() * self.buffer.element_size()
 
     def _check(self, pages: torch.Tensor, name: str, limit: int) -> torch.Tensor:
-        if not isinstance(pages, torch.Tensor) or pages.ndim != 1 or pages.is_floating_point():
+        if (
+            not isinstance(pages, torch.Tensor)
+            or pages.ndim != 1
+            or pages.is_floating_point()
+            or pages.is_complex()
+            or pages.dtype == torch.bool
+        ):
             raise TypeError(f"{name} must be a 1-D integer tensor, got {pages!r:.80}")
+        check_dense(pages, name)
+        if pages.is_meta:
+            raise ValueError(f"{name} must hold values, got a tensor on the meta device")
         p = pages.to("cpu", torch.int64)
         if p.numel() and (int(p.min()) < 0 or int(p.max()) >= limit):
             raise ValueError(f"{name} must lie in [0, {limit}), got {p.tolist()}")
         return p
+
+    def _check_like(self, device: object) -> None:
+        """``device`` must be an `MHAKVCache` whose pages this pool's pages are shaped like."""
+        if not isinstance(device, MHAKVCache):
+            raise TypeError(f"device must be an MHAKVCache, got {type(device).__name__}")
+        shape = (2, device.num_layers, device.page_size, device.local_kv_heads, device.head_dim)
+        if shape != self.page_shape or device.dtype != self.buffer.dtype:
+            raise ValueError(
+                f"device's pages are {shape} of {device.dtype}; this host pool holds pages "
+                f"{self.page_shape} of {self.buffer.dtype}"
+            )
 
     def read(self, host_pages: torch.Tensor) -> torch.Tensor:
         """A copy of ``host_pages``: ``(n, 2, num_layers, page_size, heads, head_dim)`` on the CPU."""
@@ -100,6 +138,7 @@ class HostKVPool:
         self, device: MHAKVCache, device_pages: torch.Tensor, host_pages: torch.Tensor
     ) -> None:
         """Copy device page ``device_pages[i]`` of every layer into host page ``host_pages[i]``."""
+        self._check_like(device)
         hp = self._check(host_pages, "host_pages", self.num_pages)
         dp = self._check(device_pages, "device_pages", device.num_pages)
         if hp.shape != dp.shape:
@@ -119,7 +158,13 @@ class HostKVPool:
 
     def restore(self, device: MHAKVCache, device_pages: torch.Tensor, staged: torch.Tensor) -> None:
         """Write ``staged`` (from `read`) into ``device_pages`` of ``device``, every layer."""
+        self._check_like(device)
         dp = self._check(device_pages, "device_pages", device.num_pages)
+        if not isinstance(staged, torch.Tensor):
+            raise TypeError(f"staged must be a torch.Tensor, got {type(staged).__name__}")
+        check_dense(staged, "staged")
+        if staged.dtype != self.buffer.dtype:
+            raise ValueError(f"staged must have dtype {self.buffer.dtype}, got {staged.dtype}")
         if staged.shape != (dp.numel(), *self.page_shape):
             raise ValueError(
                 f"staged must have shape {(dp.numel(), *self.page_shape)}, got {tuple(staged.shape)}"

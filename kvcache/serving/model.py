@@ -16,15 +16,24 @@ Both share every weight and every non-attention op, so they differ only in where
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._validate import check_int_in, check_positive_int, check_slot_tensors, check_token_ids
+from .._validate import (
+    as_list,
+    check_device,
+    check_int_in,
+    check_positive_int,
+    check_slot_tensors,
+    check_token_ids,
+)
 from ..kernels.attention import paged_attention, paged_decode_attention
 from ..storage.base import KVCacheLayout
 from ..storage.mha_pool import MHAKVCache
@@ -56,8 +65,17 @@ class TinyLlamaConfig:
             "num_kv_heads",
             "head_dim",
             "intermediate_size",
-        ):
-            check_positive_int(getattr(self, name), name)
+        ):  # kept as Python ints (frozen: set through object.__setattr__)
+            object.__setattr__(self, name, check_positive_int(getattr(self, name), name))
+        for name, floor in (("rope_theta", "> 0"), ("rms_norm_eps", ">= 0")):
+            v = getattr(self, name)  # NaN or a negative value made every logit NaN
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real):
+                raise TypeError(f"{name} must be a real number, got {type(v).__name__}")
+            f = float(v)
+            if not math.isfinite(f) or not (f > 0 if floor == "> 0" else f >= 0):
+                raise ValueError(f"{name} must be finite and {floor}, got {f}")
+        # torch.Generator.manual_seed takes [-2**63, 2**64): its own error names no argument.
+        object.__setattr__(self, "seed", check_int_in(self.seed, "seed", -(2**63), 2**64 - 1))
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_q_heads={self.num_q_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
@@ -126,7 +144,7 @@ class TinyLlama(nn.Module):
             raise TypeError(f"config must be a TinyLlamaConfig, got {type(config).__name__}")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
-        self.config, self.device, self.dtype = config, torch.device(device), dtype
+        self.config, self.device, self.dtype = config, check_device(device), dtype
         g = torch.Generator().manual_seed(config.seed)
 
         def w(*shape: int, ones: bool = False, std: float | None = None) -> nn.Parameter:
@@ -242,7 +260,8 @@ class TinyLlama(nn.Module):
         """
         self.check_ids(ids)
         self.check_kv_cache(kv_cache)
-        slots, q_lens = list(slots), list(q_lens)
+        slots = as_list(slots, "slots", "1-D slot tensors")
+        q_lens = as_list(q_lens, "q_lens", "ints")
         if len(q_lens) != len(slots) or not slots:
             raise ValueError(
                 f"need one q_len per request and at least one request; got {len(q_lens)} and {len(slots)}"

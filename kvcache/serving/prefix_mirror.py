@@ -20,8 +20,14 @@ from collections.abc import Hashable, Iterable, Sequence
 
 import torch
 
-from .._validate import check_positive_int
-from ..managers.cache_events import AllCleared, BlockRemoved, BlockStored, CacheEvent
+from .._validate import as_list, check_positive_int, check_token_ids
+from ..managers.cache_events import (
+    AllCleared,
+    BlockRemoved,
+    BlockStored,
+    CacheEvent,
+    check_extra_key,
+)
 
 __all__ = ["PrefixMirror"]
 
@@ -63,8 +69,13 @@ class PrefixMirror:
 
     def match(self, tokens: torch.Tensor | Sequence[int], extra_key: Hashable = None) -> int:
         """Leading tokens of ``tokens`` (1-D) held under ``extra_key``: a multiple of the page
-        size, the longest run of whole pages cached from the first one on."""
-        toks = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+        size, the longest run of whole pages cached from the first one on. ``tokens``: a 1-D
+        integer tensor on the CPU or a sequence of ints; ``TypeError``/``ValueError`` otherwise."""
+        if isinstance(tokens, torch.Tensor):
+            toks = check_token_ids(tokens, "tokens").tolist()
+        else:
+            toks = as_list(tokens, "tokens", "token ids")
+        check_extra_key(extra_key)
         node, ps, n = self._roots.get(extra_key), self.page_size, 0
         while node is not None and n + ps <= len(toks):
             node = node.children.get(tuple(toks[n : n + ps]))
@@ -94,7 +105,17 @@ class PrefixMirror:
         (``ValueError`` for one that does not fit the mirror: a run that is not whole pages, a
         page stored twice, a removal of a page not held or held at other slots); the events
         before it stay applied, as they would on a subscriber reading a stream."""
-        for ev in events:
+        if isinstance(events, (BlockStored, BlockRemoved, AllCleared)):  # a tuple: iterable
+            raise TypeError(
+                f"events must be an iterable of events, got one {type(events).__name__}"
+            )
+        try:
+            stream = iter(events)
+        except TypeError:
+            raise TypeError(
+                f"events must be an iterable of cache events, got {type(events).__name__}"
+            ) from None
+        for ev in stream:
             if isinstance(ev, AllCleared):
                 self._roots.clear()
                 self._num_pages = 0
@@ -108,6 +129,7 @@ class PrefixMirror:
 
     def _pages_of(self, ev: BlockStored | BlockRemoved) -> tuple[list[Page], list[Page]]:
         """The event's prefix before its run and the run itself, as pages (checked)."""
+        check_extra_key(ev.extra_key)
         ps, n, m = self.page_size, len(ev.tokens), len(ev.slots)
         if m == 0 or m % ps or n % ps or m > n:
             raise ValueError(

@@ -35,11 +35,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .._validate import check_token_ids
+from .._validate import as_list, check_token_ids
 from ..managers.cache_events import CacheEvent
 from .cost_model import percentile
 from .prefix_mirror import PrefixMirror
 from .scheduler import Scheduler
+from .workload_checks import check_jobs
 from .workloads import Job
 
 __all__ = ["Router", "RouterReport", "ROUTING_POLICIES", "poisson_arrivals"]
@@ -314,7 +315,10 @@ class Router:
     def run(self, jobs: Sequence[Job], arrivals: Sequence[float] | None = None) -> RouterReport:
         """Serve ``jobs`` (their outputs forced) arriving at ``arrivals`` (non-decreasing, from
         `now`; default: all now) until every replica is idle; returns the report."""
-        times = [self.now] * len(jobs) if arrivals is None else list(arrivals)
+        jobs = check_jobs(jobs)  # all checked before the first is submitted
+        times = (
+            [self.now] * len(jobs) if arrivals is None else as_list(arrivals, "arrivals", "times")
+        )
         if len(times) != len(jobs):
             raise ValueError(f"arrivals holds {len(times)} times for {len(jobs)} jobs")
         last = self.now

@@ -35,9 +35,9 @@ from collections.abc import Hashable
 
 import torch
 
-from .._validate import check_positive_int, check_token_ids
+from .._validate import as_int, check_positive_int, check_token_ids
 from ..managers.cache_events import check_extra_key
-from .batch import Runner, SchedRequest, StepRecord
+from .batch import Runner, SchedRequest, StepRecord, check_runner, checked_logits, next_token
 from .cost_model import LLAMA3_8B_H100, CostModel, ServeReport, percentile
 from .request import keyed
 from .request_flow import RequestFlow
@@ -95,7 +95,8 @@ class Scheduler:
             raise ValueError(f"victim must be one of {VICTIM_POLICIES}, got {victim!r}")
         if not isinstance(cost_model, CostModel):
             raise TypeError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
-        self.flow, self.policy, self.victim, self.runner = flow, policy, victim, runner
+        self.flow, self.policy, self.victim = flow, policy, victim
+        self.runner = check_runner(runner)
         self.cost_model = cost_model
         self.waiting: list[SchedRequest] = []
         self.running: list[SchedRequest] = []  # in admission order
@@ -163,7 +164,7 @@ class Scheduler:
 
     def abort(self, sid: int) -> None:
         """Drop a waiting or running request (its pages are freed, nothing is cached)."""
-        sreq = self.requests.get(sid)
+        sreq = self.requests.get(as_int(sid, "sid"))
         if sreq is None or sreq.status not in ("waiting", "running"):
             raise RuntimeError(f"request {sid} is not waiting or running")
         if sreq.status == "running":
@@ -281,7 +282,10 @@ class Scheduler:
 
     def _execute(self, items: list[tuple[SchedRequest, int]]) -> torch.Tensor | None:
         runner = self.runner
-        return runner([(s.req, q) for s, q in items]) if items and runner is not None else None
+        if not items or runner is None:
+            return None
+        # Checked inside `step`'s recovery: a bad answer leaves the batch requeued.
+        return checked_logits(runner([(s.req, q) for s, q in items]), items)
 
     def _advance(
         self, items: list[tuple[SchedRequest, int]], logits: torch.Tensor | None
@@ -301,13 +305,7 @@ class Scheduler:
                 if end // ps * ps > req.tree_len:
                     self.flow.cache(req)  # others may reuse the prefix while it is computed
                 continue
-            if s.forced is not None:
-                token = s.forced[len(s.output)]
-            elif logits is not None:
-                token = int(logits[row].argmax())
-            else:
-                raise RuntimeError(f"the runner returned no logits to sample request {s.sid}")
-            s.output.append(token)
+            s.output.append(next_token(s, logits, row))
             if s.first_token_time is None:
                 s.first_token_time = self.clock
             if len(s.output) == s.max_new_tokens:

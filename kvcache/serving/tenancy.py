@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-from .._validate import check_positive_int, check_token_ids
+from .._validate import as_list, check_positive_int, check_token_ids, reject_one_tensor
 from ..managers.base import BaseCacheHandle, BaseCacheManager, InsertResult, SizeInfo
 from ..managers.cache_events import check_extra_key
 from .integrity import check_manager
@@ -116,7 +116,8 @@ class PublicPrefixCache(BaseCacheManager):
 
     def __init__(self, manager: BaseCacheManager, public: Iterable[torch.Tensor] = ()) -> None:
         check_manager(manager)
-        prefixes = list(public)
+        reject_one_tensor(public, "public")
+        prefixes = as_list(public, "public", "1-D token-id tensors")
         for i, p in enumerate(prefixes):
             check_token_ids(p, f"public[{i}]")
         self.manager = manager
@@ -131,6 +132,7 @@ class PublicPrefixCache(BaseCacheManager):
     def public_len(self, input_ids: torch.Tensor) -> int:
         """Tokens of ``input_ids`` inside the longest registered public prefix it starts with
         (whole pages)."""
+        check_token_ids(input_ids)
         best = 0
         for p in self._public:
             n = p.shape[0]

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 import torch
 
-from .._validate import as_int, check_token_ids
+from .._validate import as_int, as_list, check_token_ids
 
 __all__ = ["ByteTokenizer", "WordTokenizer"]
 
@@ -28,7 +28,8 @@ def _token_values(ids: torch.Tensor | Iterable[int]) -> list[int]:
         return values
     if isinstance(ids, (str, bytes, bytearray)):
         raise TypeError(f"ids must be token ids (a tensor or integers), got {type(ids).__name__}")
-    return [as_int(v, f"ids[{i}]") for i, v in enumerate(ids)]
+    items = as_list(ids, "ids", "token ids (a tensor or integers)")
+    return [as_int(v, f"ids[{i}]") for i, v in enumerate(items)]
 
 
 class ByteTokenizer:
@@ -45,7 +46,11 @@ class ByteTokenizer:
         """The UTF-8 bytes of ``text`` as a 1-D ``int64`` tensor."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
-        return torch.tensor(list(text.encode("utf-8")), dtype=torch.int64)
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate, e.g. "\ud800"
+            raise ValueError(f"text must be encodable as UTF-8: {e}") from None
+        return torch.tensor(list(data), dtype=torch.int64)
 
     def decode(self, ids: torch.Tensor | Iterable[int]) -> str:
         """Text of ``ids`` (bytes 0..255); non-printable characters and broken UTF-8 escaped.

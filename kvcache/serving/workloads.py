@@ -20,6 +20,7 @@ import torch
 from ..managers.base import BaseCacheHandle, BaseCacheManager, InsertResult, SizeInfo
 from .integrity import check_manager
 from .request_flow import RequestFlow
+from .workload_checks import checked_workload
 
 __all__ = [
     "Job",
@@ -69,6 +70,7 @@ def _job(prompt: list[int], output: list[int]) -> Job:
     return Job(torch.tensor(prompt, dtype=torch.int64), torch.tensor(output, dtype=torch.int64))
 
 
+@checked_workload
 def shared_system_prompts(
     num_requests: int = 200,
     num_prompts: int = 4,
@@ -90,6 +92,7 @@ def shared_system_prompts(
     ]
 
 
+@checked_workload
 def few_shot(
     num_requests: int = 200,
     num_tasks: int = 3,
@@ -114,6 +117,7 @@ def few_shot(
     ]
 
 
+@checked_workload
 def multi_turn_chat(
     num_conversations: int = 20,
     turns: int = 8,
@@ -139,6 +143,7 @@ def multi_turn_chat(
     return jobs
 
 
+@checked_workload
 def branching(
     num_requests: int = 200,
     depth: int = 4,
@@ -168,6 +173,7 @@ def branching(
     return jobs
 
 
+@checked_workload
 def mixed(num_requests: int = 400, seed: int = 0, vocab: int = 32000) -> list[Job]:
     """The four kinds above interleaved, plus one request in ten with no shared prefix at all."""
     rng = random.Random(seed)
@@ -330,6 +336,7 @@ def replay(
     return samples
 
 
+@checked_workload
 def long_few_shot(
     num_requests: int = 800,
     num_tasks: int = 6,
@@ -352,6 +359,7 @@ def long_few_shot(
     ]
 
 
+@checked_workload
 def agent(
     num_requests: int = 800,
     num_agents: int = 8,

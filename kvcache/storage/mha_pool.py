@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .._validate import check_positive_int
+from .._validate import MAX_SLOTS, as_int, check_device, check_positive_int
 from ..kernels.store import store_cache
 from .base import BaseKVCache, KVCacheLayout
 from .distributed import DistributedInfo, divide_even, try_get_tp_info
@@ -53,23 +53,24 @@ class MHAKVCache(BaseKVCache):
         device: torch.device | str,
         page_size: int = 1,
     ) -> None:
-        check_positive_int(num_kv_heads, "num_kv_heads")
-        check_positive_int(num_layers, "num_layers")
-        check_positive_int(head_dim, "head_dim")
-        check_positive_int(num_pages, "num_pages")
-        check_positive_int(page_size, "page_size")
+        # Kept as Python ints (never a NumPy or torch scalar, whose products wrap or stay tensors).
+        num_kv_heads = check_positive_int(num_kv_heads, "num_kv_heads")
+        num_layers = check_positive_int(num_layers, "num_layers")
+        head_dim = check_positive_int(head_dim, "head_dim")
+        num_pages = check_positive_int(num_pages, "num_pages")
+        page_size = check_positive_int(page_size, "page_size")
+        if num_pages * page_size > MAX_SLOTS:
+            raise ValueError(
+                f"num_pages * page_size = {num_pages * page_size} slots do not fit in int32 "
+                f"(at most {MAX_SLOTS}): slots are torch.int32"
+            )
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
         if not dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
         if not isinstance(kv_layout, KVCacheLayout):
             raise TypeError(f"kv_layout must be a KVCacheLayout, got {kv_layout!r}")
-        if not isinstance(device, (torch.device, str)):
-            raise TypeError(f"device must be a torch.device or str, got {type(device).__name__}")
-        try:
-            device = torch.device(device)
-        except RuntimeError as e:
-            raise ValueError(f"invalid device {device!r}: {e}") from None
+        device = check_device(device)
 
         tp = try_get_tp_info() or DistributedInfo(rank=0, size=1)
         try:
@@ -78,6 +79,12 @@ class MHAKVCache(BaseKVCache):
             raise ValueError(
                 f"num_kv_heads={num_kv_heads} cannot be split evenly over TP size {tp.size}"
             ) from None
+        nbytes = 2 * num_layers * num_pages * page_size * local_kv_heads * head_dim * dtype.itemsize
+        if nbytes > 2**63 - 1:  # torch.zeros would fail to read the shape, naming no argument
+            raise ValueError(
+                f"the pool would take {nbytes} bytes (2 * num_layers * num_pages * page_size * "
+                f"local_kv_heads * head_dim * itemsize), more than one tensor can hold (2**63 - 1)"
+            )
 
         self.num_kv_heads = num_kv_heads
         self.local_kv_heads = local_kv_heads
@@ -105,8 +112,7 @@ class MHAKVCache(BaseKVCache):
     # -- views ----------------------------------------------------------------------------------
 
     def _check_layer(self, layer_id: object) -> int:
-        if isinstance(layer_id, bool) or not isinstance(layer_id, int):
-            raise TypeError(f"layer_id must be an int, got {type(layer_id).__name__}")
+        layer_id = as_int(layer_id, "layer_id")
         if not 0 <= layer_id < self._num_layers:
             raise IndexError(f"layer_id {layer_id} is outside [0, num_layers={self._num_layers})")
         return layer_id

@@ -97,7 +97,7 @@ def draw_sequence(
     direction = auto_rankdir(biggest, rankdir)
     g = new_graph("radix_sequence", direction, font_size)
     cap_size = font_size * 0.9
-    cap_limit = text_width("n" * caption_width, cap_size)
+    cap_limit = caption_width * text_width("n", cap_size)  # no string of caption_width chars
     scratch = graphviz.Digraph()  # measure every panel first: the grid decides the emit order
     used_all: set[str] = set()
     sizes: list[tuple[float, float]] = []

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any, Protocol, TypeAlias, runtime_checkable
 
-from .._validate import check_size
+from .._validate import as_list, check_size
 from ..managers.radix import RadixCacheManager
 
 __all__ = [
@@ -238,7 +238,7 @@ def snapshot_list(snapshots: Iterable[TreeSnapshot], name: str = "snapshots") ->
             f"{name} must be a TreeRecorder or an iterable of TreeSnapshot, "
             f"got {type(snapshots).__name__}"
         )
-    snaps = list(snapshots)
+    snaps = as_list(snapshots, name, "TreeSnapshot")  # a 0-d tensor or array is Iterable too
     for s in snaps:
         if not isinstance(s, TreeSnapshot):
             raise TypeError(f"{name} must hold TreeSnapshot objects, got {type(s).__name__}")
