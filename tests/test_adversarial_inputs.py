@@ -215,3 +215,50 @@ def test_allocator_ids_without_a_host_copy_are_refused_by_name(method, ids_of):
     held = a.allocate(3)
     with unchanged(a), pytest.raises(TypeError, match="must be a dense"):
         getattr(a, method)(ids_of([int(held[0]) * 4]))
+
+
+_HUGE_PAGE = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_DATA, (3 << 30, 3 << 30))  # a regression fails, not swaps
+import torch
+from kvcache import BlockHashCacheManager
+ps = int(sys.argv[1])
+m = BlockHashCacheManager("cpu", page_size=ps)
+top = (2**31 - 1) // ps * ps  # the last page int32 slots have
+try:
+    m.insert_prefix(torch.arange(ps), torch.arange(top, top + ps, dtype=torch.int32))
+except ValueError as e:
+    print("refused:", e)
+m.check_integrity()
+print("cached", len(m.cached_indices()))
+"""
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+def test_a_page_past_max_pages_is_refused_before_the_table_grows(ps):
+    """The block table keeps a row per page id up to the largest cached: one insert at the last
+    int32 page made it allocate (and fill) 146 GiB at page size 1, 31 GiB at 16, and the kernel
+    killed the process. Run in a child with a 3 GiB data limit, so that a regression fails."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _HUGE_PAGE, str(ps)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "refused: indices: page" in out.stdout and "max_pages=" in out.stdout, out.stdout
+    assert out.stdout.rstrip().endswith("cached 0")
+
+
+def test_max_pages_bounds_the_page_ids_exactly():
+    m = BlockHashCacheManager("cpu", page_size=4, max_pages=10)
+    m.insert_prefix(ids(*range(4)), slots(36, 37, 38, 39))  # page 9: the last one
+    with unchanged(m), pytest.raises(ValueError, match=r"page 10 .* max_pages=10"):
+        m.insert_prefix(ids(*range(8)), slots(36, 37, 38, 39, 40, 41, 42, 43))
+    m.check_integrity()
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 1.5, "8", 2**29 + 1])
+def test_max_pages_is_checked_by_name(bad):
+    with pytest.raises((TypeError, ValueError), match="max_pages"):
+        BlockHashCacheManager("cpu", page_size=4, max_pages=bad)

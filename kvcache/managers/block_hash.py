@@ -8,25 +8,25 @@ prefix without any tree. The manager keeps:
 
 - a table of blocks indexed by page (`block_pool.BlockTable`): per page, in NumPy arrays, the
   tokens, key, parent's page, ref count, child count and time of last use; ``key -> page``;
-- a *free queue* (`block_queue.FreeQueue`: a log of pages with lazy removal, a chain's run
-  appended in one slice) of the pages whose ref count is 0, in eviction order (head first);
-- the locked handles and how often each is locked, so that unlocking a handle that is not locked
-  is refused even while its blocks are locked through another handle.
+- a *free queue* (`block_queue.FreeQueue`: a log of pages with lazy removal, a chain's run appended
+  in one slice) of the pages whose ref count is 0, in eviction order (head first);
+- the locked handles and how often each is locked, so that unlocking a handle that is not locked is
+  refused even while its blocks are locked through another handle.
 
-Speed. The default hash (`block_hash_chain`) is computed for every block of a sequence at once
-with a few NumPy passes; a lookup is then one dict probe per block, and the parents and tokens
-of the whole matched chain are compared in one array operation each (`block_lookup.walk`).
-Recent sequences' hashes and chains are remembered (`block_lookup.RequestHashes`): a
-conversation's next turn, which resends its whole history, neither hashes nor walks again what
-is still cached (the bytes are compared, and each remembered page's serial); a request's insert
-reuses what its match found (vLLM's ``Request.block_hashes``), read off the handle it releases
-(locked, so still cached) or the memo. A match hashes only up to the first block past that
-chain; the insert hashes the rest. Locking, unlocking, queueing, the LRU refresh, the checks of
-an insert's new blocks and eviction (but for the key index) are array operations on the chain's
-pages; no per-block Python object exists. A handle carries its chain's pages, so locking one
-made since the last eviction re-checks nothing; a match's LRU refresh waits for the next call,
-which skips it when it locks that very chain. The fused calls and ``evict`` also take and give
-the flow's host NumPy arrays (`takes_host_arrays`).
+Speed. The default hash (`block_hash_chain`) is computed for every block of a sequence at once with
+a few NumPy passes; a lookup is then one dict probe per block, and the parents and tokens of the
+whole matched chain are compared in one array operation each (`block_lookup.walk`). Recent
+sequences' hashes and chains are remembered (`block_lookup.RequestHashes`): a conversation's next
+turn, which resends its whole history, neither hashes nor walks again what is still cached (the
+bytes are compared, and each remembered page's serial); a request's insert reuses what its match
+found (vLLM's ``Request.block_hashes``), read off the handle it releases (locked, so still cached)
+or the memo. A match hashes only up to the first block past that chain; the insert hashes the rest.
+Locking, unlocking, queueing, the LRU refresh, the checks of an insert's new blocks and eviction
+(but for the key index) are array operations on the chain's pages; no per-block Python object
+exists. A handle carries its chain's pages, so locking one made since the last eviction re-checks
+nothing; a match's LRU refresh waits for the next call, which skips it when it locks that very
+chain. The fused calls and ``evict`` also take and give the flow's host NumPy arrays
+(`takes_host_arrays`).
 
 Locking and the flow's fused calls: `block_locks`. Collisions: `block_lookup`. Eviction rule:
 `block_evict` (``check_integrity`` verifies the free queue's order).
@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from .._validate import as_int, check_count, check_device, check_page_size
-from . import block_locks
+from . import block_locks, cache_events
 from .base import BaseCacheHandle, BaseCacheManager, InsertResult, SizeInfo, takes_host_arrays
 from .block_evict import check_table, evict_blocks
 from .block_hash_chain import (
@@ -51,10 +51,10 @@ from .block_hash_chain import (
     block_rows,
     default_block_hash,
 )
-from .block_insert import file_keys, new_pages, slot_rows
+from .block_insert import file_keys, max_pages_for, new_pages, slot_rows
 from .block_lookup import Hashes, RequestHashes, handle_pages, hash_rest, walk
 from .block_pool import BlockHashCacheHandle, BlockTable, CachedBlock, new_handle
-from .cache_events import CacheEvent, EventLog, check_extra_key, events_off
+from .cache_events import EventLog, check_extra_key
 
 _new_tuple = tuple.__new__
 __all__ = [
@@ -77,6 +77,8 @@ class BlockHashCacheManager(BaseCacheManager):
             tuple of ints. A deliberately weak one (say ``lambda p, t: 0``) exercises the
             collision handling; results stay correct, lookups get slower.
         events: keep the log `take_events` returns (keyword only; off by default: no cost).
+        max_pages: page ids ``>= max_pages`` are refused (keyword only; the table keeps a row per
+            page id; default: 4 GiB of rows, `block_insert.max_pages_for`).
 
     Namespaces: a chain under ``extra_key`` starts from `key_seed` (not `ROOT_HASH_SEED`);
     each first block keeps the key, compared on every hit.
@@ -96,8 +98,10 @@ class BlockHashCacheManager(BaseCacheManager):
         *,
         hash_fn: HashFn | None = None,
         events: bool = False,
+        max_pages: int | None = None,
     ) -> None:
         page_size = check_page_size(page_size)
+        self._max_pages = max_pages_for(max_pages, page_size)
         if not isinstance(events, bool):
             raise TypeError(f"events must be a bool, got {type(events).__name__}")
         if hash_fn is not None and not callable(hash_fn):
@@ -117,7 +121,7 @@ class BlockHashCacheManager(BaseCacheManager):
 
     # ------------------------------------------------------------------ state
     def _init_state(self) -> None:
-        self._table = BlockTable(self.page_size)
+        self._table = BlockTable(self.page_size, self._max_pages)
         # locked handle -> (times locked, the pages it locked)
         self._locks: dict[BlockHashCacheHandle, tuple[int, np.ndarray]] = {}
         self._pending = RequestHashes(self.page_size)
@@ -189,12 +193,7 @@ class BlockHashCacheManager(BaseCacheManager):
         if self._events is not None:
             self._events.cleared()
 
-    def take_events(self) -> list[CacheEvent]:
-        """What was stored, removed and cleared since the last call, oldest first; empties the log
-        (``RuntimeError`` unless the manager was built with ``events=True``)."""
-        if self._events is None:
-            raise events_off(type(self).__name__)
-        return self._events.take()
+    take_events = cache_events.take_events
 
     # ----------------------------------------------------------- lookups
     def _flush(self) -> None:

@@ -9,13 +9,33 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .._validate import check_indices
+from .._validate import check_indices, check_int_in
 from .base import SLOT_DTYPES, host_array
 from .block_pool import BlockTable
 
-__all__ = ["slot_rows", "new_pages", "file_keys"]
+__all__ = ["slot_rows", "new_pages", "file_keys", "row_bytes", "max_pages_for"]
 
 _INT32 = np.dtype(np.int32)
+
+
+def row_bytes(page_size: int) -> int:
+    """Bytes a `BlockTable` keeps per page id: tokens (int64) and slots (int32) of a page, its key,
+    six int64 fields and its free-queue position."""
+    return 12 * page_size + 64
+
+
+#: The block table a manager grows to by default, at most: 4 GiB, some 17 million pages of 16
+#: tokens (277 million slots) or 63 million of one, past any pool a GPU holds.
+DEFAULT_TABLE_BYTES = 4 << 30
+
+
+def max_pages_for(max_pages: object, page_size: int) -> int:
+    """``max_pages`` checked (an integer in ``[1, 2**31 // page_size]``: int32 slots), or for
+    ``None`` as many pages as `DEFAULT_TABLE_BYTES` of block table holds."""
+    top = (1 << 31) // page_size
+    if max_pages is None:
+        return min(DEFAULT_TABLE_BYTES // row_bytes(page_size), top)
+    return check_int_in(max_pages, "max_pages", 1, top)
 
 
 def slot_rows(
@@ -81,6 +101,13 @@ def new_pages(
         ):
             _bad_slots(new, ps)
         taken_by = 0 if np.count_nonzero(table.holds(pages)) else -1
+        if top >= table.max_pages:
+            raise ValueError(
+                f"indices: page {top} (slots {top * ps}..{(top + 1) * ps - 1}) is past this "
+                f"manager's max_pages={table.max_pages}: its block table keeps "
+                f"{row_bytes(ps)} bytes for every page id up to the largest cached, so pass "
+                "max_pages (the pool's page count) to cache pages past it"
+            )
     if taken_by >= 0:
         page = int(pages[table.holds(pages).argmax()])
         raise ValueError(

@@ -169,12 +169,15 @@ class BlockTable:
     order (a parent before its children); ``free`` (a `FreeQueue`) holds the pages whose ``ref``
     is 0, head = next to evict; ``ns`` the namespace of each first block whose namespace is not ``None``.
 
-    Memory: one row per page id up to the largest one ever cached (``12 * page_size + 56``
-    bytes a page), like vLLM's block pool, which holds a block object for every page there is.
+    Memory: one row per page id up to the largest one ever cached (`block_insert.row_bytes` a
+    page), like vLLM's block pool, which holds a block object for every page there is; page ids
+    from ``max_pages`` on are refused (`block_insert.new_pages`), so that one stray slot cannot
+    make the table grow past what the machine holds.
     """
 
-    def __init__(self, page_size: int) -> None:
+    def __init__(self, page_size: int, max_pages: int) -> None:
         self.page_size = page_size
+        self.max_pages = max_pages
         self.capacity = 0
         self.tok = np.zeros((1, page_size), dtype=np.int64)
         self._row = np.dtype((np.void, 8 * page_size))
@@ -202,7 +205,9 @@ class BlockTable:
         """Make room for page ids up to ``top`` (inclusive)."""
         if top < self.capacity:
             return
-        old, size = self.capacity, max(top + 1, 2 * self.capacity, 64)
+        # Never past max_pages (``top`` is below it), so that a page id at or past it is always
+        # outside the table, where `block_insert.new_pages` checks it.
+        old, size = self.capacity, max(top + 1, min(max(2 * self.capacity, 64), self.max_pages))
         ps = self.page_size
 
         def grown(a: np.ndarray) -> np.ndarray:

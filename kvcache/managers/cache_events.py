@@ -14,7 +14,7 @@ empty mirror gives its cached set (the radix tree's splits change no page, so th
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -96,3 +96,15 @@ class EventLog:
 def events_off(manager: str) -> RuntimeError:
     """The error `take_events` raises on a manager built without ``events=True``."""
     return RuntimeError(f"{manager} records no events; construct it with events=True")
+
+
+def take_events(self: Any) -> list[CacheEvent]:
+    """What was stored, removed and cleared since the last call, oldest first; empties the log.
+
+    ``RuntimeError`` unless the manager was built with ``events=True``. A method of the radix
+    and block-hash managers (each keeps its `EventLog`, or ``None``, as ``_events``).
+    """
+    log: EventLog | None = self._events
+    if log is None:
+        raise events_off(type(self).__name__)
+    return log.take()

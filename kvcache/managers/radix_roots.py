@@ -15,8 +15,9 @@ import numpy as np
 import torch
 
 from .._validate import check_size
+from . import cache_events
 from .base import BaseCacheManager, SizeInfo, takes_host_arrays
-from .cache_events import CacheEvent, EventLog, check_extra_key, events_off
+from .cache_events import EventLog, check_extra_key
 from .eviction import EvictionPolicy, LeafHeap
 from .radix_node import ITEM, RadixTreeNode, TreeInfo, census_tree, detach_leaf
 from .slot_owners import SlotOwners
@@ -83,14 +84,7 @@ class RadixRoots(BaseCacheManager):
         """The root of each namespace (``extra_key``) inserted into since the last reset (a copy)."""
         return dict(self._roots)
 
-    def take_events(self) -> list[CacheEvent]:
-        """What was stored, removed and cleared since the last call, oldest first; empties the log.
-
-        ``RuntimeError`` unless the manager was built with ``events=True``.
-        """
-        if self._events is None:
-            raise events_off(type(self).__name__)
-        return self._events.take()
+    take_events = cache_events.take_events
 
     def nodes(self, extra_key: Hashable = None) -> Iterator[RadixTreeNode]:
         """Every node of namespace ``extra_key``'s tree (default ``None``'s), the root first,
