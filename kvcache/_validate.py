@@ -9,6 +9,7 @@ the bookkeeping arrays are small, and a NumPy op on them costs a fraction of a t
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -322,3 +323,17 @@ def check_count(value: object, name: str = "size") -> int:
     """A non-negative token count as a Python int: `check_size` under the name the block-hash
     manager uses (ints, NumPy integers, 0-d integer tensors; never bool, float or complex)."""
     return check_size(value, name)
+
+
+def check_host_bytes(nbytes: int, what: str) -> None:
+    """``ValueError`` when ``what`` would need more host memory (``nbytes``) than the machine has
+    in all: refused by name at once, where the allocation would fail late or be killed."""
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows): nothing to check against
+        return
+    if total > 0 and nbytes > total:
+        raise ValueError(
+            f"{what} needs {nbytes / 2**30:.1f} GiB of host memory; this machine has "
+            f"{total / 2**30:.1f} GiB"
+        )

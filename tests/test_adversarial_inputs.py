@@ -262,3 +262,18 @@ def test_max_pages_bounds_the_page_ids_exactly():
 def test_max_pages_is_checked_by_name(bad):
     with pytest.raises((TypeError, ValueError), match="max_pages"):
         BlockHashCacheManager("cpu", page_size=4, max_pages=bad)
+
+
+def test_an_allocator_larger_than_the_machine_is_refused_by_name(monkeypatch):
+    """``PageAllocator(2**31 - 1)`` set out to fill 26 GiB of bookkeeping (the free ring alone is
+    16 GiB) on a 24 GiB machine; the size is legal (int32 slots), the machine is not big enough."""
+    import os
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    real = os.sysconf
+    monkeypatch.setattr(
+        os, "sysconf", lambda name: (1 << 30) // page if name == "SC_PHYS_PAGES" else real(name)
+    )  # a machine of 1 GiB
+    with pytest.raises(ValueError, match=r"num_pages=134217728 needs 1\.6 GiB .* has 1\.0 GiB"):
+        PageAllocator(2**27)
+    assert PageAllocator(2**20).num_free_pages == 2**20  # 13 MiB: fine

@@ -14,6 +14,7 @@ from .._validate import (
     MAX_SLOTS,
     Device,
     check_device,
+    check_host_bytes,
     check_id_array,
     check_int_in,
     check_positive_int,
@@ -54,6 +55,8 @@ class PageAllocator(FlowPageCalls):
             raise ValueError(
                 f"num_pages * page_size = {num_pages * page_size} slots do not fit in int32 (at most {MAX_SLOTS})"
             )
+        # The free ring (int64), the scratch stamps (int32) and the free mask (a byte) per page.
+        check_host_bytes(13 * num_pages, f"PageAllocator of num_pages={num_pages}")
         self.device = check_device(device)
         self.num_pages, self.page_size = num_pages, page_size
         self._on_cpu = self.device.type == "cpu"
