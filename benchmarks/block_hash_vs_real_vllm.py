@@ -148,16 +148,7 @@ def drive_ours(jobs: list[Job]) -> tuple[float, float, list[int]]:
     requests of `block_hash_vs_vllm.drive`, through `RequestFlow`."""
     manager = stand_in_bench.timed(BlockHashCacheManager("cpu", BLOCK))
     allocator = TimedAllocator(POOL // BLOCK, BLOCK)
-    flow = RequestFlow(manager, allocator)
-    reused = []
-    for job in jobs:
-        req = flow.begin(job.prompt)
-        reused.append(req.reused_len)
-        flow.mark_computed(req)
-        if len(job.output):
-            flow.extend(req, job.output)
-            flow.mark_computed(req)
-        flow.finish(req)
+    reused = stand_in_bench.serve(RequestFlow(manager, allocator), jobs)
     return manager.seconds, allocator.seconds, reused
 
 

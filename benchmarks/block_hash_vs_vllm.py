@@ -182,6 +182,21 @@ def timed(manager: BaseCacheManager, host: bool = True) -> Timed:
     return (TimedHost if use_host else Timed)(manager)
 
 
+def serve(flow: RequestFlow, jobs: list[Job]) -> list[int]:
+    """Each job through ``flow`` (begin, store, decode its output, store, finish), one at a time;
+    the tokens each one reused."""
+    reused = []
+    for job in jobs:
+        req = flow.begin(job.prompt)
+        reused.append(req.reused_len)
+        flow.mark_computed(req)
+        if len(job.output):
+            flow.extend(req, job.output)
+            flow.mark_computed(req)
+        flow.finish(req)
+    return reused
+
+
 def drive(
     make: Callable[[], BaseCacheManager],
     jobs: list[Job],
@@ -197,15 +212,7 @@ def drive(
         inner.clock = clock
     wrapped = timed(inner, host)
     flow = RequestFlow(wrapped, PageAllocator(pool_tokens // page_size, page_size))
-    reused = []
-    for job in jobs:
-        req = flow.begin(job.prompt)
-        reused.append(req.reused_len)
-        flow.mark_computed(req)
-        if len(job.output):
-            flow.extend(req, job.output)
-            flow.mark_computed(req)
-        flow.finish(req)
+    reused = serve(flow, jobs)
     cached = sorted(inner.cached_indices().tolist())
     decisions = {"reused": reused, "evicted_tokens": flow.stats.evicted_tokens, "cached": cached}
     return (

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -45,7 +46,7 @@ from kvcache import (
 )
 from kvcache.storage.distributed import reset_tp_info
 
-__all__ = ["ids", "slots", "page_slots", "observe", "unchanged", "integrity_error"]
+__all__ = ["ids", "slots", "page_slots", "observe", "unchanged", "integrity_error", "param_id"]
 
 # CI (``CI`` set, as CI services do) runs the same hypothesis examples every time, so that a red
 # run is one anybody can repeat and a green one is not luck; a developer's run explores new ones.
@@ -195,6 +196,12 @@ def observe(obj: Any) -> Any:
     raise TypeError(
         f"observe: no rule for {type(obj).__name__}; pass a callable returning its state"
     )
+
+
+def param_id(value: object) -> str:
+    """A parameter's test id: its ``repr`` without memory addresses, so that every process
+    collecting the tests (pytest-xdist's workers) names them alike."""
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))
 
 
 class unchanged:

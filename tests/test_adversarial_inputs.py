@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import ids, slots, unchanged
+from conftest import ids, param_id, slots, unchanged
 
 from kvcache import (
     BlockHashCacheManager,
@@ -48,7 +48,7 @@ def sparse_ids() -> torch.Tensor:
 
 # ------------------------------------------------------------------ manager constructors
 @pytest.mark.parametrize("make", MANAGERS)
-@pytest.mark.parametrize("value", INTEGER_KINDS, ids=repr)
+@pytest.mark.parametrize("value", INTEGER_KINDS, ids=param_id)
 def test_manager_page_size_is_kept_as_a_python_int(make, value):
     """A NumPy or torch page size was stored as given: products with it wrapped (NumPy) or
     stayed tensors, and the radix manager's page byte width overflowed."""
@@ -59,7 +59,7 @@ def test_manager_page_size_is_kept_as_a_python_int(make, value):
 
 
 @pytest.mark.parametrize("make", MANAGERS)
-@pytest.mark.parametrize("value", HUGE, ids=repr)
+@pytest.mark.parametrize("value", HUGE, ids=param_id)
 def test_manager_page_size_past_int32_is_refused_by_name(make, value):
     """Was ``OverflowError`` (radix, 2**63), a 16 GiB allocation (block hash, 2**31), or
     accepted (naive)."""
@@ -84,7 +84,7 @@ def test_block_hash_manager_allocates_nothing_per_page_size_until_a_block_is_has
 
 @pytest.mark.parametrize("make", MANAGERS)
 @pytest.mark.parametrize(
-    "device", [None, 0, 1.5, "nope", b"cpu", ["cpu"], torch.tensor(0)], ids=repr
+    "device", [None, 0, 1.5, "nope", b"cpu", ["cpu"], torch.tensor(0)], ids=param_id
 )
 def test_manager_device_is_checked_by_name(make, device):
     """Bad devices reached torch.device (or a tensor made on them): its own errors, naming no
@@ -94,7 +94,7 @@ def test_manager_device_is_checked_by_name(make, device):
     assert str(info.value).startswith("device "), info.value
 
 
-@pytest.mark.parametrize("policy", [["lru"], {"lru": 1}, 3, None, b"lru"], ids=repr)
+@pytest.mark.parametrize("policy", [["lru"], {"lru": 1}, 3, None, b"lru"], ids=param_id)
 def test_radix_eviction_policy_must_be_a_name(policy):
     """A list or dict was looked up in the policy registry: ``unhashable type``."""
     with pytest.raises(TypeError, match="eviction_policy must be a str"):
@@ -103,7 +103,7 @@ def test_radix_eviction_policy_must_be_a_name(policy):
 
 # ------------------------------------------------------------------ manager methods
 @pytest.mark.parametrize(
-    "node", [None, 3, "node", torch.tensor(1), np.int64(0), object()], ids=repr
+    "node", [None, 3, "node", torch.tensor(1), np.int64(0), object()], ids=param_id
 )
 def test_radix_eviction_priority_refuses_what_is_not_a_node(node):
     m = RadixCacheManager()
@@ -115,7 +115,7 @@ def test_radix_eviction_priority_refuses_what_is_not_a_node(node):
 
 
 @pytest.mark.parametrize(
-    "key", [True, 1.0, np.float64(1.0), "1", None, [1], torch.tensor(1.0)], ids=repr
+    "key", [True, 1.0, np.float64(1.0), "1", None, [1], torch.tensor(1.0)], ids=param_id
 )
 def test_get_block_takes_integer_hashes_only(key):
     """``True`` and ``1.0`` found the block keyed 1; a list raised ``unhashable type``."""
@@ -170,7 +170,7 @@ def test_sparse_tensors_are_refused_by_name_and_change_nothing(make, call):
 
 
 # ------------------------------------------------------------------ sequences that are not
-@pytest.mark.parametrize("value", NOT_ITERABLE, ids=repr)
+@pytest.mark.parametrize("value", NOT_ITERABLE, ids=param_id)
 def test_sequence_arguments_name_themselves(value):
     """Each was ``'int' object is not iterable`` (or the like), naming no argument."""
     flow, r = _flow(RadixCacheManager)
@@ -184,7 +184,7 @@ def test_sequence_arguments_name_themselves(value):
 
 # ------------------------------------------------------------------ NaN namespaces
 @pytest.mark.parametrize("make", MANAGERS)
-@pytest.mark.parametrize("key", [float("nan"), np.float64("nan"), np.float32("nan")], ids=repr)
+@pytest.mark.parametrize("key", [float("nan"), np.float64("nan"), np.float32("nan")], ids=param_id)
 def test_a_nan_namespace_is_refused(make, key):
     """NaN equals no other NaN: a prefix cached under one ``float("nan")`` was never matched
     under the next (a namespace nobody can reach again, holding pages until evicted)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import unchanged
+from conftest import param_id, unchanged
 
 from kvcache import (
     HostKVPool,
@@ -102,7 +102,7 @@ def test_store_writes_k_and_v_whatever_requires_grad(store, which):
         (float("inf"), ValueError),
         (torch.tensor(float("inf")), ValueError),
     ],
-    ids=repr,
+    ids=param_id,
 )
 @pytest.mark.parametrize(
     "attend", [paged_attention, paged_decode_attention], ids=lambda f: f.__name__
@@ -118,7 +118,7 @@ def test_attention_scale_is_a_finite_real_number(scale, exc, attend):
         torch.testing.assert_close(attend(q, kc, vc, s, scale=same), want)
 
 
-@pytest.mark.parametrize("q_len", [np.int64(1), torch.tensor(1), np.uint8(1)], ids=repr)
+@pytest.mark.parametrize("q_len", [np.int64(1), torch.tensor(1), np.uint8(1)], ids=param_id)
 def test_q_lens_take_integers_of_every_library(q_len):
     """A NumPy or torch integer was refused as if it were out of range (``ValueError``)."""
     kc, vc = layer(paged=False)
@@ -138,7 +138,7 @@ def test_q_lens_take_integers_of_every_library(q_len):
         (object(), TypeError, "q_lens must be a sequence"),
         ("11", TypeError, r"q_lens\[0\] must be an integer"),
     ],
-    ids=repr,
+    ids=param_id,
 )
 def test_q_lens_of_the_wrong_kind_are_refused_by_name(q_lens, exc, match):
     kc, vc = layer(paged=False)
@@ -147,7 +147,7 @@ def test_q_lens_of_the_wrong_kind_are_refused_by_name(q_lens, exc, match):
         paged_attention(q, kc, vc, s, q_lens)
 
 
-@pytest.mark.parametrize("block_n", [2**20, 2**31, 2**63, 2**64], ids=repr)
+@pytest.mark.parametrize("block_n", [2**20, 2**31, 2**63, 2**64], ids=param_id)
 def test_decode_block_n_past_tritons_block_limit_is_refused(block_n):
     """A power of two too large for a Triton block reached the compiler (``numel exceeds
     triton maximum tensor numel``, ``arange must fit in int32``); the torch path ignored it."""
@@ -162,7 +162,7 @@ def test_decode_block_n_past_tritons_block_limit_is_refused(block_n):
 @pytest.mark.parametrize(
     "backend", [store_cache_backend, paged_decode_backend], ids=lambda f: f.__name__
 )
-@pytest.mark.parametrize("device", [None, 0, 1.5, "nope", b"cpu", torch.tensor(0)], ids=repr)
+@pytest.mark.parametrize("device", [None, 0, 1.5, "nope", b"cpu", torch.tensor(0)], ids=param_id)
 def test_backend_of_a_bad_device_is_refused_by_name(backend, device):
     """Each reached ``torch.device``: its own messages (``Invalid device string``, ``Cannot
     access accelerator``), naming no argument."""
@@ -190,7 +190,7 @@ def pool(**kw: object) -> MHAKVCache:
 @pytest.mark.parametrize(
     "arg", ["num_kv_heads", "num_layers", "head_dim", "num_pages", "page_size"]
 )
-@pytest.mark.parametrize("value", [np.int64(2), torch.tensor(2), np.uint16(2)], ids=repr)
+@pytest.mark.parametrize("value", [np.int64(2), torch.tensor(2), np.uint16(2)], ids=param_id)
 def test_pool_sizes_of_every_library_are_kept_as_python_ints(arg, value):
     """They were stored as given (``num_slots`` a NumPy product, a 0-d tensor); a NumPy
     ``num_kv_heads`` failed in ``divide_even`` naming ``a``."""
@@ -217,7 +217,7 @@ def test_pool_sizes_of_every_library_are_kept_as_python_ints(arg, value):
         ({"num_layers": 2**62}, "more than one tensor can hold"),
         ({"head_dim": 2**63}, "more than one tensor can hold"),
     ],
-    ids=repr,
+    ids=param_id,
 )
 def test_pool_too_large_for_its_slots_or_a_tensor_is_refused_before_allocating(kw, match):
     """Slots past int32 were allocated (16 GiB for the second case); a size past int64 failed in

@@ -10,7 +10,7 @@ import inspect
 import numpy as np
 import pytest
 import torch
-from conftest import ids, unchanged
+from conftest import ids, param_id, unchanged
 
 from kvcache import (
     BlockStored,
@@ -55,7 +55,7 @@ def engine(model: TinyLlama) -> Engine:
 
 
 # ------------------------------------------------------------------ sequences that are not
-@pytest.mark.parametrize("value", NOT_ITERABLE, ids=repr)
+@pytest.mark.parametrize("value", NOT_ITERABLE, ids=param_id)
 def test_sequence_arguments_name_themselves(value, model, torch_store):
     """Each was ``'int' object is not iterable`` (or the like), naming no argument. (A 0-d
     tensor is refused as a tensor that is not 1-D where a tensor is allowed: ``ValueError``.)"""
@@ -119,13 +119,13 @@ def test_tokenizer_encode_of_text_utf8_cannot_hold_names_text():
 
 
 # ------------------------------------------------------------------ host link, cost model
-@pytest.mark.parametrize("num_bytes", [None, "1", True, [1], 1 + 0j], ids=repr)
+@pytest.mark.parametrize("num_bytes", [None, "1", True, [1], 1 + 0j], ids=param_id)
 def test_host_link_seconds_refuses_non_numbers_by_name(num_bytes):
     with pytest.raises(TypeError, match="num_bytes must be a number"):
         HostLink("x", 1e9, "y").seconds(num_bytes)
 
 
-@pytest.mark.parametrize("rate", [0, -1.0, float("nan"), None, "fast"], ids=repr)
+@pytest.mark.parametrize("rate", [0, -1.0, float("nan"), None, "fast"], ids=param_id)
 def test_host_link_with_no_bandwidth_is_refused_by_name(rate):
     """``bytes_per_s=0`` was a ``ZeroDivisionError``; a negative one gave negative seconds."""
     with pytest.raises(ValueError, match="bytes_per_s must be a number > 0"):
@@ -138,7 +138,7 @@ def test_host_link_with_no_bandwidth_is_refused_by_name(rate):
 @pytest.mark.parametrize(
     "num_tokens,exc",
     [(None, TypeError), ("3", TypeError), (1.5, TypeError), (True, TypeError), (-1, ValueError)],
-    ids=repr,
+    ids=param_id,
 )
 def test_step_seconds_takes_token_counts_only(num_tokens, exc):
     """``None``/``"3"`` failed in ``<=`` naming nothing; ``-1`` and ``True`` were accepted."""
@@ -149,7 +149,7 @@ def test_step_seconds_takes_token_counts_only(num_tokens, exc):
 
 
 # ------------------------------------------------------------------ scheduler, router
-@pytest.mark.parametrize("runner", [True, 3, "model", [None], torch.tensor(1)], ids=repr)
+@pytest.mark.parametrize("runner", [True, 3, "model", [None], torch.tensor(1)], ids=param_id)
 def test_scheduler_runner_must_be_callable(runner):
     """It was kept, and failed at the first step (``'int' object is not callable``)."""
     with pytest.raises(TypeError, match="runner must be callable or None"):
@@ -174,7 +174,7 @@ def test_a_runner_without_logits_for_the_batch_leaves_it_requeued(out):
     assert s.computed_tokens == 0 and s.flow.allocator.num_free_pages == 32
 
 
-@pytest.mark.parametrize("sid", [True, [0], np.array([0]), 0.0], ids=repr)
+@pytest.mark.parametrize("sid", [True, [0], np.array([0]), 0.0], ids=param_id)
 def test_scheduler_abort_takes_integer_ids_only(sid):
     """``True`` aborted request 1; a list raised ``unhashable type``."""
     s = scheduler()
@@ -187,7 +187,7 @@ def test_scheduler_abort_takes_integer_ids_only(sid):
     assert [w.sid for w in s.waiting] == [0]
 
 
-@pytest.mark.parametrize("bad", [3, None, "job", (ids(1), ids(2)), Job(ids(1), None)], ids=repr)
+@pytest.mark.parametrize("bad", [3, None, "job", (ids(1), ids(2)), Job(ids(1), None)], ids=param_id)
 def test_router_run_checks_every_job_before_the_first_runs(bad):
     """A bad job was found when its turn came (``AttributeError: no attribute 'output'``),
     after the jobs before it had run."""
@@ -209,7 +209,7 @@ def test_generate_that_can_never_fit_is_refused_before_it_runs(model, torch_stor
     assert len(e.generate(ids(1, 2, 3), 30)) == 30  # 32 tokens stored: 16 pages of 2
 
 
-@pytest.mark.parametrize("device", [None, 0, 1.5, "nope", b"cpu"], ids=repr)
+@pytest.mark.parametrize("device", [None, 0, 1.5, "nope", b"cpu"], ids=param_id)
 def test_model_device_is_checked_by_name(device):
     with pytest.raises((TypeError, ValueError)) as info:
         TinyLlama(device=device)
@@ -238,7 +238,7 @@ def _params(kind: str) -> list[tuple[object, str]]:
 
 
 @pytest.mark.parametrize("fn,name", _params("int"), ids=lambda x: getattr(x, "__name__", x))
-@pytest.mark.parametrize("value", [-1, 2.0, float("-inf"), True, "3", None], ids=repr)
+@pytest.mark.parametrize("value", [-1, 2.0, float("-inf"), True, "3", None], ids=param_id)
 def test_workload_counts_are_checked_by_name(fn, name, value):
     """``multi_turn_chat(turns=-1)`` looped for ever; ``vocab=-inf`` raised ``OverflowError``;
     ``vocab=2.0`` and ``True`` were taken."""
@@ -249,7 +249,7 @@ def test_workload_counts_are_checked_by_name(fn, name, value):
 @pytest.mark.parametrize(
     "fn,name", _params("tuple[int, int]"), ids=lambda x: getattr(x, "__name__", x)
 )
-@pytest.mark.parametrize("value", [(9, 2), (-1, 3), (1.5, 3), (1, 2, 3), 5, "ab"], ids=repr)
+@pytest.mark.parametrize("value", [(9, 2), (-1, 3), (1.5, 3), (1, 2, 3), 5, "ab"], ids=param_id)
 def test_workload_length_ranges_are_checked_by_name(fn, name, value):
     """They reached ``randint``: "empty range", or a float where an int was needed."""
     with pytest.raises((TypeError, ValueError), match=name):
@@ -282,7 +282,7 @@ def test_workloads_take_integers_of_every_library_and_stay_seeded():
         ({"seed": 1.0}, TypeError, "seed must be an integer"),
         ({"seed": 2**64}, ValueError, "seed must be in"),
     ],
-    ids=repr,
+    ids=param_id,
 )
 def test_model_config_numbers_are_checked_by_name(kw, exc, match):
     """NaN or negative theta/eps made every logit NaN; a string failed at the first forward;
@@ -299,7 +299,7 @@ def test_model_config_sizes_of_every_library_are_kept_as_python_ints():
 
 
 # ------------------------------------------------------------------ tenancy, TP demo, drawings
-@pytest.mark.parametrize("value", [None, 3, 2.5, "ab", [1, 2], np.arange(3)], ids=repr)
+@pytest.mark.parametrize("value", [None, 3, 2.5, "ab", [1, 2], np.arange(3)], ids=param_id)
 def test_public_prefix_cache_checks_ids_by_name(value):
     """``public_len`` of a non-tensor raised AttributeError (no ``shape``) or "tuple index out
     of range"; a non-iterable ``public`` raised "'int' object is not iterable"."""
@@ -314,7 +314,7 @@ def test_public_prefix_cache_checks_ids_by_name(value):
     assert cache.public_len(ids(1, 2, 3)) == 2
 
 
-@pytest.mark.parametrize("cfg", [3, "cfg", {"num_kv_heads": 4}, object()], ids=repr)
+@pytest.mark.parametrize("cfg", [3, "cfg", {"num_kv_heads": 4}, object()], ids=param_id)
 def test_tp_demo_refuses_a_config_that_is_not_one(cfg):
     """Was AttributeError: no attribute 'validate'."""
     from kvcache import run_single_process, run_tp_attention
@@ -338,7 +338,7 @@ def test_draw_sequence_builds_no_string_of_caption_width_characters():
         assert draw_sequence(snaps, caption_width=width) is not None
 
 
-@pytest.mark.parametrize("value", [torch.tensor(3), np.array(3)], ids=repr)
+@pytest.mark.parametrize("value", [torch.tensor(3), np.array(3)], ids=param_id)
 def test_drawings_of_a_0d_tensor_name_their_argument(value):
     """A 0-d tensor or array passes ``isinstance(x, Iterable)`` and then raised "iteration over
     a 0-d tensor", naming no argument."""
