@@ -29,10 +29,7 @@ it imports from with ``bash scripts/real_engines_env.sh DIR``, then run
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,6 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import block_hash_vs_vllm as stand_in_bench
+from real_engines import import_engine, machine, write_json
 
 from kvcache import BlockHashCacheManager, PageAllocator, RequestFlow
 from kvcache.serving.workloads import Job
@@ -178,18 +176,6 @@ def compare(trace: str, repeats: int) -> dict[str, Any]:
     }
 
 
-def _commit(where: Path | None = None) -> str | None:
-    """The commit of the repository holding ``where`` (default: this one), where git can tell."""
-    folder = where.resolve() if where is not None else Path(__file__).resolve().parent
-    out = subprocess.run(
-        ["git", "-C", str(folder), "rev-parse", "--short", "HEAD"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    return out.stdout.strip() or None
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
@@ -204,28 +190,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
-    if args.engines_path is not None:
-        sys.path.insert(0, str(args.engines_path.resolve()))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    try:
-        from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: F401
-    except ImportError as e:
-        raise SystemExit(
-            f"vLLM's prefix cache does not import ({e}); make a folder for it with "
-            "`bash scripts/real_engines_env.sh DIR` and pass --engines-path DIR"
-        ) from None
+    import_engine(args.engines_path, "vllm.v1.core.kv_cache_manager", "vLLM's prefix cache")
     torch.set_num_threads(1)
-    info = {
-        "cpu": platform.processor() or platform.machine(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "vllm": "0.33.0",
-        "date": time.strftime("%Y-%m-%d"),
-        "commit": _commit(),
-        "clock": "wall (perf_counter)",
-        "block_size": BLOCK,
-        "pool_tokens": POOL,
-    }
+    info = {**machine(vllm="0.33.0"), "block_size": BLOCK, "pool_tokens": POOL}
     print(f"ran on: {info}")
     result: dict[str, Any] = {"machine": info}
     for trace in args.traces:
@@ -237,9 +205,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"with its block hashing {row['vllm_with_hashing_seconds']:.3f} s = "
             f"{row['ratio_with_hashing']:.2f}x"
         )
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.json, result)
     return result
 
 

@@ -42,8 +42,6 @@ import argparse
 import importlib.abc
 import importlib.machinery
 import itertools
-import json
-import platform
 import sys
 import time
 import types
@@ -58,7 +56,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import radix_ops
-from block_hash_vs_real_vllm import _commit
+from real_engines import commit, import_engine, machine, write_json
 
 from kvcache import RadixCacheManager
 from kvcache.serving.workloads import Job
@@ -132,6 +130,9 @@ class _Pool:
 class Ours:
     """`RadixCacheManager` with the calls `RequestFlow` makes on it."""
 
+    # Its keys and values as the flow has them: the host NumPy arrays.
+    key = values = staticmethod(lambda a: a)
+
     def __init__(self, page_size: int) -> None:
         self.cache = RadixCacheManager(page_size=page_size)
 
@@ -148,6 +149,11 @@ class Ours:
 
 class Sglang:
     """SGLang's ``RadixCache`` with the calls its scheduler makes around a request."""
+
+    # Keys as its scheduler keeps them (``array('q')``), slots as a tensor (its int64 copy is
+    # made inside `insert_unlock`, timed, as inside ``cache_finished_req``).
+    key = staticmethod(lambda ids: array("q", ids.tobytes()))
+    values = staticmethod(torch.from_numpy)
 
     def __init__(self, page_size: int) -> None:
         from sglang.srt.mem_cache import radix_cache
@@ -203,6 +209,8 @@ class Sglang:
 class Minisgl:
     """mini-sglang's ``RadixPrefixCache`` with the calls its scheduler makes around a request."""
 
+    key = values = staticmethod(torch.from_numpy)  # CPU tensors
+
     def __init__(self, page_size: int) -> None:
         import minisgl.core as core
         from minisgl.kvcache import radix_cache
@@ -235,7 +243,6 @@ def drive(
     only ``cache``'s calls timed. Returns the seconds, reused tokens per request and evicted
     tokens."""
     pool = _Pool(num_slots // ps, ps)
-    sglang, tensors = isinstance(cache, Sglang), isinstance(cache, Minisgl)
     seconds, reused, evicted = 0.0, [], 0
 
     def room(pages: int) -> None:
@@ -250,8 +257,7 @@ def drive(
     for job in jobs:
         ids = np.concatenate((job.prompt.numpy(), job.output.numpy()))
         n, total = len(job.prompt), len(ids)
-        key = array("q", ids[: n - 1].tobytes()) if sglang else ids[: n - 1]
-        key = torch.from_numpy(key) if tensors else key
+        key = cache.key(ids[: n - 1])  # untimed, like the rest of the driver's own work
         t0 = clock()
         m, prefix, lock = cache.match_lock(key)
         seconds += clock() - t0
@@ -264,9 +270,7 @@ def drive(
             room(more)
             slots = np.concatenate((slots, pool.take(more)))
         whole = total - total % ps
-        key = array("q", ids[:whole].tobytes()) if sglang else ids[:whole]
-        values = torch.from_numpy(slots[:whole]) if sglang or tensors else slots[:whole]
-        key = torch.from_numpy(key) if tensors else key
+        key, values = cache.key(ids[:whole]), cache.values(slots[:whole])
         t0 = clock()
         already = cache.insert_unlock(lock, key, values)
         seconds += clock() - t0
@@ -329,33 +333,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
-    if args.engines_path is not None:
-        sys.path.insert(0, str(args.engines_path.resolve()))
     if not any(isinstance(f, _TorchvisionStub) for f in sys.meta_path):
         sys.meta_path.insert(0, _TorchvisionStub())
-    try:
-        from sglang.srt.mem_cache import radix_cache  # noqa: F401
-    except ImportError as e:
-        raise SystemExit(
-            f"SGLang's radix cache does not import ({e}); make a folder for it with "
-            "`bash scripts/real_engines_env.sh DIR` and pass --engines-path DIR"
-        ) from None
+    import_engine(args.engines_path, "sglang.srt.mem_cache.radix_cache", "SGLang's radix cache")
     if args.minisgl_path is not None:
         sys.path.insert(0, str(args.minisgl_path.resolve()))
         from minisgl.kernel import fast_compare_key  # compiled here, not inside a timed call
 
         fast_compare_key(torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64))
     torch.set_num_threads(1)
-    info = {
-        "cpu": platform.processor() or platform.machine(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "sglang": "0.5.23",
-        "date": time.strftime("%Y-%m-%d"),
-        "commit": _commit(),
-        "clock": "wall (perf_counter)",
-        "minisgl": _commit(args.minisgl_path) if args.minisgl_path else None,
-    }
+    info = machine(
+        sglang="0.5.23", minisgl=commit(args.minisgl_path) if args.minisgl_path else None
+    )
     print(f"ran on: {info}")
     result: dict[str, Any] = {"machine": info}
     for ps in args.page_size:
@@ -381,9 +370,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     f"{'':22s} mini-sglang {row['minisgl_seconds']:.3f} s = "
                     f"{row['minisgl_ratio']:.2f}x ({same} decisions)"
                 )
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.json, result)
     return result
 
 

@@ -247,18 +247,21 @@ def check_same_length(
         raise ValueError(f"len({name}) ({n}) must equal len({expected_name}) ({expected})")
 
 
-def check_device(device: object, name: str = "device") -> torch.device:
-    """A ``torch.device`` (or its name) that exists on this machine.
-
-    ``TypeError`` for anything but a ``str`` or ``torch.device``; ``ValueError`` for a name torch
-    does not know or a device that is not available (e.g. ``"cuda"`` without a GPU).
-    """
+def as_device(device: object, name: str = "device") -> torch.device:
+    """``torch.device(device)``: ``TypeError`` for anything but a ``str`` or ``torch.device``,
+    ``ValueError`` for a name torch does not know. Whether it exists here is not asked."""
     if not isinstance(device, (str, torch.device)):
         raise TypeError(f"{name} must be a torch.device or str, got {type(device).__name__}")
     try:
-        dev = torch.device(device)
+        return torch.device(device)
     except RuntimeError as e:
         raise ValueError(f"{name} {device!r} is not a device torch knows: {e}") from None
+
+
+def check_device(device: object, name: str = "device") -> torch.device:
+    """A ``torch.device`` (or its name) that exists on this machine: `as_device`, and
+    ``ValueError`` for a device that is not available (e.g. ``"cuda"`` without a GPU)."""
+    dev = as_device(device, name)
     if dev.type == "cpu":
         return dev
     try:

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from .._validate import as_device
 from .checks import check_no_self_overlap, paged_geometry, validate_store_args
 
 try:
@@ -75,12 +76,7 @@ def store_cache_backend(device: torch.device | str) -> str:
     Returns ``"triton"`` (CUDA), ``"triton-interpreter"`` (CPU with ``TRITON_INTERPRET=1`` set
     before import) or ``"torch"`` (anything else).
     """
-    if not isinstance(device, (str, torch.device)):
-        raise TypeError(f"device must be a torch.device or str, got {type(device).__name__}")
-    try:
-        dev = torch.device(device)
-    except RuntimeError as e:
-        raise ValueError(f"device {device!r} is not a device torch knows: {e}") from None
+    dev = as_device(device)
     if _HAVE_TRITON and dev.type in ("cuda", "cpu") and TRITON_INTERPRET:
         return "triton-interpreter"  # with the env var set, Triton interprets CUDA launches too
     if _HAVE_TRITON and dev.type == "cuda":
