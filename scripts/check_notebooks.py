@@ -12,7 +12,11 @@ execute_notebooks: "off"), so `make book` runs this first and fails when a chapt
     nbval's cell tags (`nbval-ignore-output`, `nbval-skip`), or silences a linter with
     `# noqa`: the website shows a cell's source, so both would be printed in the chapter,
   - has a reader's answer cell (a `# Your answer` / `# Your prediction` comment) that the
-    website would show: it must carry the `hide-input` (or `hide-cell`) tag.
+    website would show: it must carry the `hide-input` (or `hide-cell`) tag,
+  - prints a rounding-level number (``5.96e-07``, ``0.00e+00``: how far two float computations
+    differ) in an output nbval compares: its size depends on the CPU's vector instructions, so
+    the test fails on another machine. Print it in a cell tagged `nbval-ignore-output` and
+    assert the bound.
 Empty code cells are skipped (Jupyter does not execute them). Fix a failure with
 `make refresh`, which re-executes every chapter in place.
 
@@ -31,6 +35,9 @@ NBVAL_COMMENT = re.compile(r"^\s*#\s*NBVAL_(\w+)", re.MULTILINE)
 NOQA = re.compile(r"#\s*noqa\b", re.IGNORECASE)
 ANSWER = re.compile(r"^\s*#\s*Your (answer|prediction)", re.MULTILINE | re.IGNORECASE)
 HIDDEN_INPUT = {"hide-input", "hide-cell", "remove-input", "remove-cell"}
+UNCOMPARED = {"nbval-ignore-output", "nbval-skip"}
+# Scientific notation at 1e-6 and below, or a zero written that way: float rounding, not a result.
+ROUNDING = re.compile(r"(?<![\w.])(\d\.\d*e-(0[6-9]|[1-9]\d)|0\.0*e[+-]00)(?![\w.])")
 
 
 def toc_files() -> set[str]:
@@ -93,6 +100,15 @@ def check(path: Path, listed: set[str] | None) -> list[str]:
         expected = count + 1
         for out in cell.get("outputs", []):
             kind = out.get("output_type")
+            text = out.get("text") or out.get("data", {}).get("text/plain") or ""
+            text = "".join(text) if isinstance(text, list) else text
+            m = ROUNDING.search(text) if not tags & UNCOMPARED else None
+            if m:
+                problems.append(
+                    f"{where}: prints the rounding-level number {m.group(1)} where nbval compares "
+                    "it (it differs between CPUs); print it in a cell tagged "
+                    "'nbval-ignore-output' and assert its bound"
+                )
             if kind == "error":
                 problems.append(f"{where}: raised {out.get('ename')}: {out.get('evalue')}")
             elif kind == "execute_result" and out.get("execution_count") not in (None, count):

@@ -24,6 +24,10 @@ def code(source, count, outputs=(), tags=()):
     }
 
 
+def stdout(text):
+    return {"output_type": "stream", "name": "stdout", "text": text}
+
+
 def write(tmp_path, cells):
     nb = {"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
     path = tmp_path / "chapter.ipynb"
@@ -63,6 +67,8 @@ def test_tagged_cells_pass(tmp_path):
             code("print(1)", 1, tags=["nbval-ignore-output"]),
             code("print(2)", 2, tags=["nbval-skip"]),
             code("# Your answer:\nn = 3", 3, tags=["hide-input"]),
+            code("print(d)", 4, [stdout("max |a - b| = 5.96e-07\n")], ["nbval-ignore-output"]),
+            code("print(c)", 5, [stdout("prefill_s_per_token=3.2e-05, 1.5e+03, v1.0e-07x\n")]),
         ],
     )
     r = run_check(path)
@@ -115,6 +121,27 @@ def test_tagged_cells_pass(tmp_path):
         ([code("import os  # noqa: F401", 1)], "`# noqa` shows on the page"),
         ([code("# Your answer:\nn = 3", 1)], "answer cell without the 'hide-input' tag"),
         ([code("# Your prediction:\nn = 3", 1, tags=["hide-output"])], "without the 'hide-input'"),
+        # a float rounding difference in a compared output: CPU-dependent
+        ([code("print(d)", 1, [stdout("largest difference: 5.96e-07\n")])], "number 5.96e-07"),
+        ([code("print(d)", 1, [stdout("max |a - b| = 1.2e-06\n")])], "number 1.2e-06"),
+        ([code("print(d)", 1, [stdout("largest difference: 0.00e+00\n")])], "number 0.00e+00"),
+        (
+            [
+                code(
+                    "d",
+                    1,
+                    [
+                        {
+                            "output_type": "execute_result",
+                            "execution_count": 1,
+                            "data": {"text/plain": ["7.", "2e-08"]},
+                            "metadata": {},
+                        }
+                    ],
+                )
+            ],
+            "number 7.2e-08",
+        ),
     ],
 )
 def test_check_notebooks_fails(tmp_path, cells, message):
