@@ -109,6 +109,21 @@ def test_store_kv_lands_at_page_and_offset(layout, page_size, index_dtype):
 
 
 @pytest.mark.parametrize("layout", list(KVCacheLayout))
+def test_store_kv_takes_rows_as_mini_sglang_passes_them(layout):
+    """K and V as rows ``(n, heads * head_dim)`` (mini-sglang's attention passes them so) land
+    where their ``(n, heads, head_dim)`` form lands."""
+    rows, heads = (
+        make(layout, heads=2, head_dim=4, pages=4, page_size=4),
+        make(layout, heads=2, head_dim=4, pages=4, page_size=4),
+    )
+    k = torch.arange(3 * 8, dtype=torch.float32).view(3, 2, 4) + 1
+    slots = torch.tensor([5, 15, 2], dtype=torch.int32)
+    rows.store_kv(k.flatten(1), -k.flatten(1), slots, 0)
+    heads.store_kv(k, -k, slots, 0)
+    assert torch.equal(rows.buffer, heads.buffer) and rows.buffer.count_nonzero() == 2 * 24
+
+
+@pytest.mark.parametrize("layout", list(KVCacheLayout))
 def test_store_kv_unchecked_drops_out_of_range_slots(layout):
     """check_bounds=False (no host sync): good slots land, a bad one writes nothing anywhere."""
     c = make(layout, heads=2, layers=2, head_dim=4, pages=4, page_size=4)

@@ -139,6 +139,40 @@ def test_non_contiguous_sources(fn):
     assert torch.equal(vc, reference(torch.zeros_like(vc), idx, v))
 
 
+@pytest.mark.parametrize("fn", BACKENDS)
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_mini_sglang_row_form(fn, index_dtype):
+    """mini-sglang's own store test, small: K and V caches as rows of one (slots, 2, row) buffer,
+    K and V as column slices of a fused qkv tensor (strided rows)."""
+    row, slots = 24, 64
+    g = torch.Generator().manual_seed(7)
+    kv_cache = torch.randn(slots, 2, row, generator=g)
+    k_cache, v_cache = kv_cache[:, 0, :], kv_cache[:, 1, :]
+    for bs in (1, 2, 8, 33):
+        indices = torch.randperm(slots, generator=g)[:bs].to(index_dtype)
+        qkv = torch.randn(bs, row * 4, generator=g)
+        k, v = qkv[:, :row], qkv[:, row : 2 * row]
+        before = kv_cache.clone()
+        fn(k_cache, v_cache, indices, k, v)
+        assert torch.equal(k_cache[indices], k) and torch.equal(v_cache[indices], v), bs
+        untouched = torch.ones(slots, dtype=torch.bool)
+        untouched[indices.long()] = False
+        assert torch.equal(kv_cache[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("fn", BACKENDS)
+@pytest.mark.parametrize("kind,page_size", [("flat_strided", 1), ("page_first", 4)])
+def test_rows_of_heads_into_a_head_cache(fn, kind, page_size):
+    """Sources as rows ``(n, heads * head_dim)`` (a model's projection output) into a cache of
+    ``(heads, head_dim)``: the same cache as with the ``(n, heads, head_dim)`` form."""
+    heads, dim = 3, 5
+    kc, vc = make_caches(kind, 16 // page_size, page_size, heads, dim)
+    idx, k, v = random_batch(6, 16, heads, dim, torch.float32, torch.int32, seed=2)
+    fn(kc, vc, idx, k.flatten(1), v.flatten(1))
+    assert torch.equal(kc, reference(torch.zeros_like(kc), idx, k))
+    assert torch.equal(vc, reference(torch.zeros_like(vc), idx, v))
+
+
 @needs_interpreter
 def test_triton_tiles_many_heads():
     """heads * head_dim above one program's tile: the kernel splits heads over grid axis 1."""
@@ -187,6 +221,10 @@ def _misuse_cases():
         (ValueError, dict(v_cache=torch.zeros(4, 2, 2, 5))),
         (ValueError, dict(v_cache=vc.half())),
         (ValueError, dict(k_cache=torch.zeros(8, 2))),
+        # rows: only of the cache's heads * head_dim, and a cache of rows needs both of them so
+        (ValueError, dict(k=torch.ones(2, 7))),
+        (ValueError, dict(v=torch.ones(2, 4))),
+        (ValueError, dict(k_cache=torch.zeros(8, 8), v_cache=torch.zeros(8, 8))),
         (ValueError, dict(k=torch.ones(2, 2, 4, device="meta"))),
         (ValueError, dict(indices=torch.zeros(2, dtype=torch.int32, device="meta"))),
         # a cache that overlaps itself: every slot of a page is the same memory

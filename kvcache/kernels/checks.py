@@ -9,7 +9,15 @@ import torch
 
 from .._validate import check_dense, min_max
 
-__all__ = ["check_no_self_overlap", "check_tensor", "paged_geometry", "validate_store_args"]
+__all__ = [
+    "check_no_self_overlap",
+    "check_tensor",
+    "paged_geometry",
+    "row_views",
+    "validate_store_args",
+]
+
+StoreViews = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -46,6 +54,25 @@ def check_no_self_overlap(t: torch.Tensor, name: str) -> None:
             )
 
 
+def row_views(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> StoreViews:
+    """mini-sglang's form of the call as this module's: a cache of rows ``(num_slots, row)`` is
+    seen as ``(num_slots, 1, row)``, and sources of rows ``(n, row)`` as ``(n, heads, head_dim)``
+    of their cache (``row == heads * head_dim``). Views only (splitting a dimension never needs a
+    copy); any other shape is passed on as it is, for `validate_store_args` to judge."""
+    if k_cache.dim() == 2 and v_cache.dim() == 2:
+        k_cache, v_cache = k_cache.unsqueeze(1), v_cache.unsqueeze(1)
+    if k_cache.dim() in (3, 4):
+        heads, head_dim = k_cache.shape[-2:]
+        row = heads * head_dim
+        if k.dim() == 2 and k.shape[1] == row:
+            k = k.view(k.shape[0], heads, head_dim)
+        if v.dim() == 2 and v.shape[1] == row:
+            v = v.view(v.shape[0], heads, head_dim)
+    return k_cache, v_cache, k, v
+
+
 def validate_store_args(
     k_cache: object,
     v_cache: object,
@@ -53,13 +80,16 @@ def validate_store_args(
     k: object,
     v: object,
     check_bounds: bool,
-) -> int:
-    """Check every argument; return ``num_slots``. Raises before anything is written."""
-    k_cache = check_tensor(k_cache, "k_cache")
-    v_cache = check_tensor(v_cache, "v_cache")
+) -> StoreViews:
+    """Check every argument; return ``(k_cache, v_cache, k, v)`` as the kernel takes them
+    (`row_views`). Raises before anything is written."""
+    k_cache, v_cache, k, v = row_views(
+        check_tensor(k_cache, "k_cache"),
+        check_tensor(v_cache, "v_cache"),
+        check_tensor(k, "k"),
+        check_tensor(v, "v"),
+    )
     indices = check_tensor(indices, "indices")
-    k = check_tensor(k, "k")
-    v = check_tensor(v, "v")
     if k_cache.dim() not in (3, 4):
         paged_geometry(k_cache, "k_cache")
     if v_cache.shape != k_cache.shape:
@@ -94,4 +124,4 @@ def validate_store_args(
         if lo < 0 or hi >= num_slots:
             bad = lo if lo < 0 else hi
             raise IndexError(f"index {bad} is outside [0, num_slots={num_slots})")
-    return num_slots
+    return k_cache, v_cache, k, v

@@ -8,6 +8,9 @@ Shapes
     stride and the in-page stride as they are.
     ``k``, ``v``: ``(n, heads, head_dim)``, same dtype and device as the caches.
     ``indices``: ``(n,)``, ``torch.int32`` or ``torch.int64``, same device.
+    mini-sglang's form is taken too: caches of rows ``(num_slots, row)`` and sources of rows
+    ``(n, row)``, with ``row = heads * head_dim`` of the cache (seen as ``heads = 1`` for a cache
+    of rows; views, no copy).
     Every argument may be any view (strided, transposed, sliced, expanded with stride 0, with a
     storage offset): the Triton kernel is given every stride, ``indices``' included, so it reads
     exactly the logical values the bounds check read. A cache that overlaps itself (a stride-0
@@ -150,7 +153,7 @@ def store_cache_torch(
     check_bounds: bool = True,
 ) -> None:
     """:func:`store_cache` forced onto the torch backend (any device)."""
-    validate_store_args(k_cache, v_cache, indices, k, v, check_bounds)
+    k_cache, v_cache, k, v = validate_store_args(k_cache, v_cache, indices, k, v, check_bounds)
     if indices.numel():
         _store_torch(k_cache, v_cache, indices, k, v, guard=not check_bounds)
 
@@ -281,7 +284,7 @@ def store_cache_triton(
     CUDA tensors, or CPU tensors when ``TRITON_INTERPRET=1`` was set before import; otherwise
     ``RuntimeError``.
     """
-    validate_store_args(k_cache, v_cache, indices, k, v, check_bounds)
+    k_cache, v_cache, k, v = validate_store_args(k_cache, v_cache, indices, k, v, check_bounds)
     if store_cache_backend(k_cache.device) not in ("triton", "triton-interpreter"):
         raise RuntimeError(
             f"the Triton store kernel cannot run on {k_cache.device}: it needs CUDA, or the CPU "
@@ -304,6 +307,8 @@ def store_cache(
 
     Shapes: caches ``(num_slots, heads, head_dim)`` or ``(num_pages, page_size, heads, head_dim)``
     (any strides); ``k``, ``v`` ``(n, heads, head_dim)``; ``indices`` ``(n,)`` int32/int64.
+    As in mini-sglang, ``k`` and ``v`` may also be rows ``(n, heads * head_dim)``, and the caches
+    rows ``(num_slots, row)`` (with sources ``(n, row)``).
     The backend is :func:`store_cache_backend` of the caches' device.
 
     Raises, before writing anything: ``TypeError`` for a non-tensor argument; ``ValueError`` for
@@ -314,7 +319,7 @@ def store_cache(
     is read through its strides; a cache that overlaps itself raises ``ValueError``. With
     duplicate indices, which token's row ends up in the slot is unspecified.
     """
-    validate_store_args(k_cache, v_cache, indices, k, v, check_bounds)
+    k_cache, v_cache, k, v = validate_store_args(k_cache, v_cache, indices, k, v, check_bounds)
     if indices.numel() == 0:
         return
     if store_cache_backend(k_cache.device) == "torch":

@@ -136,7 +136,8 @@ class MHAKVCache(BaseKVCache):
     ) -> None:
         """Write ``k[i]``, ``v[i]`` to slot ``out_loc[i]`` of layer ``layer_id``.
 
-        ``k``, ``v``: ``(n, local_kv_heads, head_dim)`` in the pool's dtype, on its device;
+        ``k``, ``v``: ``(n, local_kv_heads, head_dim)`` (or rows ``(n, local_kv_heads * head_dim)``,
+        as mini-sglang passes them) in the pool's dtype, on its device;
         ``out_loc``: ``(n,)`` int32 (int64 is accepted too) slots ``page * page_size + offset``.
         Errors as :func:`kvcache.kernels.store_cache` (``ValueError`` for mismatches,
         ``IndexError`` for a slot outside ``[0, num_slots)``), plus ``IndexError`` for a bad
