@@ -33,7 +33,8 @@ OPT_TESTS := tests/test_misuse.py tests/test_serving_misuse.py tests/test_flow_r
              tests/test_mha_pool.py tests/test_store_cache.py tests/test_kernel_views.py \
              tests/test_distributed.py tests/test_tp.py tests/test_radix_manager.py \
              tests/test_block_manager.py tests/test_flow_stateful.py tests/test_scheduler.py \
-             tests/test_host_tier.py tests/test_router.py tests/test_tenancy.py tests/test_diagrams.py
+             tests/test_host_tier.py tests/test_router.py tests/test_tenancy.py tests/test_diagrams.py \
+             tests/test_registry.py
 XDIST ?= -n auto --dist loadfile
 NBVAL_FLAGS := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
                --nbval-cell-timeout=1200

@@ -2,7 +2,7 @@
 
 `BaseCacheManager` (the contract every manager keeps), `NaiveCacheManager` (caches nothing),
 `RadixCacheManager` (a radix tree with pluggable eviction policies) and `BlockHashCacheManager`
-(chained block hashes, vLLM style). Every manager keeps prefixes of different namespaces
+(chained block hashes, vLLM style), each also by name (`create_cache_manager`). Every manager keeps prefixes of different namespaces
 (``extra_key``) apart; the radix and block-hash ones can log `BlockStored`, `BlockRemoved` and
 `AllCleared` events (``events=True``, read with ``take_events()``) for a mirror outside.
 Managers see token ids and slot indices only: they import neither the storage, the kernels nor
@@ -15,6 +15,13 @@ from .cache_events import AllCleared, BlockRemoved, BlockStored, CacheEvent
 from .eviction import EVICTION_POLICIES, register_eviction_policy
 from .naive import NaiveCacheHandle, NaiveCacheManager
 from .radix import RadixCacheHandle, RadixCacheManager, RadixTreeNode
+from .registry import (
+    SUPPORTED_CACHE_MANAGER,
+    CacheManagerFactory,
+    Registry,
+    RegistryError,
+    create_cache_manager,
+)
 
 __all__ = [
     "BaseCacheHandle",
@@ -31,6 +38,11 @@ __all__ = [
     "CachedBlock",
     "EVICTION_POLICIES",
     "register_eviction_policy",
+    "SUPPORTED_CACHE_MANAGER",
+    "create_cache_manager",
+    "CacheManagerFactory",
+    "Registry",
+    "RegistryError",
     "BlockStored",
     "BlockRemoved",
     "AllCleared",
