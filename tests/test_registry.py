@@ -136,3 +136,38 @@ def test_create_kvcache_names_what_a_config_lacks():
         create_kvcache(TinyLlamaConfig(), 0, torch.float32, "cpu")
     with pytest.raises(TypeError, match="kv_layout"):
         create_kvcache(TinyLlamaConfig(), 4, torch.float32, "cpu", "LayerFirst")
+
+
+@pytest.mark.parametrize("name", ["naive", "radix"])
+def test_the_call_pattern_of_mini_sglangs_scheduler(name):
+    """mini-sglang's scheduler at the guide's commit keeps a free list of slots beside a manager
+    made by `create_cache_manager(device=..., type=...)`: match ``input_ids[:-1]``, lock, take
+    slots (evicting when the free list is short), insert the finished request, free its slots
+    in ``[cached_len, already cached)``, unlock. Its integrity rule: free slots plus the
+    manager's ``total_size`` are the whole pool, after every request."""
+    device, num_slots = torch.device("cpu"), 48
+    m = create_cache_manager(device=device, type=name)
+    free = torch.arange(num_slots, dtype=torch.int32)
+    g = torch.Generator().manual_seed(0)
+    systems = [torch.randint(0, 50, (10,), generator=g) for _ in range(3)]
+    reused = 0
+    for i in range(40):
+        tail = torch.randint(0, 50, (int(torch.randint(1, 8, (1,), generator=g)),), generator=g)
+        input_ids = torch.cat([systems[i % 3], tail])
+        handle, prefix = m.match_prefix(input_ids[: len(input_ids) - 1])
+        m.lock_handle(handle, unlock=False)
+        need = len(input_ids) - handle.cached_len
+        if need > len(free):
+            free = torch.cat([free, m.evict(need - len(free))])
+        new, free = free[:need], free[need:]
+        indices = torch.cat([prefix, new])
+        in_cache = m.insert_prefix(input_ids, indices)
+        free = torch.cat([free, indices[handle.cached_len : in_cache]])
+        m.lock_handle(handle, unlock=True)
+        reused += handle.cached_len
+        m.check_integrity()
+        assert len(free) + m.size_info.total_size == num_slots
+        assert m.size_info.protected_size == 0
+        held = torch.cat([free, m.cached_indices()]).sort().values
+        assert torch.equal(held, torch.arange(num_slots, dtype=torch.int32))  # none twice
+    assert (reused > 0) == (name == "radix")
