@@ -108,6 +108,10 @@ class MHAKVCache(BaseKVCache):
             )
             # (2, pages, layers, ...) -> (2, layers, pages, ...): a strided view, no copy.
             self._kv = self._buffer.permute(0, 2, 1, 3, 4, 5)
+        # Each layer's (K, V) views, made once: `store_kv` runs per layer per step, and indexing
+        # the buffer anew costs a few microseconds of host time a call. Never handed out
+        # (`k_cache` makes a fresh view), so no caller can change their shape or strides.
+        self._layers = [(self._kv[0, i], self._kv[1, i]) for i in range(num_layers)]
 
     # -- views ----------------------------------------------------------------------------------
 
@@ -145,10 +149,8 @@ class MHAKVCache(BaseKVCache):
         ``store_cache``: no host sync (a CUDA graph can capture the call) and out-of-range slots
         are dropped by the kernel's device-side guard instead of raising.
         """
-        layer_id = self._check_layer(layer_id)
-        store_cache(
-            self._kv[0, layer_id], self._kv[1, layer_id], out_loc, k, v, check_bounds=check_bounds
-        )
+        k_cache, v_cache = self._layers[self._check_layer(layer_id)]
+        store_cache(k_cache, v_cache, out_loc, k, v, check_bounds=check_bounds)
 
     # -- facts ----------------------------------------------------------------------------------
 
