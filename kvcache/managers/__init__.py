@@ -5,8 +5,8 @@
 (chained block hashes, vLLM style), each also by name (`create_cache_manager`). Every manager
 keeps prefixes of different namespaces (``extra_key``) apart; the radix and block-hash ones can
 log `BlockStored`, `BlockRemoved` and `AllCleared` events (``events=True``, read with
-``take_events()``) for a mirror outside. Managers see token ids and slot indices only: they import neither the storage, the kernels nor
-anything that serves or draws.
+``take_events()``) for a mirror outside. Managers see token ids and slot indices only: they
+import neither the storage, the kernels nor anything that serves or draws.
 """
 
 from .base import BaseCacheHandle, BaseCacheManager, InsertResult, SizeInfo
