@@ -2,7 +2,8 @@
 
 `BaseKVCache` and `KVCacheLayout` (the contract), `MHAKVCache` (one paged K+V buffer, LayerFirst
 or PageFirst) and `create_kvcache` (one for a model's shape), and the tensor-parallel info that
-decides how many KV heads a rank holds. Imports only the kernels below it (`MHAKVCache.store_kv` calls `store_cache`).
+decides how many KV heads a rank holds. Imports only the kernels below it
+(`MHAKVCache.store_kv` calls `store_cache`).
 """
 
 from .base import BaseKVCache, KVCacheLayout
