@@ -44,6 +44,7 @@ class EvictionPolicy(Protocol):
         ...
 
 
+#: The eviction policies by name (``"lru"``, ``"fifo"``); `register_eviction_policy` adds one.
 EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {}
 
 
