@@ -722,6 +722,15 @@ def test_api_page_documents_every_public_name(page, module):
     names = importlib.import_module(module).__all__
     missing = [n for n in names if f'id="{module}.{n}"' not in html]
     assert not missing, f"book/api/{page}.html documents none of {missing} (from {module}.__all__)"
+    # ...and its summary table says what each one is: no row with an empty description
+    blank = []
+    for row in re.findall(r'<tr class="row-(?:odd|even)">(.*?)</tr>', html, re.S):
+        cells = [
+            re.sub(r"<[^>]+>", "", c).strip() for c in re.findall(r"<td>(.*?)</td>", row, re.S)
+        ]
+        if len(cells) >= 2 and not cells[1]:
+            blank.append(cells[0])
+    assert not blank, f"book/api/{page}.html: summary rows with no description: {blank}"
 
 
 @needs_site

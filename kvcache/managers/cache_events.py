@@ -68,6 +68,7 @@ class AllCleared(NamedTuple):
     """Every cached prefix of every namespace was forgotten (``reset``)."""
 
 
+#: One entry of `take_events()`: a `BlockStored`, `BlockRemoved` or `AllCleared`.
 CacheEvent = BlockStored | BlockRemoved | AllCleared
 
 
