@@ -37,6 +37,7 @@ ANSWER = re.compile(r"^\s*#\s*Your (answer|prediction)", re.MULTILINE | re.IGNOR
 HIDDEN_INPUT = {"hide-input", "hide-cell", "remove-input", "remove-cell"}
 UNCOMPARED = {"nbval-ignore-output", "nbval-skip"}
 # Scientific notation at 1e-6 and below, or a zero written that way: float rounding, not a result.
+# With a decimal point only: a bare ``1e-06`` in the chapters is a printed tolerance, a constant.
 ROUNDING = re.compile(r"(?<![\w.])(\d\.\d*e-(0[6-9]|[1-9]\d)|0\.0*e[+-]00)(?![\w.])")
 
 
