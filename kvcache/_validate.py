@@ -19,6 +19,8 @@ import torch
 _INT_DTYPES = frozenset((torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8))
 
 _UNSIGNED = {4: np.uint32, 8: np.uint64}
+_NP_INT_DTYPES = frozenset(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64, np.uint8))
+_I64, _I32 = np.dtype(np.int64), np.dtype(np.int32)
 
 #: Slots are ``torch.int32``: a pool may hold at most this many token slots.
 MAX_SLOTS = 2**31 - 1
@@ -138,6 +140,48 @@ def check_indices(indices: object, device: torch.device, name: str = "indices") 
     if indices.device != device:
         raise ValueError(f"{name} must be on device {device}, got {indices.device}")
     return indices
+
+
+def token_ids(input_ids: object, name: str = "input_ids") -> np.ndarray:
+    """Token ids as the package computes with them: a C-contiguous 1-D ``int64`` NumPy array.
+
+    ``input_ids`` must be what `check_token_ids` accepts (a dense 1-D integer tensor on the
+    CPU; same errors). Returns a view of its memory when it is C-contiguous int64 already (the
+    common case costs one ``numpy()`` call), a converted copy otherwise.
+    """
+    ids: np.ndarray | None = None
+    if isinstance(input_ids, torch.Tensor):
+        try:
+            ids = input_ids.numpy()  # only a dense CPU tensor gets past here
+        except (TypeError, RuntimeError):  # sparse, or requires grad
+            ids = None
+    if ids is not None and ids.dtype is _I64 and ids.ndim == 1 and ids.flags.c_contiguous:
+        return ids
+    if ids is None or ids.ndim != 1 or ids.dtype not in _NP_INT_DTYPES:
+        check_token_ids(input_ids, name)  # raises with the standard message
+        raise TypeError(f"{name} must be a 1-D integer tensor on the CPU, got {input_ids!r:.80}")
+    return np.ascontiguousarray(ids, dtype=np.int64)
+
+
+def slot_array(indices: object, device: torch.device, name: str = "indices") -> np.ndarray:
+    """KV slots as the package computes with them: a 1-D ``int32`` NumPy array on the host.
+
+    ``indices`` must be what `check_indices` accepts (a dense 1-D ``torch.int32`` tensor on
+    ``device``; same errors). On the CPU the result is a view of its memory; from another
+    device, a host copy (one transfer).
+    """
+    if device.type != "cpu":
+        return check_indices(indices, device, name).cpu().numpy()
+    slots: np.ndarray | None = None
+    if isinstance(indices, torch.Tensor):
+        try:
+            slots = indices.numpy()
+        except (TypeError, RuntimeError):
+            slots = None
+    if slots is not None and slots.dtype is _I32 and slots.ndim == 1:
+        return slots
+    check_indices(indices, device, name)  # raises with the standard message
+    raise TypeError(f"{name} must be a 1-D torch.int32 tensor on {device}, got {indices!r:.80}")
 
 
 def native_order(arr: np.ndarray) -> np.ndarray:

@@ -151,3 +151,34 @@ def test_every_chapter_opens_with_objectives_and_closes_with_a_summary():
         assert heads and heads[-1][1].strip() == "## Summary", (
             f"{name}: last section is not ## Summary"
         )
+
+
+#: Chapters whose code still reads a private name of the package (issue 26), to be emptied: a
+#: learner copies what a cell does, so a cell uses only public names. A stale entry fails too.
+PRIVATE_NAMES_STILL_READ = {
+    "04_integrity.ipynb",
+    "06_mha_pool.ipynb",
+    "10_radix_tree.ipynb",
+    "11_lock_evict.ipynb",
+}
+
+
+def test_chapters_use_only_public_names():
+    """No code cell reads or writes ``obj._name`` (dunders such as ``__version__`` aside)."""
+    import json
+
+    private = re.compile(r"\.(_[A-Za-z0-9][A-Za-z0-9_]*)\b")
+    found: dict[str, list[str]] = {}
+    for nb_path in sorted(BOOK.glob("*.ipynb")):
+        cells = json.loads(nb_path.read_text())["cells"]
+        for i, cell in enumerate(cells):
+            if cell["cell_type"] != "code":
+                continue
+            for name in private.findall("".join(cell["source"])):
+                found.setdefault(nb_path.name, []).append(f"{nb_path.name} cell {i}: .{name}")
+    broken = {nb: f for nb, f in found.items() if nb not in PRIVATE_NAMES_STILL_READ}
+    stale = sorted(PRIVATE_NAMES_STILL_READ - set(found))
+    assert not broken, "chapters read private names:\n" + "\n".join(
+        x for f in broken.values() for x in f
+    )
+    assert not stale, f"these chapters use only public names now; drop them from the list: {stale}"

@@ -8,6 +8,7 @@ function, and a cycle through type-only imports counts as a cycle.
 from __future__ import annotations
 
 import ast
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -69,7 +70,8 @@ FORBIDDEN_OUTSIDE = {
 #: Heavy packages that ``import kvcache`` must not load.
 HEAVY = ("graphviz", "ipywidgets", "matplotlib", "IPython", "kvcache.examples")
 
-MAX_LINES = 400
+#: A module longer than this must say in its docstring why it is one module ("long because").
+LONG_MODULE = 900
 
 
 def _module_name(path: Path) -> str:
@@ -170,18 +172,153 @@ def _graph_modules() -> set[str]:
     return {_module_name(p) for p in PACKAGE.rglob("*.py")}
 
 
-def test_no_module_is_too_long():
+def _trees() -> dict[str, ast.Module]:
+    return {
+        str(p.relative_to(PACKAGE.parent)): ast.parse(p.read_text(), str(p))
+        for p in sorted(PACKAGE.rglob("*.py"))
+    }
+
+
+#: Modules that break a rule of the house below and are still to be moved (issue 26). An entry
+#: must be removed once its module keeps the rule: the tests fail on a stale entry too.
+STILL_TO_MOVE: dict[str, set[str]] = {
+    "borrowed_methods": {
+        "kvcache/managers/block_hash.py",
+        "kvcache/managers/radix.py",
+        "kvcache/managers/radix_roots.py",
+    },
+    "private_bases": {
+        "kvcache/managers/radix.py",
+        "kvcache/managers/radix_locks.py",
+        "kvcache/serving/allocator.py",
+        "kvcache/serving/request_flow.py",
+    },
+    "private_imports": {"kvcache/kernels/attention.py"},
+    "private_attributes": {
+        "kvcache/managers/block_locks.py",
+        "kvcache/managers/radix_locks.py",
+        "kvcache/managers/radix_roots.py",
+        "kvcache/serving/allocator_flow.py",
+        "kvcache/serving/flow_batch.py",
+    },
+}
+
+
+def _check_rule(rule: str, found: dict[str, list[str]]) -> None:
+    waived = STILL_TO_MOVE[rule]
+    broken = {m: f for m, f in found.items() if m not in waived}
+    stale = sorted(waived - set(found))
+    assert not broken, f"{rule}:\n" + "\n".join(x for f in broken.values() for x in f)
+    assert not stale, (
+        f"{rule}: these modules keep the rule now; take them off STILL_TO_MOVE: {stale}"
+    )
+
+
+def test_no_module_is_long_without_a_reason():
+    """A learner reads a module top to bottom: past LONG_MODULE lines it says why it is one."""
     long = {
         str(p.relative_to(PACKAGE.parent)): n
         for p in PACKAGE.rglob("*.py")
-        if (n := len(p.read_text().splitlines())) > MAX_LINES
+        if (n := len(p.read_text().splitlines())) > LONG_MODULE
+        and "long because" not in (ast.get_docstring(ast.parse(p.read_text())) or "")
     }
-    assert not long, f"modules over {MAX_LINES} lines: {long}"
+    assert not long, f"modules over {LONG_MODULE} lines whose docstring does not say why: {long}"
+
+
+def _package_imports(tree: ast.Module) -> dict[str, str]:
+    """Names a module imports from other modules of the package, and where from."""
+    names: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (
+            node.level or (node.module or "").startswith("kvcache")
+        ):
+            for alias in node.names:
+                names[alias.asname or alias.name] = "." * node.level + (node.module or "")
+    return names
+
+
+def test_one_class_lives_in_one_file():
+    """No class takes a method (or any attribute) from a function or class of another module:
+    its body is all there, where a learner opens it."""
+    found: dict[str, list[str]] = {}
+    for mod, tree in _trees().items():
+        imported = _package_imports(tree)
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            for stmt in cls.body:
+                value = stmt.value if isinstance(stmt, (ast.Assign, ast.AnnAssign)) else None
+                root = value
+                while isinstance(root, ast.Attribute):
+                    root = root.value
+                if isinstance(root, ast.Name) and root.id in imported:
+                    found.setdefault(mod, []).append(
+                        f"{mod}:{stmt.lineno} {cls.name} takes {ast.unparse(value)} "
+                        f"from {imported[root.id]}"
+                    )
+    _check_rule("borrowed_methods", found)
+
+
+def _public_names() -> set[str]:
+    import kvcache
+
+    names = set(kvcache.__all__)
+    for layer in ("managers", "serving", "storage", "kernels", "viz"):
+        names |= set(getattr(importlib.import_module(f"kvcache.{layer}"), "__all__", ()))
+    return names
+
+
+def test_no_mixins():
+    """A class extends a class of another module only if that class is public (a contract such
+    as `BaseCacheManager`), never a private piece of itself kept elsewhere."""
+    public = _public_names()
+    found: dict[str, list[str]] = {}
+    for mod, tree in _trees().items():
+        imported = _package_imports(tree)
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            for base in cls.bases:
+                name = base.attr if isinstance(base, ast.Attribute) else getattr(base, "id", None)
+                if name in imported and name not in public:
+                    found.setdefault(mod, []).append(
+                        f"{mod}:{cls.lineno} {cls.name} extends {name} from {imported[name]}"
+                    )
+    _check_rule("private_bases", found)
+
+
+def test_no_private_name_is_imported():
+    """``from .x import _y`` reads another module's private name: never."""
+    found: dict[str, list[str]] = {}
+    for mod, tree in _trees().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (
+                node.level or (node.module or "").startswith("kvcache")
+            ):
+                for alias in node.names:
+                    if alias.name.startswith("_") and not alias.name.startswith("__"):
+                        found.setdefault(mod, []).append(
+                            f"{mod}:{node.lineno} imports {alias.name}"
+                        )
+    _check_rule("private_imports", found)
+
+
+def _is_record_class(cls: ast.ClassDef) -> bool:
+    """A dataclass or NamedTuple: its annotated names are fields it owns."""
+    decorators = {ast.unparse(d).split("(")[0].rsplit(".", 1)[-1] for d in cls.decorator_list}
+    bases = {ast.unparse(b).rsplit(".", 1)[-1] for b in cls.bases}
+    return "dataclass" in decorators or "NamedTuple" in bases
 
 
 def _owned_private_names(tree: ast.AST) -> set[str]:
-    """Private attributes a module defines itself: ``self._x = ...``, ``def _x``, slots, fields."""
+    """Private attributes a module defines itself: ``self._x = ...``, ``def _x``, slots, fields.
+
+    A bare annotation in a class body (``_x: int``, no value) owns nothing unless the class is a
+    dataclass or NamedTuple: annotating another class's private state to call into it is the
+    loophole this closes."""
     owned: set[str] = set()
+    records = {
+        id(stmt)
+        for cls in ast.walk(tree)
+        if isinstance(cls, ast.ClassDef) and _is_record_class(cls)
+        for stmt in cls.body
+    }
     for node in ast.walk(tree):
         if (
             isinstance(node, ast.Attribute)
@@ -194,7 +331,10 @@ def _owned_private_names(tree: ast.AST) -> set[str]:
         ):
             owned.add(node.name)
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            owned.add(node.target.id)
+            if node.value is not None or id(node) in records:
+                owned.add(node.target.id)
+        elif isinstance(node, ast.Assign):
+            owned.update(t.id for t in node.targets if isinstance(t, ast.Name))
         elif (
             isinstance(node, ast.Constant)
             and isinstance(node.value, str)
@@ -206,9 +346,8 @@ def _owned_private_names(tree: ast.AST) -> set[str]:
 
 def test_no_reach_into_private_attributes_of_other_modules():
     """``obj._x`` only for a ``_x`` the same module defines; ``getattr(obj, "_x")`` never."""
-    found = []
-    for path in PACKAGE.rglob("*.py"):
-        tree = ast.parse(path.read_text())
+    found: dict[str, list[str]] = {}
+    for mod, tree in _trees().items():
         owned = _owned_private_names(tree)
         for node in ast.walk(tree):
             if (
@@ -217,7 +356,7 @@ def test_no_reach_into_private_attributes_of_other_modules():
                 and not node.attr.startswith("__")
                 and node.attr not in owned
             ):
-                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} .{node.attr}")
+                found.setdefault(mod, []).append(f"{mod}:{node.lineno} .{node.attr}")
             if (
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Name)
@@ -226,10 +365,10 @@ def test_no_reach_into_private_attributes_of_other_modules():
                 and isinstance(node.args[1], ast.Constant)
                 and str(node.args[1].value).startswith("_")
             ):
-                found.append(
-                    f"{path.relative_to(PACKAGE)}:{node.lineno} getattr {node.args[1].value}"
+                found.setdefault(mod, []).append(
+                    f"{mod}:{node.lineno} getattr {node.args[1].value}"
                 )
-    assert not found, "private attributes of other modules:\n" + "\n".join(found)
+    _check_rule("private_attributes", found)
 
 
 def test_import_kvcache_loads_nothing_heavy():
