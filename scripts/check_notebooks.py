@@ -16,7 +16,17 @@ execute_notebooks: "off"), so `make book` runs this first and fails when a chapt
   - prints a rounding-level number (``5.96e-07``, ``0.00e+00``: how far two float computations
     differ) in an output nbval compares: its size depends on the CPU's vector instructions, so
     the test fails on another machine. Print it in a cell tagged `nbval-ignore-output` and
-    assert the bound.
+    assert the bound,
+  - quotes in its prose a number that no cell computed: a decimal, a number with a unit
+    (``29.4 µs``, ``3.2x``, ``56%``, ``4,096 tokens``) or an integer from 1,000 up must be glued
+    from the cell that computed it (myst-nb's ``{glue:text}`` role), or equal (at the precision
+    the prose gives) a number printed by a compared output of the chapter or written in its
+    code, or be listed under the notebook's ``kvcache.prose_constants`` metadata with the
+    reason it is a constant of the text (a number quoted from a paper or a real server's
+    code). A number printed only by a cell whose output nbval ignores varies between runs: it
+    must be glued. Numbers in code spans, math, roles, links, headings and section references
+    (``§13.4``) are not prose numbers. Chapters listed in ``PROSE_NUMBERS_UNCHECKED`` are not
+    checked yet (issue 28 glues them one by one; an entry that passes fails as stale).
 Empty code cells are skipped (Jupyter does not execute them). Fix a failure with
 `make refresh`, which re-executes every chapter in place.
 
@@ -38,6 +48,43 @@ HIDDEN_INPUT = {"hide-input", "hide-cell", "remove-input", "remove-cell"}
 UNCOMPARED = {"nbval-ignore-output", "nbval-skip"}
 # Scientific notation at 1e-6 and below, or a zero written that way: float rounding, not a result.
 # With a decimal point only: a bare ``1e-06`` in the chapters is a printed tolerance, a constant.
+# A prose number: digits (with thousands commas or a decimal point), an optional unit.
+_UNIT = (
+    r"(?:\s?(?:µs|us|ns|ms|s|%|x|×|[KMGT]i?B(?:/s)?|req/s|tokens/s|tok/s|tokens|pages|slots|steps))"
+)
+PROSE_NUMBER = re.compile(
+    r"(?<![\w./#§])(\d{1,3}(?:,\d{3})+|\d+(?:\.\d+)?)(" + _UNIT + r"(?![\w/]))?(?![\w.,]*\d)"
+)
+OUTPUT_NUMBER = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:e[-+]?\d+)?")
+# A ratio in words ("about two times", "three-fold"): measured, so it must be backed too.
+_WORDS = [
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "eleven",
+    "twelve",
+]
+WORD_RATIO = re.compile(r"\b(" + "|".join(_WORDS) + r")(?:\s+times\b|-fold\b)", re.I)
+NOT_PROSE = [  # what is removed from markdown before its numbers are read
+    re.compile(r"```.*?```|~~~.*?~~~", re.S),  # fenced blocks and directives
+    re.compile(r"\{[\w:-]+\}`[^`]*`"),  # roles: {glue:text}`x`, {ref}`y`
+    re.compile(r"`[^`]*`"),  # code spans
+    re.compile(r"\]\([^)]*\)|<[^>]+>"),  # link targets, HTML tags
+    re.compile(r"\$\$.*?\$\$|\$[^$\n]*\$", re.S),  # math
+    re.compile(r"^#+ .*$|^\s*(?:\d+\.|[-*+])\s", re.M),  # headings, list markers
+    re.compile(r"§\s?[\d.]+|\b\d+(?:\.\d+){2,}\b|\b\d{4}-\d{2}(?:-\d{2})?\b"),  # §, versions, dates
+]
+#: Chapters whose prose numbers are not glued yet (issue 28); a passing entry is stale.
+PROSE_NUMBERS_UNCHECKED = {
+    "01_why", "05_layouts", "06_mha_pool", "08_page_size", "11_lock_evict", "12_workloads",
+    "12b_block_hash", "13_tiny_model", "16_isolation", "17_routing", "18_host_tier",
+}  # fmt: skip
 ROUNDING = re.compile(r"(?<![\w.])(\d\.\d*e-(0[6-9]|[1-9]\d)|0\.0*e[+-]00)(?![\w.])")
 
 
@@ -57,6 +104,51 @@ def toc_files() -> set[str]:
 
     walk({k: v for k, v in toc.items() if k != "root"})
     return {str(Path(f).with_suffix("")) for f in files}
+
+
+def _numbers(text: str) -> set[float]:
+    return {float(m.group(0).replace(",", "")) for m in OUTPUT_NUMBER.finditer(text)}
+
+
+def _output_text(out: dict) -> str:
+    data = out.get("data", {})
+    text = out.get("text") or data.get("text/plain") or data.get("text/html") or ""
+    return "".join(text) if isinstance(text, list) else text
+
+
+def unbacked_prose_numbers(nb: dict) -> list[str]:
+    """The numbers the chapter's prose quotes that no compared output, code cell or declared
+    constant backs (see the module docstring)."""
+    backed: set[float] = set()
+    for cell in nb.get("cells", []):
+        if cell.get("cell_type") != "code":
+            continue
+        backed |= _numbers("".join(cell.get("source", "")))
+        if not set(cell.get("metadata", {}).get("tags", [])) & UNCOMPARED:
+            for out in cell.get("outputs", []):
+                backed |= _numbers(_output_text(out))
+    constants = nb.get("metadata", {}).get("kvcache", {}).get("prose_constants", {})
+    found = []
+    for i, cell in enumerate(nb.get("cells", [])):
+        if cell.get("cell_type") != "markdown":
+            continue
+        text = "".join(cell.get("source", ""))
+        for pattern in NOT_PROSE:
+            text = pattern.sub(" ", text)
+        for m in WORD_RATIO.finditer(text):
+            value = float(_WORDS.index(m.group(1).lower()) + 2)
+            if m.group(0) not in constants and not any(round(b) == value for b in backed):
+                found.append(f"markdown cell {i}: {m.group(0)!r}")
+        for m in PROSE_NUMBER.finditer(text):
+            raw, unit = m.group(1), m.group(2)
+            value = float(raw.replace(",", ""))
+            if not ("." in raw or unit or value >= 1000) or m.group(0).strip() in constants:
+                continue
+            places = len(raw.partition(".")[2])
+            scales = (1, 0.01) if unit and unit.strip() == "%" else (1,)
+            if not any(round(b / s, places) == value for b in backed for s in scales):
+                found.append(f"markdown cell {i}: {m.group(0).strip()!r}")
+    return found
 
 
 def check(path: Path, listed: set[str] | None) -> list[str]:
@@ -117,6 +209,16 @@ def check(path: Path, listed: set[str] | None) -> list[str]:
                     f"{where}: output from execution {out.get('execution_count')}, "
                     f"cell says {count}"
                 )
+    unbacked = unbacked_prose_numbers(nb)
+    if path.stem in PROSE_NUMBERS_UNCHECKED and path.parent.resolve() == REPO / "book":
+        if not unbacked:
+            problems.append("every prose number is backed now: take it off PROSE_NUMBERS_UNCHECKED")
+    else:
+        problems += [
+            f"{u} is quoted in prose but no compared output, code cell or declared constant "
+            "gives it: glue it from the cell that computes it ({glue:text})"
+            for u in unbacked
+        ]
     if listed is not None and path.resolve().is_relative_to(REPO):
         rel = str(path.resolve().relative_to(REPO).with_suffix(""))
         if rel not in listed:

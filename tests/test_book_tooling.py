@@ -228,3 +228,69 @@ def test_wrap_code_cells_leaves_ipython_syntax_alone():
     wrap = _wrap_module()
     source = "%timeit " + "x" * 100
     assert wrap.wrap_cell(source) == source
+
+
+def markdown(source):
+    return {"cell_type": "markdown", "metadata": {}, "source": source}
+
+
+@pytest.mark.parametrize(
+    "prose",
+    [
+        "A store of one token takes about 4.5 µs.",  # the output says 29.4 µs
+        "The manager is 3.5x faster.",
+        "Reuse rises to 56%.",
+        "It holds 4,096 tokens.",
+        "Evicting costs 12 ms a call.",
+        "Hashing is about three times slower.",
+    ],
+)
+def test_a_prose_number_no_cell_gives_fails(tmp_path, prose):
+    """A planted mismatch: the prose quotes a number the chapter's outputs do not print."""
+    cells = [
+        code("print(t)", 1, [stdout("store: 29.4 µs, ratio 2.1x, reuse 0.41, 2,048 tokens\n")]),
+        markdown(prose),
+    ]
+    r = run_check(write(tmp_path, cells))
+    assert r.returncode == 1
+    assert "is quoted in prose but no compared output" in r.stderr
+
+
+@pytest.mark.parametrize(
+    "prose",
+    [
+        "A store of one token takes {glue:text}`store_us:.1f` µs.",  # glued
+        "A store of one token takes 29.4 µs, the ratio is about 2.1x.",  # as printed
+        "Reuse is 41%, about two times the baseline; 2,048 tokens in all.",  # 0.41 and 2,048
+        "Section §13.4 of the guide, SGLang 0.5.23, `page_size=4096`, and $10^{-6}$.",
+        "Each of the 4 layers, 16 heads.",  # small counts: constants of the text
+        "The weights take 4.8 ms to read.",  # declared below
+    ],
+)
+def test_backed_prose_numbers_pass(tmp_path, prose):
+    cells = [
+        code("print(t)", 1, [stdout("store: 29.4 µs, ratio 2.1x, reuse 0.41, 2,048 tokens\n")]),
+        code("print(x)", 2, [stdout("99.9 µs\n")], tags=["nbval-ignore-output"]),
+        code("n = 2", 3),
+        markdown(prose),
+    ]
+    nb = {
+        "cells": cells,
+        "metadata": {"kvcache": {"prose_constants": {"4.8 ms": "LLAMA3_8B_H100's weight read"}}},
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    }
+    path = tmp_path / "chapter.ipynb"
+    path.write_text(json.dumps(nb))
+    r = run_check(path)
+    assert r.returncode == 0, r.stderr
+
+
+def test_a_number_only_an_ignored_output_prints_must_be_glued(tmp_path):
+    """A timing printed in a cell nbval ignores changes on every run: prose must glue it."""
+    cells = [
+        code("print(x)", 1, [stdout("99.9 µs\n")], tags=["nbval-ignore-output"]),
+        markdown("It took 99.9 µs."),
+    ]
+    r = run_check(write(tmp_path, cells))
+    assert r.returncode == 1 and "'99.9 µs'" in r.stderr
