@@ -48,9 +48,9 @@ try:
     import triton
     import triton.language as tl
 
-    _HAVE_TRITON = True
+    HAVE_TRITON = True
 except ImportError:  # pragma: no cover - triton is a dependency, but keep the torch path usable
-    _HAVE_TRITON = False
+    HAVE_TRITON = False
 
 __all__ = [
     "check_no_self_overlap",
@@ -80,9 +80,9 @@ def store_cache_backend(device: torch.device | str) -> str:
     before import) or ``"torch"`` (anything else).
     """
     dev = as_device(device)
-    if _HAVE_TRITON and dev.type in ("cuda", "cpu") and TRITON_INTERPRET:
+    if HAVE_TRITON and dev.type in ("cuda", "cpu") and TRITON_INTERPRET:
         return "triton-interpreter"  # with the env var set, Triton interprets CUDA launches too
-    if _HAVE_TRITON and dev.type == "cuda":
+    if HAVE_TRITON and dev.type == "cuda":
         return "triton"
     return "torch"
 
@@ -162,7 +162,7 @@ def store_cache_torch(
 # Triton backend
 # ---------------------------------------------------------------------------------------------
 
-if _HAVE_TRITON:
+if HAVE_TRITON:
 
     @triton.jit  # type: ignore[untyped-decorator]  # triton ships no type information
     def _store_cache_kernel(  # type: ignore[no-untyped-def]  # Triton types the parameters
