@@ -320,7 +320,9 @@ if HAVE_TRITON:
         top = tl.max(lse, axis=0)
         # Split s saw sum 2 ** lse_s of the weights; relative to the largest, 2 ** (lse_s - top).
         w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # 0 for an empty split
-        o = tl.load(part_o_ptr + rows[:, None] * BLOCK_D + offs_d[None, :], mask=mask_s[:, None])
+        o = tl.load(
+            part_o_ptr + rows[:, None] * BLOCK_D + offs_d[None, :], mask=mask_s[:, None], other=0.0
+        )
         total = tl.sum(w, axis=0)
         out = tl.sum(w[:, None] * o, axis=0) / tl.where(total > 0, total, 1.0)
         o_ptrs = out_ptr + pid_b * stride_o_b + pid_q * stride_o_h + offs_d * stride_o_d
@@ -455,9 +457,12 @@ def paged_decode_attention(
         num_sms=_multiprocessors(q.device),
     )
     splits, block_d = shape["NUM_SPLITS"], shape["BLOCK_D"]
-    # Stage 1's partial outputs and log-sum-exps (not written with one split).
-    part_o = torch.empty((*q.shape[:2], splits, block_d) if splits > 1 else 0, device=q.device)
-    part_lse = torch.empty((*q.shape[:2], splits) if splits > 1 else 0, device=q.device)
+    # Stage 1's partial outputs and log-sum-exps, float32; with one split stage 1 writes `out`
+    # itself and never touches them, so `out` stands in.
+    part_o, part_lse = out, out
+    if splits > 1:
+        part_o = torch.empty((*q.shape[:2], splits, block_d), device=q.device)
+        part_lse = torch.empty((*q.shape[:2], splits), device=q.device)
     kc = k_cache if k_cache.dim() == 4 else k_cache.unsqueeze(1)  # flat: pages of one slot
     vc = v_cache if v_cache.dim() == 4 else v_cache.unsqueeze(1)
     decode_partial_kernel[shape["grid"]](

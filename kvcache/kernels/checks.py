@@ -79,7 +79,10 @@ def paged_geometry(cache: torch.Tensor, name: str) -> tuple[int, int, int, int, 
 def check_no_self_overlap(t: torch.Tensor, name: str) -> None:
     """``ValueError`` when two elements of ``t`` share memory (a stride-0 dimension of size > 1):
     a write through such a view would land in one place for several slots."""
-    for d, (size, stride) in enumerate(zip(t.shape, t.stride(), strict=True)):
+    strides = t.stride()
+    if 0 not in strides:  # the common case, without a Python loop over the dimensions
+        return
+    for d, (size, stride) in enumerate(zip(t.shape, strides, strict=True)):
         if size > 1 and stride == 0:
             raise ValueError(
                 f"{name} overlaps itself: dimension {d} has size {size} and stride 0 (an expanded "
@@ -94,6 +97,8 @@ def row_views(
     seen as ``(num_slots, 1, row)``, and sources of rows ``(n, row)`` as ``(n, heads, head_dim)``
     of their cache (``row == heads * head_dim``). Views only (splitting a dimension never needs a
     copy); any other shape is passed on as it is, for `validate_store_args` to judge."""
+    if k.dim() == 3 and v.dim() == 3 and k_cache.dim() != 2:  # the package's own form
+        return k_cache, v_cache, k, v
     if k_cache.dim() == 2 and v_cache.dim() == 2:
         k_cache, v_cache = k_cache.unsqueeze(1), v_cache.unsqueeze(1)
     if k_cache.dim() in (3, 4):
