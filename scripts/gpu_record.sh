@@ -33,7 +33,7 @@ step 20 "$PY" benchmarks/host_cost.py --out "$DATA/host_cost_gpu_v2.json"
 step 90 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
   tests/test_store_cache.py tests/test_attention.py tests/test_kernel_views.py
 if [ "$rc" -eq 0 ]; then
-  echo "recorded $DATA/{store_kv,paged_decode,host_cost}_gpu_v2.json: commit them, then re-execute chapters 6 and 13"
+  echo "recorded $DATA/{store_kv,paged_decode,host_cost}_gpu_v2.json: commit them, then re-execute chapters 6 and 13 on a CPU (TRITON_INTERPRET=1)"
 else
   echo "gpu-record: a step failed (see above); what was recorded is in $DATA/*_gpu_v2.json" >&2
 fi
