@@ -77,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--sweep-at",
         nargs="*",
         default=["32x4096", "8x4096"],
-        help="batch x context where --splits-sweep runs (first layout, last page size, random slots)",
+        help="batch x context where --splits-sweep runs (first layout, largest page size, random slots)",
     )
     p.add_argument("--min-run-time", type=float, default=0.05, help="CPU: seconds per timing")
     p.add_argument(
@@ -267,85 +267,91 @@ def main(args: argparse.Namespace) -> dict:
     )
     out_name = f"paged_decode-{device.type}"
     sweep_at = {tuple(int(x) for x in bt.lower().split("x")) for bt in args.sweep_at}
-    for layout_name in layouts:
+    # The most telling cases first, so that a run stopped by its timeout still holds them:
+    # random slots (the first record's case) before whole pages, the largest page size first.
+    cases = sorted(
+        (
+            (layout_name, ps, how)
+            for layout_name in layouts
+            for ps in args.page_sizes
+            for how in args.slots
+            if not (how == "pages" and ps == 1)  # pages of one slot: the same as random
+        ),
+        key=lambda case: (case[2] != "random", -case[1]),
+    )
+    for layout_name, ps, how in cases:
         layout = KVCacheLayout[layout_name]
-        for ps in args.page_sizes:
-            for how in args.slots:
-                if how == "pages" and ps == 1:
-                    continue  # the same as random
-                for context in contexts:
-                    for batch in batches:
-                        tokens = batch * context
-                        num_pages = -(-2 * tokens // ps)
-                        pool = MHAKVCache(
-                            heads, 1, dim, num_pages, dtype, layout, device, page_size=ps
+        for context in contexts:
+            for batch in batches:
+                tokens = batch * context
+                num_pages = -(-2 * tokens // ps)
+                pool = MHAKVCache(heads, 1, dim, num_pages, dtype, layout, device, page_size=ps)
+                slots = request_slots(pool, batch, context, how, device)
+                flat = torch.cat(slots)
+                k = torch.randn(tokens, heads, dim, device=device).to(dtype)
+                pool.store_kv(k, torch.randn_like(k), flat, 0)
+                del k, flat
+                q = torch.randn(batch, heads * args.group, dim, device=device).to(dtype)
+                sweep = (
+                    args.splits_sweep
+                    if (layout_name, ps, how) == (layouts[0], max(args.page_sizes), "random")
+                    and (batch, context) in sweep_at
+                    else []
+                )
+                fns = methods(pool, q, slots, args.block_n, backend, sweep)
+                max_diff = check_outputs(fns, tol) if backend != "torch" else None
+                chosen = decode_launch_shape(
+                    batch,
+                    heads,
+                    args.group,
+                    dim,
+                    context,
+                    block_n=args.block_n,
+                    num_sms=sms if cuda else 1,
+                )["NUM_SPLITS"]
+                moved = 2 * tokens * heads * dim * q.element_size()
+                for name, fn in fns.items():
+                    t = time_fn(fn, device, args.min_run_time)
+                    row = dict(
+                        batch=batch,
+                        context=context,
+                        heads=heads,
+                        head_dim=dim,
+                        group=args.group,
+                        dtype=args.dtype,
+                        page_size=ps,
+                        layout=layout_name,
+                        slots=how,
+                        method=name,
+                        time_s=t,
+                        bytes=moved,
+                        bandwidth_Bps=moved / t,
+                    )
+                    if name.startswith("paged_decode_attention"):
+                        row["num_splits"] = (
+                            int(name.split("num_splits=")[1][:-1])
+                            if "num_splits=" in name
+                            else chosen
                         )
-                        slots = request_slots(pool, batch, context, how, device)
-                        flat = torch.cat(slots)
-                        k = torch.randn(tokens, heads, dim, device=device).to(dtype)
-                        pool.store_kv(k, torch.randn_like(k), flat, 0)
-                        del k, flat
-                        q = torch.randn(batch, heads * args.group, dim, device=device).to(dtype)
-                        sweep = (
-                            args.splits_sweep
-                            if (layout_name, ps, how) == (layouts[0], args.page_sizes[-1], "random")
-                            and (batch, context) in sweep_at
-                            else []
+                        row["max_abs_diff_vs_gather_sdpa"] = max_diff
+                    if bw_copy:
+                        row["fraction_of_copy_bw"] = moved / t / bw_copy
+                        if t < 1e-3:
+                            row["wall_s"] = wall_time(fn, device, WALL_CALLS)
+                    rows.append(row)
+                    line = (
+                        f"{layout_name:<10} {ps:>3} {how:<6} {batch:>5} {context:>7} "
+                        f"{row.get('num_splits', ''):>6}  {name:<52} {t * 1e6:>10.1f} "
+                        f"{moved / t / 1e9:>8.2f}"
+                    )
+                    if bw_copy:
+                        wall = row.get("wall_s")
+                        line += f"  {row['fraction_of_copy_bw']:>5.1%}" + (
+                            f" {wall * 1e6:>8.1f}" if wall else ""
                         )
-                        fns = methods(pool, q, slots, args.block_n, backend, sweep)
-                        max_diff = check_outputs(fns, tol) if backend != "torch" else None
-                        chosen = decode_launch_shape(
-                            batch,
-                            heads,
-                            args.group,
-                            dim,
-                            context,
-                            block_n=args.block_n,
-                            num_sms=sms if cuda else 1,
-                        )["NUM_SPLITS"]
-                        moved = 2 * tokens * heads * dim * q.element_size()
-                        for name, fn in fns.items():
-                            t = time_fn(fn, device, args.min_run_time)
-                            row = dict(
-                                batch=batch,
-                                context=context,
-                                heads=heads,
-                                head_dim=dim,
-                                group=args.group,
-                                dtype=args.dtype,
-                                page_size=ps,
-                                layout=layout_name,
-                                slots=how,
-                                method=name,
-                                time_s=t,
-                                bytes=moved,
-                                bandwidth_Bps=moved / t,
-                            )
-                            if name.startswith("paged_decode_attention"):
-                                row["num_splits"] = (
-                                    int(name.split("num_splits=")[1][:-1])
-                                    if "num_splits=" in name
-                                    else chosen
-                                )
-                                row["max_abs_diff_vs_gather_sdpa"] = max_diff
-                            if bw_copy:
-                                row["fraction_of_copy_bw"] = moved / t / bw_copy
-                                if t < 1e-3:
-                                    row["wall_s"] = wall_time(fn, device, WALL_CALLS)
-                            rows.append(row)
-                            line = (
-                                f"{layout_name:<10} {ps:>3} {how:<6} {batch:>5} {context:>7} "
-                                f"{row.get('num_splits', ''):>6}  {name:<52} {t * 1e6:>10.1f} "
-                                f"{moved / t / 1e9:>8.2f}"
-                            )
-                            if bw_copy:
-                                wall = row.get("wall_s")
-                                line += f"  {row['fraction_of_copy_bw']:>5.1%}" + (
-                                    f" {wall * 1e6:>8.1f}" if wall else ""
-                                )
-                            print(line, flush=True)
-                        del pool, fns
-                        write_result(result, args.out, out_name, quiet=True)
+                    print(line, flush=True)
+                del pool, fns
+                write_result(result, args.out, out_name, quiet=True)
 
     result["complete"] = True
     for line in goals(rows, bw_copy):

@@ -26,11 +26,11 @@ step() { # step SECONDS COMMAND...: run it under a timeout, remember a failure, 
   echo "== $* (at most ${limit} s)"
   timeout "$limit" "$@" || { echo "== FAILED (exit $?): $*" >&2; rc=1; }
 }
-step 70 "$PY" benchmarks/store_kv.py --dtypes bfloat16 --out "$DATA/store_kv_gpu_v2.json"
-step 120 "$PY" benchmarks/paged_decode.py --splits-sweep 1 2 4 8 16 \
+step 60 "$PY" benchmarks/store_kv.py --dtypes bfloat16 --out "$DATA/store_kv_gpu_v2.json"
+step 140 "$PY" benchmarks/paged_decode.py --splits-sweep 1 2 4 8 16 \
   --out "$DATA/paged_decode_gpu_v2.json"
-step 20 "$PY" benchmarks/host_cost.py --out "$DATA/host_cost_gpu_v2.json"
-step 90 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
+step 15 "$PY" benchmarks/host_cost.py --out "$DATA/host_cost_gpu_v2.json"
+step 85 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
   tests/test_store_cache.py tests/test_attention.py tests/test_kernel_views.py
 if [ "$rc" -eq 0 ]; then
   echo "recorded $DATA/{store_kv,paged_decode,host_cost}_gpu_v2.json: commit them, then re-execute chapters 6 and 13 on a CPU (TRITON_INTERPRET=1)"
