@@ -6,7 +6,7 @@
 #   make lint     ruff (lint + format check) over the code and chapters, mypy --strict on kvcache/
 #   make setup    install system tools and the .venv (the targets above do it first)
 #   make clean    remove the build and caches (keeps .venv; `make distclean` removes it too)
-#   make gpu-record  on a CUDA machine: GPU tests, kernel benchmarks -> book/data/*_gpu.json
+#   make gpu-record  on a CUDA machine: kernel benchmarks, GPU tests -> book/data/*_gpu_v2.json
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -123,11 +123,12 @@ test: setup book
 	exit $$rc
 
 # --------------------------------------------------------------------------- GPU record
-# One prepared run on a CUDA machine (about 2-3 minutes on one GPU, each step under a timeout):
-# the GPU tests (kernels compiled for the device, no interpreter), then the store and the
-# paged-decode benchmarks, each writing device-labelled JSON (device, versions, date, the
-# copy bandwidth measured in the same run) that chapter 6 plots. Without CUDA it says so and
-# fails at once, before installing anything.
+# One prepared run on a CUDA machine (under five minutes on one GPU, each step under a timeout):
+# the store, paged-decode and host-cost benchmarks, each writing device-labelled JSON (device,
+# versions, date, commit, the copy bandwidth measured in the same run) beside the first record,
+# as book/data/*_gpu_v2.json, which chapters 6 and 13 plot beside it; then the GPU tests
+# (kernels compiled for the device, no interpreter). Without CUDA it says so and fails at once,
+# before installing anything.
 GPU_DATA := book/data
 gpu-record:
 	@command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 || \

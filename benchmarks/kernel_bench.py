@@ -1,8 +1,19 @@
-"""What the kernel benchmarks share: timing, the copy-bandwidth ceiling, the device label and
-where their JSON goes.
+"""What the kernel benchmarks share: timing (device, wall, CUDA graph), the copy-bandwidth
+ceiling, the device label and where their JSON goes.
 
 Imported by ``benchmarks/store_kv.py`` and ``benchmarks/paged_decode.py`` after they have set (or
-not) ``TRITON_INTERPRET``; it imports torch but not triton or kvcache.
+not) ``TRITON_INTERPRET``; it imports torch but not triton (until a CUDA timing needs it) or
+kvcache.
+
+Three times per call, because a small call's cost can sit on either side of the launch:
+
+* :func:`time_fn`: the median GPU time between two events around one call, with the L2 cache
+  flushed before each (``triton.testing.do_bench``). Host time shows through only where it
+  outlasts the flush queued before the call (about 60-80 us of a 256 MiB memset on an H200);
+* :func:`wall_time`: seconds per call over back-to-back calls synchronised once, what the
+  caller's thread pays when nothing hides the host work (checks, launch);
+* :func:`graph_time`: the call captured once in a CUDA graph and replayed: the kernels' own
+  time with no Python at all, for calls a graph can capture (no host sync).
 """
 
 from __future__ import annotations
@@ -10,6 +21,8 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import platform
+import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,19 +45,76 @@ def time_fn(fn: Callable[[], object], device: torch.device, min_run_time: float)
     )
 
 
-def copy_bandwidth(device: torch.device) -> float | None:
-    """Bytes/s of a 1 GiB device-to-device copy (read + write): the ceiling for a scatter or a
-    gather. Measured on CUDA only (``None`` elsewhere)."""
+def wall_time(fn: Callable[[], object], device: torch.device, calls: int) -> float:
+    """Wall-clock seconds per call of ``calls`` back-to-back calls, synchronised once at the end
+    (after a few warm-up calls): the host's checks and launches included."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(max(1, calls // 10)):
+        fn()
+    sync()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync()
+    return (time.perf_counter() - t) / calls
+
+
+def graph_time(fn: Callable[[], object], device: torch.device) -> float | None:
+    """Median GPU seconds per replay of ``fn`` captured once in a CUDA graph (``None`` off CUDA):
+    the kernels alone, without the Python that launches them. ``fn`` must make no host sync."""
     if device.type != "cuda":
         return None
-    src = torch.empty(256 * 2**20, dtype=torch.float32, device=device)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (compilation) off the capturing stream
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_fn(graph.replay, device, 0)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2**30) -> float | None:
+    """Bytes/s of a device-to-device copy of ``nbytes`` (read + written, so ``2 * nbytes`` are
+    moved): with the default 1 GiB, the ceiling for a scatter or a gather. Measured on CUDA only
+    (``None`` elsewhere)."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     t = time_fn(lambda: dst.copy_(src), device, 0)
-    return 2 * 256 * 2**20 * 4 / t
+    return 2 * src.numel() * 4 / t
+
+
+def commit() -> str | None:
+    """The short commit of this checkout, ``+dirty`` when files differ from it; ``None`` where git
+    cannot tell (a copy of the tree without ``.git``)."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        rev = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return rev + ("+dirty" if dirty else "") if rev else None
 
 
 def device_label(device: torch.device) -> dict[str, object]:
-    """Where and when a result was measured: device name, versions, date (UTC), CPU threads."""
+    """Where and when a result was measured: device name, versions, date (UTC), CPU threads, and
+    the commit of the code measured."""
     try:
         import triton
 
@@ -58,6 +128,7 @@ def device_label(device: torch.device) -> dict[str, object]:
             cuda=torch.version.cuda,
             gpu_memory_bytes=props.total_memory,
             gpu_capability=f"{props.major}.{props.minor}",
+            gpu_multiprocessors=props.multi_processor_count,
         )
     else:
         name = platform.processor() or platform.machine()
@@ -70,14 +141,20 @@ def device_label(device: torch.device) -> dict[str, object]:
         python=platform.python_version(),
         cpu_threads=torch.get_num_threads(),
         date=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        commit=commit(),
         **extra,
     )
 
 
-def write_result(result: dict[str, object], out: str | Path | None, name: str) -> Path:
-    """Write ``result`` as JSON to ``out``, or to ``benchmarks/results/{name}.json``; say where."""
+def write_result(
+    result: dict[str, object], out: str | Path | None, name: str, *, quiet: bool = False
+) -> Path:
+    """Write ``result`` as JSON to ``out``, or to ``benchmarks/results/{name}.json``; say where
+    (unless ``quiet``: the benchmarks also write after each configuration, so that a run stopped
+    by its timeout leaves what it measured, marked ``"complete": false``)."""
     path = Path(out or Path(__file__).resolve().parent / "results" / f"{name}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
-    print(f"# wrote {path}")
+    if not quiet:
+        print(f"# wrote {path}")
     return path

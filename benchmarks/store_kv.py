@@ -23,9 +23,14 @@ launch), ``"device-guard"`` (``check_bounds=False``: the kernel masks out-of-ran
 ``"none"`` (plain torch indexing, which checks inside the op).
 
 Bandwidth = (bytes of k and v read + bytes written + index bytes) / time. On CUDA each row also
-gives the fraction of a measured device-to-device copy's bandwidth. Timing: median of
-``triton.testing.do_bench`` on CUDA, ``torch.utils.benchmark`` on the CPU. Results go to a JSON
-file with the device name, versions and date.
+gives the fraction of a measured device-to-device copy's bandwidth, ``wall_s`` (seconds per call
+of back-to-back calls: the host's checks and launch included) and, for the unchecked store,
+``graph_s`` (the call captured in a CUDA graph and replayed: the kernel alone, no Python); and
+``copy_rows`` time a plain ``copy_`` of each batch's bytes, the ceiling at that size. Timing:
+median of ``triton.testing.do_bench`` on CUDA (see ``kernel_bench`` for what each time
+includes), ``torch.utils.benchmark`` on the CPU. Results go to a JSON file with the device name,
+versions, date and commit, rewritten after each pool (``"complete": false`` until the last); the
+run ends with the issue's two goals read off the rows.
 """
 
 from __future__ import annotations
@@ -69,7 +74,14 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_bench import copy_bandwidth, device_label, time_fn, write_result  # noqa: E402
+from kernel_bench import (  # noqa: E402
+    copy_bandwidth,
+    device_label,
+    graph_time,
+    time_fn,
+    wall_time,
+    write_result,
+)
 
 from kvcache import KVCacheLayout  # noqa: E402
 from kvcache.kernels import store_cache, store_cache_backend, store_cache_torch, store_cache_triton  # noqa: E402
@@ -125,6 +137,58 @@ def methods(
     return out
 
 
+#: Calls the wall clock times per row.
+WALL_CALLS = 200
+UNCHECKED = "store_cache[triton](no bounds check)"
+
+
+def copy_rows(device: torch.device, sizes: list[int], bytes_per_token: int) -> list[dict]:
+    """A plain device-to-device ``copy_`` of what a store of ``n`` tokens moves (half read, half
+    written), for each ``n``: the ceiling at that size, launch and ramp-up included."""
+    out = []
+    for n in sizes:
+        src = torch.empty(n * bytes_per_token // 2, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        t = time_fn(lambda dst=dst, src=src: dst.copy_(src), device, 0)
+        out.append(
+            dict(tokens=n, bytes=2 * src.numel(), time_s=t, bandwidth_Bps=2 * src.numel() / t)
+        )
+    return out
+
+
+def goals(rows: list[dict], bw_copy: float | None) -> list[str]:
+    """The issue's two goals for the store, read off the rows (CUDA only)."""
+    fast = [r for r in rows if r["method"] == UNCHECKED]
+    if not bw_copy or not fast:
+        return []
+    big = [r for r in fast if r["tokens"] >= 4096]
+    worst = min(big, key=lambda r: r["fraction_of_copy_bw"]) if big else None
+    key = ("layout", "page_size", "heads", "head_dim", "dtype", "tokens")
+    torch_best = {}
+    for r in rows:
+        if r["method"] in ("index_put", "index_copy_"):
+            k = tuple(r[x] for x in key)
+            torch_best[k] = min(torch_best.get(k, float("inf")), r["time_s"])
+    ratios = [
+        (r["time_s"] / torch_best[tuple(r[x] for x in key)], r) for r in fast if r["tokens"] <= 64
+    ]
+    lines = []
+    if worst is not None:
+        lines.append(
+            f"goal: >= 80% of copy bandwidth from 4096 tokens: lowest {worst['fraction_of_copy_bw']:.0%}"
+            f" ({worst['layout']}, page {worst['page_size']}, {worst['tokens']} tokens) -> "
+            + ("met" if worst["fraction_of_copy_bw"] >= 0.8 else "NOT met")
+        )
+    if ratios:
+        top, r = max(ratios, key=lambda x: x[0])
+        lines.append(
+            f"goal: <= 1.1x the best torch method at 1-64 tokens: highest {top:.2f}x "
+            f"({r['layout']}, page {r['page_size']}, {r['tokens']} tokens) -> "
+            + ("met" if top <= 1.1 else "NOT met")
+        )
+    return lines
+
+
 def main(args: argparse.Namespace) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.interpreter and device.type != "cpu":
@@ -148,14 +212,38 @@ def main(args: argparse.Namespace) -> dict:
     }[device.type]
     print(
         f"# device: {device} ({label['device_name']}); torch {label['torch']}, triton {label['triton']}"
+        f"; commit {label['commit']}"
     )
     print(f"# store_cache backend here: {store_cache_backend(device)}; {note}")
     if bw_copy:
         print(f"# device-to-device copy bandwidth: {bw_copy / 1e9:.1f} GB/s")
     header = f"{'layout':<10} {'ps':>3} {'HxD':>6} {'dtype':<9} {'tokens':>6}  {'method':<48} {'time us':>10} {'GB/s':>8}"
-    print(header + ("  %copy" if bw_copy else ""))
+    print(header + ("  %copy  wall us graph us" if bw_copy else ""))
 
-    rows = []
+    rows: list[dict] = []
+    result = dict(
+        benchmark="store_kv",
+        **label,
+        store_cache_backend=store_cache_backend(device),
+        interpreter=bool(args.interpreter),
+        note=note,
+        copy_bandwidth_Bps=bw_copy,
+        bounds_check_meaning={
+            "host": "aminmax of the indices read back to the host, then the launch",
+            "device-guard": "check_bounds=False: no host sync, the kernel masks out-of-range rows",
+            "none": "torch indexing, checked inside the op",
+        },
+        times_meaning={
+            "time_s": "median do_bench GPU time between two events, L2 flushed before each call",
+            "wall_s": f"wall clock per call over {WALL_CALLS} back-to-back calls, one sync",
+            "graph_s": "median do_bench time of the call replayed from a CUDA graph (no Python)",
+        },
+        index_distribution="random distinct slots (torch.randperm)",
+        complete=False,
+        rows=rows,
+        copy_rows=[],
+    )
+    out_name = f"store_kv-{device.type}"
     for hd in args.heads:
         heads, dim = (int(x) for x in hd.lower().split("x"))
         for dtype_name in args.dtypes:
@@ -186,35 +274,35 @@ def main(args: argparse.Namespace) -> dict:
                                 bytes=moved,
                                 bandwidth_Bps=moved / t,
                             )
-                            if bw_copy:
-                                row["fraction_of_copy_bw"] = moved / t / bw_copy
-                            rows.append(row)
                             line = (
                                 f"{layout.name:<10} {ps:>3} {hd:>6} {dtype_name:<9} {n:>6}  {name:<48} "
                                 f"{t * 1e6:>10.1f} {moved / t / 1e9:>8.2f}"
                             )
-                            print(
-                                line + (f"  {row['fraction_of_copy_bw']:>5.1%}" if bw_copy else ""),
-                                flush=True,
-                            )
+                            if bw_copy:
+                                row["fraction_of_copy_bw"] = moved / t / bw_copy
+                                row["wall_s"] = wall_time(fn, device, WALL_CALLS)
+                                line += f"  {row['fraction_of_copy_bw']:>5.1%} {row['wall_s'] * 1e6:>7.1f}"
+                                if name == UNCHECKED:
+                                    row["graph_s"] = graph_time(fn, device)
+                                    line += f" {row['graph_s'] * 1e6:>8.1f}"
+                            rows.append(row)
+                            print(line, flush=True)
                     del pool
-
-    result = dict(
-        benchmark="store_kv",
-        **label,
-        store_cache_backend=store_cache_backend(device),
-        interpreter=bool(args.interpreter),
-        note=note,
-        copy_bandwidth_Bps=bw_copy,
-        bounds_check_meaning={
-            "host": "aminmax of the indices read back to the host, then the launch",
-            "device-guard": "check_bounds=False: no host sync, the kernel masks out-of-range rows",
-            "none": "torch indexing, checked inside the op",
-        },
-        index_distribution="random distinct slots (torch.randperm)",
-        rows=rows,
-    )
-    write_result(result, args.out, f"store_kv-{device.type}")
+                    write_result(result, args.out, out_name, quiet=True)
+    if bw_copy:
+        heads, dim = (int(x) for x in args.heads[0].lower().split("x"))
+        per_token = 2 * 2 * heads * dim * getattr(torch, args.dtypes[0]).itemsize
+        result["copy_rows"] = copy_rows(device, sizes, per_token)
+        for r in result["copy_rows"]:
+            r["fraction_of_copy_bw"] = r["bandwidth_Bps"] / bw_copy
+            print(
+                f"copy_ of {r['bytes'] / 2:>12,.0f} bytes ({r['tokens']:>5} tokens' K/V): "
+                f"{r['time_s'] * 1e6:8.1f} us, {r['fraction_of_copy_bw']:.0%} of the 1 GiB copy"
+            )
+    result["complete"] = True
+    for line in goals(rows, bw_copy):
+        print("#", line)
+    write_result(result, args.out, out_name)
     return result
 
 

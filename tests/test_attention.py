@@ -15,11 +15,15 @@ from hypothesis import strategies as st
 from kvcache import KVCacheLayout
 from kvcache.kernels import TRITON_INTERPRET
 from kvcache.kernels.attention import (
+    MIN_SPLIT_SLOTS,
+    PROGRAMS_PER_SM,
+    decode_launch_shape,
     gather_kv,
     paged_attention,
     paged_decode_attention,
     paged_decode_backend,
 )
+from kvcache.kernels.checks import MAX_SPLITS
 from kvcache.storage.mha_pool import MHAKVCache
 
 needs_interpreter = pytest.mark.skipif(
@@ -314,3 +318,160 @@ def test_unchecked_decode_kernel_skips_out_of_range_slots():
     out = paged_decode_attention(q, *b.layer(), bad, block_n=4, check_bounds=False)
     ref = paged_attention(q, *b.layer(), [s[m] for s, m in zip(b.slots, keep, strict=True)])
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Flash decoding: the split-K kernel and its combine step
+# ---------------------------------------------------------------------------------------------
+
+# Length 1, lengths below, at and past a page of 16 and a tile of 16, and one that several splits
+# share unevenly: with num_splits=3 request 4's 40 slots split as 16 + 16 + 8, request 0's one
+# slot leaves two splits empty.
+MIXED = [1, 15, 16, 17, 40]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_split_k_decode_matches_reference_every_layout_page_and_group(layout, page_size, group):
+    b = Batch(layout, page_size, kv_heads=2, group=group, head_dim=24, seq_lens=MIXED, seed=group)
+    q = b.queries([1] * len(MIXED))
+    ref = paged_attention(q, *b.layer(), b.slots)
+    torch.testing.assert_close(ref, b.dense(q, [1] * len(MIXED)), rtol=1e-5, atol=1e-5)
+    for num_splits in (1, 3, 5):
+        out = paged_decode_attention(q, *b.layer(), b.slots, block_n=16, num_splits=num_splits)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_interpreter
+@pytest.mark.parametrize(
+    ("dtype", "tol"), [(torch.bfloat16, 2e-2), (torch.float16, 2e-3), (torch.float32, 1e-5)]
+)
+def test_split_k_decode_in_each_dtype(dtype, tol):
+    b = Batch(KVCacheLayout.PageFirst, 16, 2, 4, 32, seq_lens=[3, 33, 50], seed=11, dtype=dtype)
+    q = b.queries([1, 1, 1])
+    out = paged_decode_attention(q, *b.layer(), b.slots, num_splits=2)
+    assert out.dtype == dtype
+    ref = paged_attention(q, *b.layer(), b.slots)
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(out.float(), b.dense(q, [1, 1, 1]), rtol=2 * tol, atol=2 * tol)
+
+
+@needs_interpreter
+@settings(max_examples=12, derandomize=True, deadline=None)
+@given(
+    layout=st.sampled_from(LAYOUTS),
+    page_size=st.sampled_from([1, 2, 16]),
+    group=st.sampled_from([1, 2, 4, 8]),
+    seq_lens=st.lists(st.integers(1, 48), min_size=1, max_size=4),
+    num_splits=st.one_of(st.none(), st.integers(1, 7)),
+    block_n=st.sampled_from([8, 16, 32]),
+    seed=st.integers(0, 1000),
+)
+def test_split_k_decode_matches_reference_random_batches(
+    layout, page_size, group, seq_lens, num_splits, block_n, seed
+):
+    """Any batch of mixed lengths, any split count (more splits than tiles included)."""
+    b = Batch(layout, page_size, 1, group, head_dim=16, seq_lens=seq_lens, seed=seed)
+    q = b.queries([1] * len(seq_lens))
+    out = paged_decode_attention(q, *b.layer(), b.slots, block_n=block_n, num_splits=num_splits)
+    ref = paged_attention(q, *b.layer(), b.slots)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_interpreter
+def test_split_k_guard_skips_out_of_range_slots_and_whole_splits():
+    """``check_bounds=False``: the device-side guard reads nothing for a slot outside the cache,
+    in any split; a split with no valid slot adds nothing; a request with none gets zeros."""
+    b = Batch(KVCacheLayout.LayerFirst, 16, 2, 2, 8, [40, 20, 5], seed=3)
+    q = b.queries([1, 1, 1])
+    bad = [s.clone() for s in b.slots]
+    bad[0][16:32] = b.pool.num_slots + 7  # the whole middle split of three
+    bad[0][3] = -2
+    bad[1][19] = 2**31 - 1
+    bad[2][:] = -1  # nothing left to attend to
+    out = paged_decode_attention(q, *b.layer(), bad, check_bounds=False, num_splits=3)
+    keep0 = torch.ones(40, dtype=torch.bool)
+    keep0[16:32], keep0[3] = False, False
+    ref = paged_attention(q[:2], *b.layer(), [b.slots[0][keep0], b.slots[1][:19]])
+    torch.testing.assert_close(out[:2], ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+
+
+@needs_interpreter
+def test_split_k_decode_takes_a_flat_cache_and_int64_slots():
+    g = torch.Generator().manual_seed(4)
+    kc, vc = torch.randn(50, 2, 16, generator=g), torch.randn(50, 2, 16, generator=g)
+    slots = [torch.randperm(50, generator=g)[:n] for n in (30, 7)]  # int64
+    q = torch.randn(2, 6, 16, generator=g)
+    out = paged_decode_attention(q, kc, vc, slots, num_splits=4)
+    torch.testing.assert_close(out, paged_attention(q, kc, vc, slots), rtol=1e-5, atol=1e-5)
+
+
+def test_launch_shape_splits_small_batches_over_the_sms():
+    """The split count gives the SMs PROGRAMS_PER_SM programs each, never more splits than
+    MIN_SPLIT_SLOTS-slot pieces of the longest request or MAX_SPLITS, and none when the batch
+    alone fills the device (then no combine launch)."""
+    h200 = dict(kv_heads=8, group=4, head_dim=128, num_sms=132)
+    s32 = decode_launch_shape(32, longest=4096, **h200)
+    assert s32["NUM_SPLITS"] == -(-PROGRAMS_PER_SM * 132 // (32 * 8)) == 3
+    assert s32["grid"] == (32, 8, 3) and s32["combine_grid"] == (32, 32)
+    assert s32["BLOCK_G"] == 16 and s32["BLOCK_D"] == 128 and s32["BLOCK_N"] == 32
+    s128 = decode_launch_shape(128, longest=4096, **h200)
+    assert s128["NUM_SPLITS"] == 1 and s128["combine_grid"] is None
+    one = decode_launch_shape(1, longest=512, **h200)
+    assert one["NUM_SPLITS"] == 512 // MIN_SPLIT_SLOTS
+    long_one = decode_launch_shape(1, longest=10**6, **h200)
+    assert long_one["NUM_SPLITS"] == MAX_SPLITS and long_one["BLOCK_S"] == MAX_SPLITS
+    assert decode_launch_shape(1, longest=1, **h200)["NUM_SPLITS"] == 1
+    # Given, the split count is kept (empty splits included); small tiles round up to 16.
+    given_ = decode_launch_shape(2, 1, 1, 8, 5, block_n=4, num_splits=6)
+    assert given_["NUM_SPLITS"] == 6 and given_["BLOCK_S"] == 8 and given_["BLOCK_N"] == 16
+    assert given_["BLOCK_D"] == 16 and given_["grid"] == (2, 1, 6)
+    # The CPU's interpreter counts as one SM: a batch of 4 (request, KV head) pairs, no split.
+    assert decode_launch_shape(2, 2, 1, 8, 1000)["NUM_SPLITS"] == 1
+
+
+@pytest.mark.parametrize(
+    ("num_splits", "exc"),
+    [(0, ValueError), (MAX_SPLITS + 1, ValueError), (1.5, TypeError), (True, TypeError)],
+    ids=str,
+)
+def test_num_splits_is_checked_before_anything_runs(num_splits, exc):
+    b = Batch(KVCacheLayout.LayerFirst, 2, 2, 2, 8, [3, 4], seed=4)
+    with pytest.raises(exc, match="num_splits"):
+        paged_decode_attention(b.queries([1, 1]), *b.layer(), b.slots, num_splits=num_splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_cuda_split_k_decode_matches_reference(layout, page_size, group):
+    """On the GPU, compiled: every layout, page size and group, mixed lengths, each split count
+    the kernel may choose, the unchecked call's guard included."""
+    torch.manual_seed(group)
+    seq_lens = [1, 15, 100, 300, 777]
+    num_pages = -(-2 * sum(seq_lens) // page_size)  # room for every slot of the batch, twice
+    pool = MHAKVCache(
+        8 // group, 2, 128, num_pages, torch.bfloat16, layout, "cuda", page_size=page_size
+    )
+    flat = torch.randperm(pool.num_slots, device="cuda")[: sum(seq_lens)].to(torch.int32)
+    assert len(flat) == sum(seq_lens)
+    k = torch.randn(len(flat), 8 // group, 128, device="cuda", dtype=torch.bfloat16)
+    pool.store_kv(k, torch.randn_like(k), flat, LAYER)
+    slots = list(flat.split(seq_lens))
+    q = torch.randn(len(seq_lens), 8, 128, device="cuda", dtype=torch.bfloat16)
+    kc, vc = pool.k_cache(LAYER), pool.v_cache(LAYER)
+    ref = paged_attention(q, kc, vc, slots)
+    for num_splits in (None, 1, 2, 7, MAX_SPLITS):
+        out = paged_decode_attention(q, kc, vc, slots, num_splits=num_splits, check_bounds=False)
+        torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    # The guard, compiled: a slot past the end is skipped, in any split.
+    bad = [s.clone() for s in slots]
+    bad[4][400] = pool.num_slots
+    keep = [s for s in slots[:4]] + [torch.cat([slots[4][:400], slots[4][401:]])]
+    out = paged_decode_attention(q, kc, vc, bad, num_splits=3, check_bounds=False)
+    torch.testing.assert_close(out, paged_attention(q, kc, vc, keep), rtol=2e-2, atol=2e-2)

@@ -157,7 +157,6 @@ def test_every_chapter_opens_with_objectives_and_closes_with_a_summary():
 #: learner copies what a cell does, so a cell uses only public names. A stale entry fails too.
 PRIVATE_NAMES_STILL_READ = {
     "04_integrity.ipynb",
-    "06_mha_pool.ipynb",
     "10_radix_tree.ipynb",
     "11_lock_evict.ipynb",
 }

@@ -263,12 +263,21 @@ def test_paged_attention_and_gather_any_view(data):
 
 @needs_triton
 @VIEWS
-@given(data=st.data(), block_n=st.sampled_from([1, 2, 4, 32]))
-def test_paged_decode_triton_any_view(data, block_n):
+@given(
+    data=st.data(),
+    block_n=st.sampled_from([1, 2, 4, 32]),
+    num_splits=st.one_of(st.none(), st.integers(1, 4)),
+)
+def test_paged_decode_triton_any_view(data, block_n, num_splits):
     device = data.draw(st.sampled_from(TRITON_DEVICES))
     views, plain, q_lens = data.draw(attention_case(device, decode=True))
     out = paged_decode_attention(
-        views["q"], views["k_cache"], views["v_cache"], views["slots"], block_n=block_n
+        views["q"],
+        views["k_cache"],
+        views["v_cache"],
+        views["slots"],
+        block_n=block_n,
+        num_splits=num_splits,
     )
     torch.testing.assert_close(out, reference(plain, q_lens), rtol=1e-5, atol=1e-5)
 

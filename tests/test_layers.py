@@ -193,7 +193,7 @@ STILL_TO_MOVE: dict[str, set[str]] = {
         "kvcache/serving/allocator.py",
         "kvcache/serving/request_flow.py",
     },
-    "private_imports": {"kvcache/kernels/attention.py"},
+    "private_imports": set(),
     "private_attributes": {
         "kvcache/managers/block_locks.py",
         "kvcache/managers/radix_locks.py",

@@ -85,7 +85,9 @@ def test_backend_choice():
 
 def test_dispatch_calls_the_chosen_backend(monkeypatch):
     called = []
-    monkeypatch.setattr(store_mod, "_store_triton", lambda *a, **kw: called.append("triton"))
+    monkeypatch.setattr(
+        store_mod, "launch_store_cache_kernel", lambda *a, **kw: called.append("triton")
+    )
     monkeypatch.setattr(store_mod, "_store_torch", lambda *a, **kw: called.append("torch"))
     kc, vc = make_caches("flat", 4, 1, 1, 2)
     store_cache(

@@ -2,11 +2,18 @@
 
 :mod:`kvcache.kernels.store` scatters new tokens' K/V into their slots (Triton, with a torch
 fallback); :mod:`kvcache.kernels.attention` attends over a layer's K/V through token slots (torch
-reference, Triton decode). They take tensors (one layer's ``k_cache``/``v_cache`` views), never a
+reference, Triton flash decoding); :mod:`kvcache.kernels.checks` holds the argument checks both
+make before a kernel runs. They take tensors (one layer's ``k_cache``/``v_cache`` views), never a
 pool object, and import nothing of the package above them.
 """
 
-from .attention import gather_kv, paged_attention, paged_decode_attention, paged_decode_backend
+from .attention import (
+    decode_launch_shape,
+    gather_kv,
+    paged_attention,
+    paged_decode_attention,
+    paged_decode_backend,
+)
 from .store import (
     TRITON_INTERPRET,
     store_cache,
@@ -18,6 +25,7 @@ from .store import (
 
 __all__ = [
     "TRITON_INTERPRET",
+    "decode_launch_shape",
     "gather_kv",
     "paged_attention",
     "paged_decode_attention",

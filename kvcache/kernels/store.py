@@ -32,6 +32,13 @@ Bounds check
     row whose index is outside ``[0, num_slots)``, so a bad index can never write outside the
     cache; such rows are silently dropped (the torch backend drops them too, with a host sync: it is
     not the path a CUDA graph captures).
+
+Reading order
+    The torch backend first (the reference the kernel must equal bit for bit), then the Triton
+    kernel :func:`store_cache_kernel`, its launcher :func:`launch_store_cache_kernel` (the tile
+    and grid of :func:`store_launch_shape`, one launch), and the checked entry points. The
+    argument checks are in :mod:`kvcache.kernels.checks`; the benchmark is
+    ``benchmarks/store_kv.py``.
 """
 
 from __future__ import annotations
@@ -44,23 +51,29 @@ import torch
 from .._validate import as_device
 from .checks import check_no_self_overlap, paged_geometry, validate_store_args
 
+#: Whether Triton is installed (Linux only): without it every call takes the torch backend.
+HAVE_TRITON: bool
 try:
     import triton
     import triton.language as tl
 
-    _HAVE_TRITON = True
+    HAVE_TRITON = True
 except ImportError:  # pragma: no cover - triton is a dependency, but keep the torch path usable
-    _HAVE_TRITON = False
+    HAVE_TRITON = False
 
 __all__ = [
-    "check_no_self_overlap",
-    "store_launch_shape",
-    "store_cache",
-    "store_cache_triton",
-    "store_cache_torch",
-    "store_cache_backend",
+    "HAVE_TRITON",
     "TRITON_INTERPRET",
+    "check_no_self_overlap",
+    "launch_store_cache_kernel",
+    "store_cache",
+    "store_cache_backend",
+    "store_cache_torch",
+    "store_cache_triton",
+    "store_launch_shape",
 ]
+if HAVE_TRITON:
+    __all__ += ["store_cache_kernel"]
 
 #: Whether ``TRITON_INTERPRET=1`` was set when this module was imported (triton reads it then too).
 TRITON_INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -80,9 +93,9 @@ def store_cache_backend(device: torch.device | str) -> str:
     before import) or ``"torch"`` (anything else).
     """
     dev = as_device(device)
-    if _HAVE_TRITON and dev.type in ("cuda", "cpu") and TRITON_INTERPRET:
+    if HAVE_TRITON and dev.type in ("cuda", "cpu") and TRITON_INTERPRET:
         return "triton-interpreter"  # with the env var set, Triton interprets CUDA launches too
-    if _HAVE_TRITON and dev.type == "cuda":
+    if HAVE_TRITON and dev.type == "cuda":
         return "triton"
     return "torch"
 
@@ -94,16 +107,17 @@ def _next_pow2(x: int) -> int:
 def store_launch_shape(n: int, heads: int, head_dim: int) -> dict[str, Any]:
     """The launch :func:`store_cache` makes for ``n`` tokens of ``heads x head_dim``.
 
-    Returns ``{"grid": (token blocks, head blocks), "BLOCK_N": ..., "BLOCK_H": ..., "BLOCK_D": ...}``:
-    ``BLOCK_D`` is ``head_dim`` rounded up to a power of two, ``BLOCK_H`` as many heads as fit in
-    ``_MAX_TILE`` elements, ``BLOCK_N`` as many tokens (at most ``_MAX_BLOCK_N``, at most ``n``
-    rounded up) as keep a program's tile within ``_MAX_BLOCK_ELEMS`` elements.
+    Returns ``{"grid": (token blocks, head blocks), "BLOCK_N": ..., "BLOCK_H": ..., "BLOCK_D": ...,
+    "num_warps": 4}``: ``BLOCK_D`` is ``head_dim`` rounded up to a power of two, ``BLOCK_H`` as
+    many heads as fit in ``_MAX_TILE`` elements, ``BLOCK_N`` as many tokens (at most
+    ``_MAX_BLOCK_N``, at most ``n`` rounded up) as keep a program's tile within
+    ``_MAX_BLOCK_ELEMS`` elements; four warps (128 threads) copy a program's tiles.
     """
     block_d = _next_pow2(head_dim)
     block_h = max(1, min(_next_pow2(heads), _MAX_TILE // block_d))
     block_n = max(1, min(_next_pow2(n), _MAX_BLOCK_N, _MAX_BLOCK_ELEMS // (block_h * block_d)))
     grid = (-(-n // block_n), -(-heads // block_h))
-    return dict(grid=grid, BLOCK_N=block_n, BLOCK_H=block_h, BLOCK_D=block_d)
+    return dict(grid=grid, BLOCK_N=block_n, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,10 +176,10 @@ def store_cache_torch(
 # Triton backend
 # ---------------------------------------------------------------------------------------------
 
-if _HAVE_TRITON:
+if HAVE_TRITON:
 
     @triton.jit  # type: ignore[untyped-decorator]  # triton ships no type information
-    def _store_cache_kernel(  # type: ignore[no-untyped-def]  # Triton types the parameters
+    def store_cache_kernel(  # type: ignore[no-untyped-def]  # Triton types the parameters
         k_cache_ptr,
         v_cache_ptr,
         indices_ptr,
@@ -218,37 +232,42 @@ if _HAVE_TRITON:
         d3 = offs_d[None, None, :]
         mask = ok[:, None, None] & (h3 < heads) & (d3 < head_dim)
 
-        k_src = k_ptr + r3 * stride_k_n + h3 * stride_k_h + d3 * stride_k_d
+        # Both loads are issued before either store, so the reads of K and V are in flight
+        # together (a store may alias a load's memory for all the compiler knows, so it would
+        # not move a load above it).
+        k_tile = tl.load(k_ptr + r3 * stride_k_n + h3 * stride_k_h + d3 * stride_k_d, mask=mask)
+        v_tile = tl.load(v_ptr + r3 * stride_v_n + h3 * stride_v_h + d3 * stride_v_d, mask=mask)
         k_dst = (
             k_cache_ptr
             + (page * stride_kc_p + offset * stride_kc_s)[:, None, None]
             + h3 * stride_kc_h
             + d3 * stride_kc_d
         )
-        tl.store(k_dst, tl.load(k_src, mask=mask), mask=mask)
-
-        v_src = v_ptr + r3 * stride_v_n + h3 * stride_v_h + d3 * stride_v_d
         v_dst = (
             v_cache_ptr
             + (page * stride_vc_p + offset * stride_vc_s)[:, None, None]
             + h3 * stride_vc_h
             + d3 * stride_vc_d
         )
-        tl.store(v_dst, tl.load(v_src, mask=mask), mask=mask)
+        tl.store(k_dst, k_tile, mask=mask)
+        tl.store(v_dst, v_tile, mask=mask)
 
 
-def _store_triton(
+def launch_store_cache_kernel(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     indices: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
 ) -> None:
+    """Launch :func:`store_cache_kernel` on arguments already checked (``validate_store_args``
+    returns them so): the launcher's arithmetic, then one launch. It checks nothing itself; the
+    kernel's device-side guard still keeps a slot outside the cache from being written."""
     num_pages, page_size, heads, head_dim, *kc_strides = paged_geometry(k_cache, "k_cache")
     vc_strides = paged_geometry(v_cache, "v_cache")[4:]
     n = indices.shape[0]
     shape = store_launch_shape(n, heads, head_dim)
-    _store_cache_kernel[shape["grid"]](
+    store_cache_kernel[shape["grid"]](
         k_cache,
         v_cache,
         indices,
@@ -267,6 +286,7 @@ def _store_triton(
         BLOCK_N=shape["BLOCK_N"],
         BLOCK_H=shape["BLOCK_H"],
         BLOCK_D=shape["BLOCK_D"],
+        num_warps=shape["num_warps"],
     )
 
 
@@ -291,7 +311,7 @@ def store_cache_triton(
             "with TRITON_INTERPRET=1 set before kvcache is imported"
         )
     if indices.numel():
-        _store_triton(k_cache, v_cache, indices, k, v)
+        launch_store_cache_kernel(k_cache, v_cache, indices, k, v)
 
 
 def store_cache(
@@ -325,4 +345,4 @@ def store_cache(
     if store_cache_backend(k_cache.device) == "torch":
         _store_torch(k_cache, v_cache, indices, k, v, guard=not check_bounds)
     else:
-        _store_triton(k_cache, v_cache, indices, k, v)
+        launch_store_cache_kernel(k_cache, v_cache, indices, k, v)
