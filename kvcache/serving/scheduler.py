@@ -536,9 +536,11 @@ class Scheduler:
         else:
             active = list(running.values()) if suspect is None else [suspect]
         prefilling = self._make_room(batch, active)
-        for s in batch.decoders:
+        # One tensor for every decoder's token, each extend taking its row (a view).
+        tokens = torch.tensor([s.output[-1] for s in batch.decoders], dtype=torch.int64)
+        for s, token in zip(batch.decoders, tokens.view(-1, 1), strict=True):
             batch.current = s
-            self.flow.extend(s.req, torch.tensor([s.output[-1]], dtype=torch.int64))
+            self.flow.extend(s.req, token)
             batch.items.append((s, 1))
         batch.current = None
         batch.budget -= len(batch.decoders)
@@ -555,17 +557,25 @@ class Scheduler:
         """Choose the decoders of ``active`` and preempt until the pool has their pages;
         returns the requests of ``active`` still prefilling."""
         ps = self.flow.page_size
-        decoders = [s for s in active if s.req.num_computed == len(s.req)][: batch.budget]
-        while sum(len(s.req) % ps == 0 for s in decoders) > self.flow.available_pages():
+        decoders: list[SchedRequest] = []
+        prefilling: list[SchedRequest] = []
+        for s in active:
+            req = s.req
+            (decoders if req.num_computed == len(req) else prefilling).append(s)
+        del decoders[batch.budget :]  # past the budget: they wait for the next step
+        need = sum(len(s.req) % ps == 0 for s in decoders)  # a full last page: a new one
+        while need > self.flow.available_pages():
             victim = self._pick_victim()
+            full = len(victim.req) % ps == 0
             batch.current = victim
             self._preempt(victim)
             batch.current = None
             batch.preempted.append(victim.sid)
             if victim in decoders:
                 decoders.remove(victim)
+                need -= full
         batch.decoders = decoders
-        return [s for s in active if s.status == "running" and s.req.num_computed < len(s.req)]
+        return [s for s in prefilling if s.status == "running"]  # less any preempted
 
     def _preempt(self, s: SchedRequest) -> None:
         req = s.req
