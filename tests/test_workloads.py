@@ -5,6 +5,7 @@ token is run even when the whole prompt is cached (mini-sglang matches ``input_i
 old accounting counted a fully cached prompt as zero work; these tests would catch it.
 """
 
+import inspect
 from itertools import pairwise
 
 import torch
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 
 from kvcache import NaiveCacheManager, PageAllocator, RadixCacheManager, RequestFlow
 from kvcache.managers.block_hash import BlockHashCacheManager
+from kvcache.serving import workloads as W
 from kvcache.serving.workloads import Job, replay
 
 
@@ -105,3 +107,59 @@ def test_replay_reuse_matches_a_reference_and_never_the_last_token(jobs, page_si
         assert c == len(j.prompt) - r + (len(j.output) if decode else 0)
         assert c >= 1
     assert samples[-1].computed_tokens == flow.stats.computed_tokens
+
+
+# ------------------------------------------------------------------ the generators' arguments
+GENERATORS = [
+    W.shared_system_prompts,
+    W.few_shot,
+    W.multi_turn_chat,
+    W.branching,
+    W.mixed,
+    W.long_few_shot,
+    W.agent,
+]
+
+
+def _argument(kind: str) -> st.SearchStrategy:
+    small = st.integers(-3, 12)
+    if kind == "int":
+        return small
+    if kind == "tuple[int, int]":
+        return st.tuples(small, small)
+    return st.one_of(st.floats(-0.5, 1.5), st.just(float("nan")))
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(data=st.data(), which=st.integers(0, len(GENERATORS) - 1))
+def test_every_generator_makes_jobs_or_names_the_argument_and_its_limit(data, which):
+    """Any counts, any (lo, hi) ranges (reversed, negative), any probability, for every
+    generator: the jobs (ids in ``[0, vocab)``, lengths within the ranges), or a ``ValueError``
+    / ``TypeError`` that names the argument and its limit; never "empty range for randrange()"
+    or a loop that does not end."""
+    fn = GENERATORS[which]
+    params = inspect.signature(fn).parameters
+    kwargs = {
+        name: data.draw(_argument(p.annotation), label=name)
+        for name, p in params.items()
+        if p.annotation in ("int", "tuple[int, int]", "float") and name != "seed"
+    }
+    for count in ("num_requests", "num_conversations"):  # kept small: the runs stay short
+        if count in kwargs:
+            kwargs[count] = min(kwargs[count], 6)
+    try:
+        jobs = fn(**kwargs)
+    except (ValueError, TypeError) as e:
+        message = str(e)
+        named = [n for n in kwargs if message.startswith(n)]
+        assert named, message
+        assert any(limit in message for limit in (">= 0", ">= 1", "0 <= lo <= hi", "[0, 1]"))
+        return
+    vocab = kwargs.get("vocab", 32000)
+    for job in jobs:
+        for part in (job.prompt, job.output):
+            assert part.dtype == torch.int64 and part.dim() == 1
+            assert not len(part) or 0 <= int(part.min()) <= int(part.max()) < vocab
+    if "output_len" in kwargs and fn is not W.mixed:
+        lo, hi = kwargs["output_len"]
+        assert all(lo <= len(job.output) <= hi for job in jobs)

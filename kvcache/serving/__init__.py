@@ -11,7 +11,6 @@ seeded `workloads`, the `Router` that spreads requests over replicas, cache-awar
 """
 
 from .allocator import PageAllocator
-from .batch import SchedRequest, StepRecord, model_runner
 from .cost_model import LLAMA3_8B_H100, CostModel, ServeReport
 from .engine import Engine
 from .host_pool import NVLINK_C2C, PCIE4_X16, PCIE5_X16, HostKVPool, HostLink
@@ -20,7 +19,7 @@ from .model import TinyLlama, TinyLlamaConfig
 from .prefix_mirror import PrefixMirror
 from .request_flow import FlowEvent, FlowStats, Request, RequestFlow
 from .router import ROUTING_POLICIES, Router, RouterReport, poisson_arrivals
-from .scheduler import Scheduler
+from .scheduler import SchedRequest, Scheduler, StepRecord, model_runner
 from .tokenizer import ByteTokenizer
 
 __all__ = [

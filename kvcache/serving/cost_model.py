@@ -83,6 +83,8 @@ class ServeReport:
     ttft_p50_s: float
     ttft_p99_s: float
     max_wait_steps: int
+    #: Requests that ended ``"failed"`` (see `Scheduler`'s "When a step fails").
+    failed: int = 0
 
     @property
     def throughput(self) -> float:
@@ -95,7 +97,8 @@ class ServeReport:
         return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def summary(self) -> str:
-        """One line per figure, for printing in a notebook."""
+        """One line per figure, for printing in a notebook (failed requests only if any)."""
+        failed = [f"failed requests {self.failed}"] if self.failed else []
         return "\n".join(
             [
                 f"requests {self.requests}, steps {self.steps}, simulated {self.seconds:.3f} s",
@@ -105,6 +108,7 @@ class ServeReport:
                 f"recomputed {self.recomputed_tokens:,}",
                 f"preemptions {self.preemptions}, peak pages held {self.peak_pages}, "
                 f"longest wait {self.max_wait_steps} steps",
+                *failed,
             ]
         )
 

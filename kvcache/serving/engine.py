@@ -10,11 +10,22 @@ The request flow decides which tokens are new; the model runs only those::
 
 ``computed_tokens`` and ``reused_tokens`` (the flow's `FlowStats`) count what the model actually
 ran and what it read back from the cache instead.
+
+When the model fails. A bad argument is refused before anything changes. Once the flow has
+taken the call's tokens (``begin``, ``extend``), a failure of the model, of the pool's
+``store_kv`` or of ``mark_computed`` (any exception) ends the call's requests and propagates:
+what each had computed is cached (whole pages), the rest of its pages are freed, and it is no
+longer running (`RequestFlow.is_running` says so), so nothing is left half done: no token
+without K/V, no page lost. To go on, prefill the tokens again: the cached part is reused.
+(The flow has no call that takes tokens back, so a failed decode cannot leave its request as
+it was before the call; ending it is the documented state.) The slots the failed call was
+filling may hold anything: no request owns them any more.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from contextlib import suppress
 
 import torch
 
@@ -93,20 +104,40 @@ class Engine:
         """Prompt tokens whose K/V were read from the cache instead: ``stats.reused_tokens``."""
         return self.flow.stats.reused_tokens
 
-    def _run(self, reqs: list[Request], ids: torch.Tensor) -> torch.Tensor:
-        """Run every request's not-yet-computed tokens (``ids``, packed); logits ``(B, vocab)`` of their last."""
-        q_lens = [len(r) - r.num_computed for r in reqs]
-        logits: torch.Tensor = self.model(
-            ids,
-            [r.indices for r in reqs],
-            q_lens,
-            self.kv_cache,
-            last_only=True,
-            decode_kernel=self.decode_kernel,
-        )
-        for r in reqs:
-            self.flow.mark_computed(r)
+    def _run(self, reqs: list[Request]) -> torch.Tensor:
+        """Run every request's not-yet-computed tokens; logits ``(B, vocab)`` of their last. If
+        anything raises, `_end` ends every one of ``reqs``."""
+        try:
+            ids = torch.cat([r.input_ids[r.num_computed :] for r in reqs])
+            q_lens = [len(r) - r.num_computed for r in reqs]
+            logits: torch.Tensor = self.model(
+                ids,
+                [r.indices for r in reqs],
+                q_lens,
+                self.kv_cache,
+                last_only=True,
+                decode_kernel=self.decode_kernel,
+            )
+            for r in reqs:
+                self.flow.mark_computed(r)
+        except BaseException:
+            self._end(reqs)
+            raise
         return logits
+
+    def _end(self, reqs: Sequence[Request]) -> None:
+        """End the requests of a failed call that still run: cache what each computed (whole
+        pages), free the rest. A cleanup call that fails is skipped (the request then stays as
+        the flow left it): the error that ended the call is the one that propagates."""
+        flow, ps = self.flow, self.flow.page_size
+        for r in reqs:
+            with suppress(Exception):  # if anything fails here, ``r`` stays as the flow left it
+                if not flow.is_running(r):
+                    continue
+                with suppress(Exception):  # not cached: its pages are freed below all the same
+                    if r.num_computed // ps * ps > r.tree_len:
+                        flow.cache(r)
+                flow.abort(r)
 
     def prefill_batch(
         self, prompts: Sequence[torch.Tensor], *, extra_key: Hashable = None
@@ -118,7 +149,7 @@ class Engine:
         Returns the requests and the logits ``(B, vocab)`` of each prompt's last token. Prompts of
         one batch do not reuse each other (none is cached yet). The whole batch is checked (ids,
         vocabulary, room in the pool) before anything changes; if the model itself fails, every
-        request of the batch is aborted.
+        request of the batch is ended (see "When the model fails" in the module docstring).
         """
         reject_one_tensor(prompts, "prompts")
         prompts = as_list(prompts, "prompts", "1-D token-id tensors")
@@ -127,12 +158,7 @@ class Engine:
         for i, p in enumerate(prompts):
             self.model.check_ids(p, f"prompts[{i}]")
         reqs = self.flow.begin_batch(prompts, compute_last=True, extra_key=extra_key)
-        try:
-            return reqs, self._run(reqs, torch.cat([r.input_ids[r.num_computed :] for r in reqs]))
-        except BaseException:
-            for r in reqs:
-                self.flow.abort(r)
-            raise
+        return reqs, self._run(reqs)
 
     def prefill(
         self, prompt: torch.Tensor, *, extra_key: Hashable = None
@@ -147,7 +173,8 @@ class Engine:
         Each token: an integer (Python, NumPy or 0-d integer tensor; never bool or float) in
         ``[0, vocab_size)``. Refused before any request changes: ``TypeError``/``ValueError`` for
         a bad token, ``RuntimeError`` for a request not running here or listed twice, or when
-        the pool cannot take the new pages.
+        the pool cannot take the new pages. If the model fails once the tokens are appended,
+        every request of the call is ended (see "When the model fails" in the module docstring).
         """
         reqs = as_list(reqs, "reqs", "Requests")
         tokens = as_list(tokens, "tokens", "token ids")
@@ -164,21 +191,23 @@ class Engine:
                 raise ValueError(f"tokens[{i}] must lie in [0, vocab_size={vocab}), got {v}")
         ids = torch.tensor(values, dtype=torch.int64)
         self.flow.extend_batch(reqs, list(ids.view(-1, 1)))
-        return self._run(reqs, ids)
+        return self._run(reqs)
 
     def decode(self, req: Request, token: Token) -> torch.Tensor:
         """:meth:`decode_batch` of one request: logits ``(vocab,)``."""
         return self.decode_batch([req], [token])[0]
 
     def finish(self, req: Request) -> int:
-        """Cache the request (prompt and decoded tokens) and release it; returns the length already cached."""
+        """Cache the request (prompt and decoded tokens) and release it; returns the length
+        already cached. All or nothing, as `RequestFlow.finish` is."""
         return self.flow.finish(req)
 
     def generate(
         self, prompt: torch.Tensor, max_new_tokens: int, *, extra_key: Hashable = None
     ) -> torch.Tensor:
         """Greedy decoding: ``max_new_tokens`` new token ids ``(max_new_tokens,)`` int64; the
-        request is cached (under ``extra_key``)."""
+        request is cached (under ``extra_key``). If anything fails, the request is ended (what it
+        computed cached, its pages freed) and the error propagates."""
         max_new_tokens = check_size(max_new_tokens, "max_new_tokens")
         n = len(self.model.check_ids(prompt, "prompt"))
         ps, pages = self.flow.page_size, self.flow.allocator.num_pages
@@ -195,8 +224,8 @@ class Engine:
                 out.append(int(logits.argmax()))
                 if i + 1 < max_new_tokens:
                     logits = self.decode(req, out[-1])
+            self.finish(req)
         except BaseException:
-            self.flow.abort(req)
+            self._end([req])  # a failed decode has ended it already
             raise
-        self.finish(req)
         return torch.tensor(out, dtype=torch.int64)

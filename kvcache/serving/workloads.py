@@ -30,6 +30,8 @@ __all__ = [
     "multi_turn_chat",
     "branching",
     "mixed",
+    "long_few_shot",
+    "agent",
     "replay",
     "WORKLOADS",
     "TimedManager",
@@ -194,6 +196,63 @@ def mixed(num_requests: int = 400, seed: int = 0, vocab: int = 32000) -> list[Jo
     return jobs
 
 
+@checked_workload
+def long_few_shot(
+    num_requests: int = 800,
+    num_tasks: int = 6,
+    prefix_len: tuple[int, int] = (2048, 8192),
+    question_len: tuple[int, int] = (20, 200),
+    output_len: tuple[int, int] = (10, 120),
+    vocab: int = 32000,
+    seed: int = 0,
+) -> list[Job]:
+    """Few-shot serving at today's prompt sizes: a few tasks, each a 2-8k-token shared prefix
+    of worked examples, and requests that differ only in the question at the end."""
+    rng = random.Random(seed)
+    tasks = [_tokens(rng, rng.randint(*prefix_len), vocab) for _ in range(num_tasks)]
+    return [
+        _job(
+            rng.choice(tasks) + _tokens(rng, rng.randint(*question_len), vocab),
+            _tokens(rng, rng.randint(*output_len), vocab),
+        )
+        for _ in range(num_requests)
+    ]
+
+
+@checked_workload
+def agent(
+    num_requests: int = 800,
+    num_agents: int = 8,
+    system_len: tuple[int, int] = (500, 1500),
+    step_len: tuple[int, int] = (30, 300),
+    output_len: tuple[int, int] = (20, 150),
+    branch_prob: float = 0.25,
+    vocab: int = 32000,
+    seed: int = 0,
+) -> list[Job]:
+    """Agents in branching multi-turn sessions: each session resends its whole history plus a
+    new observation; one step in four forks a new session from an earlier turn of a random one
+    (a retry, or a tree search over tool calls), so the cached prefixes form a deep, bushy tree."""
+    rng = random.Random(seed)
+    systems = [_tokens(rng, rng.randint(*system_len), vocab) for _ in range(num_agents)]
+    # A session: its history and the lengths at which each of its turns started (fork points).
+    sessions: list[tuple[list[int], list[int]]] = [(list(s), [len(s)]) for s in systems]
+    jobs: list[Job] = []
+    while len(jobs) < num_requests:
+        history, starts = rng.choice(sessions)
+        if rng.random() < branch_prob:
+            cut = rng.choice(starts)
+            history, starts = history[:cut], [s for s in starts if s <= cut]
+            sessions.append((history, starts))
+            history, starts = sessions[-1]
+        prompt = history + _tokens(rng, rng.randint(*step_len), vocab)
+        output = _tokens(rng, rng.randint(*output_len), vocab)
+        jobs.append(_job(prompt, output))
+        history[:] = prompt + output
+        starts.append(len(prompt))
+    return jobs
+
+
 WORKLOADS: dict[str, Callable[..., list[Job]]] = {
     "system prompts": shared_system_prompts,
     "few-shot": few_shot,
@@ -334,63 +393,3 @@ def replay(
         if on_sample is not None:
             on_sample(sample)
     return samples
-
-
-@checked_workload
-def long_few_shot(
-    num_requests: int = 800,
-    num_tasks: int = 6,
-    prefix_len: tuple[int, int] = (2048, 8192),
-    question_len: tuple[int, int] = (20, 200),
-    output_len: tuple[int, int] = (10, 120),
-    vocab: int = 32000,
-    seed: int = 0,
-) -> list[Job]:
-    """Few-shot serving at today's prompt sizes: a few tasks, each a 2-8k-token shared prefix
-    of worked examples, and requests that differ only in the question at the end."""
-    rng = random.Random(seed)
-    tasks = [_tokens(rng, rng.randint(*prefix_len), vocab) for _ in range(num_tasks)]
-    return [
-        _job(
-            rng.choice(tasks) + _tokens(rng, rng.randint(*question_len), vocab),
-            _tokens(rng, rng.randint(*output_len), vocab),
-        )
-        for _ in range(num_requests)
-    ]
-
-
-@checked_workload
-def agent(
-    num_requests: int = 800,
-    num_agents: int = 8,
-    system_len: tuple[int, int] = (500, 1500),
-    step_len: tuple[int, int] = (30, 300),
-    output_len: tuple[int, int] = (20, 150),
-    branch_prob: float = 0.25,
-    vocab: int = 32000,
-    seed: int = 0,
-) -> list[Job]:
-    """Agents in branching multi-turn sessions: each session resends its whole history plus a
-    new observation; one step in four forks a new session from an earlier turn of a random one
-    (a retry, or a tree search over tool calls), so the cached prefixes form a deep, bushy tree."""
-    rng = random.Random(seed)
-    systems = [_tokens(rng, rng.randint(*system_len), vocab) for _ in range(num_agents)]
-    # A session: its history and the lengths at which each of its turns started (fork points).
-    sessions: list[tuple[list[int], list[int]]] = [(list(s), [len(s)]) for s in systems]
-    jobs: list[Job] = []
-    while len(jobs) < num_requests:
-        history, starts = rng.choice(sessions)
-        if rng.random() < branch_prob:
-            cut = rng.choice(starts)
-            history, starts = history[:cut], [s for s in starts if s <= cut]
-            sessions.append((history, starts))
-            history, starts = sessions[-1]
-        prompt = history + _tokens(rng, rng.randint(*step_len), vocab)
-        output = _tokens(rng, rng.randint(*output_len), vocab)
-        jobs.append(_job(prompt, output))
-        history[:] = prompt + output
-        starts.append(len(prompt))
-    return jobs
-
-
-__all__ += ["long_few_shot", "agent"]
