@@ -190,14 +190,12 @@ STILL_TO_MOVE: dict[str, set[str]] = {
     "private_bases": {
         "kvcache/managers/radix.py",
         "kvcache/managers/radix_locks.py",
-        "kvcache/serving/request_flow.py",
     },
     "private_imports": {"kvcache/kernels/attention.py"},
     "private_attributes": {
         "kvcache/managers/block_locks.py",
         "kvcache/managers/radix_locks.py",
         "kvcache/managers/radix_roots.py",
-        "kvcache/serving/flow_batch.py",
     },
 }
 

@@ -39,7 +39,6 @@ from .._validate import as_int, check_positive_int, check_token_ids
 from ..managers.cache_events import check_extra_key
 from .batch import Runner, SchedRequest, StepRecord, check_runner, checked_logits, next_token
 from .cost_model import LLAMA3_8B_H100, CostModel, ServeReport, percentile
-from .request import keyed
 from .request_flow import RequestFlow
 
 __all__ = ["Scheduler", "ADMISSION_POLICIES", "VICTIM_POLICIES"]
@@ -192,7 +191,12 @@ class Scheduler:
             # SGLang matches every waiting request too; matching only refreshes LRU and splits.
             match = self.flow.manager.match_prefix
             matched = {
-                s.sid: keyed(match, s.extra_key, s.tokens()[:-1])[0].cached_len for s in rest
+                s.sid: (
+                    match(s.tokens()[:-1])  # a manager written before namespaces takes no key
+                    if s.extra_key is None
+                    else match(s.tokens()[:-1], s.extra_key)
+                )[0].cached_len
+                for s in rest
             }
             rest.sort(key=lambda s: -matched[s.sid])  # stable: arrival order among ties
         return starving + rest
