@@ -27,15 +27,24 @@ so ``indices[:tree_len]`` are always the tree's. The source document frees
 ``indices[:already_cached]`` after inserting; ``[0, T)`` are the tree's, and freeing them
 corrupts the cache. `check_integrity` proves the partition.
 
-All or nothing. Every public method checks and reads first (nothing changes), then makes its
-changes, the manager's first and the allocator's after. A failure before a change that cannot
-be undone undoes what was done (begin releases the lock it took) and leaves the flow, the
-manager and the allocator as they were. An eviction, an insert and an unlock cannot be undone;
-the few calls that must follow one (giving its pages to the allocator, reading the tree's slots
-for a request that moved) are made once more if they raise, so the step is whole before the
-error propagates and no page is ever lost or owned twice. Events are recorded and sent only
-after the step has applied; if the ``on_event`` consumer raises, the step stands, its events
-are all in ``events``, the later ones are not sent, and the error propagates.
+All or nothing, whatever a call raises (``KeyboardInterrupt`` too): the manager, the
+allocator or the ``on_event`` consumer. Every public method checks and reads first, then makes
+its changes in an order where a failure can be undone:
+
+- begin, begin_batch, extend, extend_batch: the lock (``match_and_lock``), then an eviction if
+  the free list is short (its pages go to the allocator, a call made again if it raises), then
+  the allocation, after which nothing can fail. A failure releases the lock and leaves
+  everything as it was, but for the match's LRU refresh and an eviction made first (its
+  prefixes are gone, their pages free).
+- cache, finish, abort, reset_prefix_cache: the manager's change first (the insert, the
+  unlock, the reset), which cannot be undone; what must follow it (giving the pages it
+  released to the allocator, reading the tree's slots for a request that moved) is made once
+  more if it raises, so the step is whole; then the error propagates. Nothing is ever lost or
+  owned twice.
+- Events are made and sent only once the call has applied (the consumer sees the state after
+  the whole call). If the consumer raises, the call stands, its events are all in ``events``
+  (the later ones not sent) and the error propagates; if making them raises (a read for their
+  text), the call stands and reports none.
 """
 
 from __future__ import annotations
@@ -265,17 +274,19 @@ def check_manager(manager: object, name: str = "manager") -> None:
         )
 
 
-def _complete(call: Callable[..., object], *args: object) -> None:
+def _complete(call: Callable[..., object], *args: object) -> BaseException | None:
     """``call(*args)``, which a step makes after a manager change it cannot undo (an eviction,
     an insert, an unlock). If it raises (anything, ``KeyboardInterrupt`` too), it is made once
-    more before the error propagates, so that the step is whole: the pages the change released
-    reach the allocator, a request the change moved reads its new prefix. Such a call changes
-    nothing when it raises, so making it again is safe."""
+    more, so that the step is whole: the pages the change released reach the allocator, a
+    request the change moved reads its new prefix. Such a call changes nothing when it raises,
+    so making it again is safe. Returns what interrupted it (None: nothing), for the step to
+    raise once it is done."""
     try:
         call(*args)
-    except BaseException:
+    except BaseException as e:
         call(*args)
-        raise
+        return e
+    return None
 
 
 class RequestFlow:
@@ -336,12 +347,29 @@ class RequestFlow:
         return [] if self._events is not None else None
 
     def _report(self, notes: list[FlowEvent]) -> None:
-        """Keep the events of a call that has applied, then send them to the consumer."""
+        """Keep the events of a call that has applied, then send them to the consumer (if it
+        raises, the later events are not sent; they are kept all the same)."""
         if self._events is not None:
             self._events.extend(notes)
         if self._on_event is not None:
             for event in notes:
                 self._on_event(event)
+
+    def _done(
+        self,
+        interrupted: BaseException | None,
+        events: Callable[..., list[FlowEvent]],
+        *args: object,
+    ) -> None:
+        """The end of a call whose changes are all made: in a traced flow its events, made by
+        ``events(*args)``, reported (none if making them raises); then what interrupted a call
+        it completed (`_complete`) raised, if anything did."""
+        try:
+            if self._events is not None:
+                self._report(events(*args))
+        finally:
+            if interrupted is not None:
+                raise interrupted
 
     # ------------------------------------------------------------ pages
     def available_pages(self) -> int:
@@ -397,7 +425,9 @@ class RequestFlow:
             evicted = self.manager.evict(short * ps)
             self.stats.evicted_tokens += len(evicted)
             self.stats.evictions += 1
-            _complete(self.allocator.free_page_runs, evicted)
+            interrupted = _complete(self.allocator.free_page_runs, evicted)
+            if interrupted is not None:  # the pages are free: the caller undoes its own part
+                raise interrupted
             if notes is not None:
                 notes.append(
                     FlowEvent(
@@ -680,21 +710,24 @@ class RequestFlow:
         hi = min(already, handle.cached_len)  # a manager caching nothing holds none of them
         req.handle = handle
         dup = req._slots[lo:hi].copy() if hi > lo else None
+        interrupted = None
         if dup is not None:
-            _complete(self._read_tree_slots, req, hi)
-            _complete(self.allocator.free_page_runs, dup)  # own pages from a page start
-        notes = self._notes()
-        if notes is not None:
-            notes.append(
-                FlowEvent(req.rid, 4, "insert_prefix", f"{n} tokens, {already} already cached")
-            )
-            if dup is not None:
-                pages = aligned_run_pages(dup, self.page_size).tolist()
-                notes.append(FlowEvent(req.rid, 5, "free", f"duplicate pages {pages}"))
-            moved = f"lock moved to the cached prefix, tree_len={req.tree_len}"
-            notes.append(FlowEvent(req.rid, 2, "lock_handle", moved))
-            self._report(notes)
+            interrupted = _complete(self._read_tree_slots, req, hi)
+            # own pages from a page start: whole pages
+            interrupted = _complete(self.allocator.free_page_runs, dup) or interrupted
+        self._done(interrupted, self._cache_events, req, n, already, dup)
         return already
+
+    def _cache_events(
+        self, req: Request, n: int, already: int, dup: np.ndarray | None
+    ) -> list[FlowEvent]:
+        notes = [FlowEvent(req.rid, 4, "insert_prefix", f"{n} tokens, {already} already cached")]
+        if dup is not None:
+            pages = aligned_run_pages(dup, self.page_size).tolist()
+            notes.append(FlowEvent(req.rid, 5, "free", f"duplicate pages {pages}"))
+        moved = f"lock moved to the cached prefix, tree_len={req.tree_len}"
+        notes.append(FlowEvent(req.rid, 2, "lock_handle", moved))
+        return notes
 
     def _read_tree_slots(self, req: Request, hi: int) -> None:
         """Point ``req``'s first ``hi`` slots at the tree's (its handle's), in new arrays, so that
@@ -731,19 +764,20 @@ class RequestFlow:
             )
         else:
             run = own[n:length]
-        if len(run):
-            _complete(self.allocator.free_page_runs, run)
-        if self._events is not None:
-            freed = aligned_run_pages(run, self.page_size).tolist()
-            protected = self.manager.size_info.protected_size
-            self._report(
-                [
-                    FlowEvent(req.rid, 4, "insert_prefix", f"{n} tokens, {already} already cached"),
-                    FlowEvent(req.rid, 5, "free", f"pages {freed}"),
-                    FlowEvent(req.rid, 7, "unlock", f"protected={protected}"),
-                ]
-            )
+        interrupted = _complete(self.allocator.free_page_runs, run) if len(run) else None
+        self._done(interrupted, self._finish_events, req, n, already, run)
         return already
+
+    def _finish_events(
+        self, req: Request, n: int, already: int, freed: np.ndarray
+    ) -> list[FlowEvent]:
+        pages = aligned_run_pages(freed, self.page_size).tolist()
+        protected = self.manager.size_info.protected_size
+        return [
+            FlowEvent(req.rid, 4, "insert_prefix", f"{n} tokens, {already} already cached"),
+            FlowEvent(req.rid, 5, "free", f"pages {pages}"),
+            FlowEvent(req.rid, 7, "unlock", f"protected={protected}"),
+        ]
 
     def abort(self, req: Request) -> None:
         """Drop a request without caching it: unlock its prefix and free its own pages."""
@@ -751,8 +785,10 @@ class RequestFlow:
         self.manager.lock_handle(req.handle, unlock=True)
         self._end(req)
         own = req._slots[req.tree_len : req._len]
-        if len(own):
-            _complete(self.allocator.free_page_runs, own)  # from a page start: whole pages
+        if len(own):  # from a page start: whole pages, the last one possibly partial
+            interrupted = _complete(self.allocator.free_page_runs, own)
+            if interrupted is not None:
+                raise interrupted
 
     def _end(self, req: Request) -> None:
         req.finished = True
@@ -778,7 +814,9 @@ class RequestFlow:
             )
         cached = self.manager.cached_indices()
         self.manager.reset()
-        _complete(self.allocator.free_slots, cached)
+        interrupted = _complete(self.allocator.free_slots, cached)
+        if interrupted is not None:
+            raise interrupted
         return int(cached.shape[0])
 
     # --------------------------------------------------------- integrity
