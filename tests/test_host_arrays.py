@@ -84,12 +84,14 @@ def test_numpy_and_tensor_forms_agree(name: str, ops: list, id_dtype: type) -> N
     drive_forms(MAKERS[name](), MAKERS[name](), ops, id_dtype, state, same_length)
 
 
-@pytest.mark.parametrize("name", list(DEFAULTS))
 @settings(max_examples=40, deadline=None)
 @given(ops=OPS)
-def test_default_fused_calls_decide_as_the_managers_own(name: str, ops: list) -> None:
-    """The base class's fused calls (the public calls in turn) and the manager's own, both with
-    tensors: every answer equal and the whole state equal after every step."""
+def test_default_fused_calls_decide_as_radix_own(ops: list) -> None:
+    """The base class's fused calls (the public calls in turn) and radix's own, both with
+    tensors: every answer equal and the whole state equal after every step. (Block hash's own
+    against the defaults: `tests/test_block_host.py`, which compares what is decided, not the
+    LRU clock the defaults' lock check advances.)"""
+    name = "plain2"
     plain, own = DEFAULTS[name]
     drive_forms(own(), plain(), ops, np.int64, state, same_length, host=False)
 

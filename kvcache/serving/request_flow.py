@@ -60,6 +60,7 @@ from .._validate import (
     as_list,
     check_int_in,
     reject_one_tensor,
+    slot_array,
     token_ids,
 )
 from ..managers.base import BaseCacheHandle, BaseCacheManager
@@ -67,6 +68,11 @@ from ..managers.cache_events import check_extra_key
 from .allocator import PageAllocator
 
 __all__ = ["Request", "FlowStats", "FlowEvent", "RequestFlow", "check_manager"]
+
+_CPU = torch.device("cpu")
+# The arrays of a request with no tokens yet (no room: the first write makes its own).
+_NO_IDS = np.empty(0, dtype=np.int64)
+_NO_SLOTS = np.empty(0, dtype=np.int32)
 
 
 class Request:
@@ -117,32 +123,43 @@ class Request:
     def __init__(
         self,
         rid: int,
-        input_ids: torch.Tensor,
-        indices: torch.Tensor,
+        input_ids: torch.Tensor | None,
+        indices: torch.Tensor | None,
         handle: BaseCacheHandle,
         reused_len: int,
         num_computed: int,
         finished: bool = False,
     ) -> None:
-        if input_ids.shape != indices.shape:
-            raise ValueError(
-                f"input_ids {tuple(input_ids.shape)} and indices {tuple(indices.shape)} differ in shape"
-            )
+        """A request over copies of ``input_ids`` and ``indices`` (the same shape; `token_ids`
+        and `slot_array` check them). `RequestFlow` passes None for both: it writes the tokens
+        and slots of the requests it begins itself, with no tensor in between."""
         self.rid = rid
         self.handle = handle
         self.reused_len = reused_len
         self.num_computed = num_computed
         self.finished = finished
-        self.device = indices.device
         self.extra_key = None
-        self._hold(input_ids.numpy(), indices.cpu().numpy())
+        self._views = None
+        if input_ids is None and indices is None:
+            self.device = _CPU
+            self._ids, self._slots, self._len, self._filled = _NO_IDS, _NO_SLOTS, 0, 0
+            return
+        if input_ids is None or indices is None:
+            raise TypeError("input_ids and indices must both be tensors, or both None")
+        if input_ids.shape != indices.shape:
+            raise ValueError(
+                f"input_ids {tuple(input_ids.shape)} and indices {tuple(indices.shape)} differ in shape"
+            )
+        self.device = indices.device
+        self._hold(token_ids(input_ids), slot_array(indices, indices.device))
 
-    def _hold(self, ids: np.ndarray, slots: np.ndarray) -> None:
-        """Copies of ``ids`` and ``slots`` (as many), with room to grow."""
+    def _hold(self, ids: np.ndarray, slots: np.ndarray, room: int = 0) -> None:
+        """Copies of ``ids`` and ``slots`` (as many), with room to grow: for ``room`` entries in
+        all, or a quarter more than given."""
         n = ids.shape[0]
         if slots.shape[0] != n:
             raise ValueError(f"{n} ids but {slots.shape[0]} slots")
-        cap = n + 16 + (n >> 2)
+        cap = max(room, n + 16 + (n >> 2))
         self._ids = np.empty(cap, dtype=np.int64)
         self._slots = np.empty(cap, dtype=np.int32)
         self._ids[:n] = ids
@@ -342,10 +359,6 @@ class RequestFlow:
     def events(self) -> list[FlowEvent]:
         return self._events if self._events is not None else []
 
-    def _notes(self) -> list[FlowEvent] | None:
-        """A list for the events of the call starting now (None when the flow is not traced)."""
-        return [] if self._events is not None else None
-
     def _report(self, notes: list[FlowEvent]) -> None:
         """Keep the events of a call that has applied, then send them to the consumer (if it
         raises, the later events are not sent; they are kept all the same)."""
@@ -400,7 +413,8 @@ class RequestFlow:
         if filled == n and n % ps:  # the rest of the last page, not written yet
             known = n - n % ps + ps
         pages = -(-(end - known) // ps)
-        req._reserve(known + pages * ps)
+        if known + pages * ps > req._ids.shape[0]:
+            req._reserve(known + pages * ps)
         if known > filled:
             np.add(self._steps[: known - n], req._slots[n - 1], out=req._slots[n:known])
             req._filled = known
@@ -479,8 +493,10 @@ class RequestFlow:
         handle, prefix = self.manager.match_and_lock(torch.from_numpy(query), key)
         try:
             m = handle.cached_len
-            req = Request(rid, torch.from_numpy(ids[:m]), prefix, handle, m, m)
-            req.extra_key = key
+            req = Request(rid, None, None, handle, m, m)
+            req.device, req.extra_key = self._device, key
+            # Room for the whole prompt and the rest of its last page: no copy later.
+            req._hold(ids[:m], slot_array(prefix, self._device), ids.shape[0] + self.page_size)
             if notes is not None:
                 notes.append(
                     FlowEvent(rid, 1, "match_prefix", f"cached_len={m} indices={prefix.tolist()}")
@@ -491,13 +507,6 @@ class RequestFlow:
             self.manager.lock_handle(handle, unlock=True)
             raise
         return req
-
-    def _start(self, reqs: list[Request], prompts: list[np.ndarray]) -> None:
-        """The requests, their pages taken and their tokens written, run from now on."""
-        for req, ids in zip(reqs, prompts, strict=True):
-            self.running[req.rid] = req
-            self.stats.count_request(ids.shape[0], req.reused_len)
-        self._next_rid = reqs[-1].rid + 1
 
     def begin(
         self, input_ids: torch.Tensor, *, compute_last: bool = False, extra_key: Hashable = None
@@ -517,7 +526,7 @@ class RequestFlow:
         n = ids.shape[0]
         if n == 0:
             raise ValueError("input_ids must hold at least one token")
-        notes = self._notes()
+        notes: list[FlowEvent] | None = [] if self._events is not None else None
         rid = self._next_rid
         req = self._match(rid, ids, compute_last, extra_key, notes)
         m = req._len
@@ -531,7 +540,9 @@ class RequestFlow:
         if pages and notes is not None:
             self._allocated(notes, rid, req._slots[filled : filled + pages * self.page_size])
         self._write(req, ids[m:], filled + pages * self.page_size)
-        self._start([req], [ids])
+        self.running[rid] = req
+        self.stats.count_request(n, m)
+        self._next_rid = rid + 1
         if notes:
             self._report(notes)
         return req
@@ -561,7 +572,7 @@ class RequestFlow:
             if p.shape[0] == 0:
                 raise ValueError(f"prompts[{i}] must hold at least one token")
         check_extra_key(extra_key)
-        notes = self._notes()
+        notes: list[FlowEvent] | None = [] if self._events is not None else None
         reqs: list[Request] = []
         try:
             for i, ids in enumerate(arrays):
@@ -571,7 +582,10 @@ class RequestFlow:
             for r in reqs:
                 self.manager.lock_handle(r.handle, unlock=True)
             raise
-        self._start(reqs, arrays)
+        for req, ids in zip(reqs, arrays, strict=True):
+            self.running[req.rid] = req
+            self.stats.count_request(ids.shape[0], req.reused_len)
+        self._next_rid = reqs[-1].rid + 1
         if notes:
             self._report(notes)
         return reqs
@@ -642,7 +656,7 @@ class RequestFlow:
         k = new.shape[0]
         if k == 0:
             return req.indices[:0]
-        notes = self._notes()
+        notes: list[FlowEvent] | None = [] if self._events is not None else None
         n = req._len
         filled, pages = self._room(req, k)
         if pages:
@@ -655,7 +669,8 @@ class RequestFlow:
         self.stats.decoded_tokens += k
         if notes:
             self._report(notes)
-        return self._tensor(req._slots[n : n + k])
+        out = torch.from_numpy(req._slots[n : n + k])
+        return out if self._on_cpu else out.to(self._device)
 
     def extend_batch(
         self, reqs: Sequence[Request], new_ids: Sequence[torch.Tensor]
@@ -680,7 +695,7 @@ class RequestFlow:
             raise RuntimeError("every request must be running in this flow, each listed once")
         if not reqs:
             return []
-        notes = self._notes()
+        notes: list[FlowEvent] | None = [] if self._events is not None else None
         ends = [len(r) for r in reqs]
         self._grow(reqs, arrays, notes)
         self.stats.decoded_tokens += sum(x.shape[0] for x in arrays)
@@ -689,9 +704,14 @@ class RequestFlow:
         return [self._tensor(r._slots[n : r._len]) for r, n in zip(reqs, ends, strict=True)]
 
     def _insert_tensors(self, req: Request, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``req``'s first ``n`` ids and slots as the manager takes them (slots on the device)."""
-        ids = torch.from_numpy(req._ids[:n])
-        return ids, torch.from_numpy(req._slots[:n]) if self._on_cpu else req.indices[:n]
+        """``req``'s first ``n`` ids and slots as the manager takes them (slots on the device):
+        its own tensors when it inserts all of itself, views made now otherwise."""
+        if n == req._len:
+            _, ids, slots = req._tensors()
+            return ids, slots
+        if self._on_cpu:
+            return torch.from_numpy(req._ids[:n]), torch.from_numpy(req._slots[:n])
+        return torch.from_numpy(req._ids[:n]), req.indices[:n]
 
     def cache(self, req: Request) -> int:
         """Insert the computed whole-page prefix of a request that keeps running (step 4).
@@ -715,7 +735,8 @@ class RequestFlow:
             interrupted = _complete(self._read_tree_slots, req, hi)
             # own pages from a page start: whole pages
             interrupted = _complete(self.allocator.free_page_runs, dup) or interrupted
-        self._done(interrupted, self._cache_events, req, n, already, dup)
+        if interrupted is not None or self._events is not None:
+            self._done(interrupted, self._cache_events, req, n, already, dup)
         return already
 
     def _cache_events(
@@ -756,7 +777,8 @@ class RequestFlow:
         res = self.manager.insert_and_unlock(req.handle, ids, slots, req.extra_key)
         # The insert is made and the lock released: from here on the step only completes.
         already = res.cached_len
-        self._end(req)
+        req.finished = True
+        del self.running[req.rid]
         own = req._slots
         if already > lo:  # own pages in [lo, already) duplicate what another request inserted
             run = (
@@ -765,7 +787,8 @@ class RequestFlow:
         else:
             run = own[n:length]
         interrupted = _complete(self.allocator.free_page_runs, run) if len(run) else None
-        self._done(interrupted, self._finish_events, req, n, already, run)
+        if interrupted is not None or self._events is not None:
+            self._done(interrupted, self._finish_events, req, n, already, run)
         return already
 
     def _finish_events(
@@ -783,16 +806,13 @@ class RequestFlow:
         """Drop a request without caching it: unlock its prefix and free its own pages."""
         self._get(req)
         self.manager.lock_handle(req.handle, unlock=True)
-        self._end(req)
+        req.finished = True
+        del self.running[req.rid]
         own = req._slots[req.tree_len : req._len]
         if len(own):  # from a page start: whole pages, the last one possibly partial
             interrupted = _complete(self.allocator.free_page_runs, own)
             if interrupted is not None:
                 raise interrupted
-
-    def _end(self, req: Request) -> None:
-        req.finished = True
-        del self.running[req.rid]
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix and return its pages to the allocator.
