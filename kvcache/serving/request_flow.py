@@ -349,8 +349,8 @@ class RequestFlow:
         self._device = allocator.device
         self._on_cpu = allocator.device.type == "cpu"
         self._on_event = on_event
-        # A traced flow (trace, or a consumer) collects each call's events as it goes, in a list
-        # the call starts (None: not traced, nothing collected).
+        # The events of a traced flow (trace, or a consumer) so far; None: not traced, so no
+        # call makes any (each call collects its own, and keeps them here once it has applied).
         self._events: list[FlowEvent] | None = [] if trace or on_event is not None else None
         self._next_rid = 0
         self._steps = np.arange(1, self.page_size, dtype=np.int32)  # a page's slot offsets
@@ -473,6 +473,11 @@ class RequestFlow:
         """Whether ``req`` is a request running in this flow (begun, not finished or aborted)."""
         return isinstance(req, Request) and not req.finished and self.running.get(req.rid) is req
 
+    def _host(self, slots: torch.Tensor) -> np.ndarray:
+        """Slots a manager returned, on the host (on the CPU, a view). Taken as they come (a
+        manager written against int64 slots still works: they are copied into int32 arrays)."""
+        return slots.numpy() if self._on_cpu else slots.cpu().numpy()
+
     def _tensor(self, arr: np.ndarray) -> torch.Tensor:
         """Host slots as a tensor on the pool's device (on the CPU, a view)."""
         out = torch.from_numpy(arr)
@@ -496,7 +501,7 @@ class RequestFlow:
             req = Request(rid, None, None, handle, m, m)
             req.device, req.extra_key = self._device, key
             # Room for the whole prompt and the rest of its last page: no copy later.
-            req._hold(ids[:m], slot_array(prefix, self._device), ids.shape[0] + self.page_size)
+            req._hold(ids[:m], self._host(prefix), ids.shape[0] + self.page_size)
             if notes is not None:
                 notes.append(
                     FlowEvent(rid, 1, "match_prefix", f"cached_len={m} indices={prefix.tolist()}")
@@ -753,9 +758,9 @@ class RequestFlow:
     def _read_tree_slots(self, req: Request, hi: int) -> None:
         """Point ``req``'s first ``hi`` slots at the tree's (its handle's), in new arrays, so that
         tensors handed out before keep their values."""
-        tree = self.manager.handle_indices(req.handle)[:hi]
+        tree = self._host(self.manager.handle_indices(req.handle))
         slots = req._slots[: req._len].copy()
-        slots[:hi] = tree.numpy() if self._on_cpu else tree.cpu().numpy()
+        slots[:hi] = tree[:hi]
         req._hold(req._ids[: req._len], slots)
 
     def finish(self, req: Request) -> int:
