@@ -17,11 +17,10 @@ stand-in's hashing (vLLM computes ``Request.block_hashes`` when a request arrive
 measurement of its manager calls alone may leave that time out; ours hashes inside its calls).
 See `vllm_standin` for what the stand-in does per block (no more than vLLM).
 
-The flow hands both managers its host NumPy arrays (ids, slots; slots back), as it does any
-manager whose fused calls take them (`takes_host_arrays`); ``--tensors`` hands both tensors.
+The flow hands both managers tensors (ids, slots; slots back), the one form of its calls.
 
 Run: ``python benchmarks/block_hash_vs_vllm.py [--page-size 16 1] [--repeats 3] [--clock cpu]
-[--traces chat agent] [--tensors] [--json PATH]``.
+[--traces chat agent] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -42,7 +41,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vllm_standin import VllmStandIn
 
 from kvcache import BaseCacheManager, BlockHashCacheManager, PageAllocator, RequestFlow
-from kvcache.managers.base import host_arrays_safe, takes_host_arrays
 from kvcache.serving.workloads import Job, multi_turn_chat
 
 VOCAB = 32000
@@ -157,29 +155,9 @@ class Timed(BaseCacheManager):
         return out
 
 
-class TimedHost(Timed):
-    """`Timed` for a manager whose fused calls and ``evict`` take the flow's host NumPy arrays
-    (`takes_host_arrays`): the flow then hands them over as they are, as it does unwrapped."""
-
-    @takes_host_arrays
-    def match_and_lock(self, *a, **k):
-        return self._call("match_and_lock", *a, **k)
-
-    @takes_host_arrays
-    def insert_and_unlock(self, *a, **k):
-        return self._call("insert_and_unlock", *a, **k)
-
-    @takes_host_arrays
-    def evict(self, *a, **k):
-        return self._call("evict", *a, **k)
-
-
-def timed(manager: BaseCacheManager, host: bool = True) -> Timed:
-    """``manager`` wrapped to time its calls, in the forms the flow would use on it (``host``:
-    the NumPy forms where all three calls take them)."""
-    names = ("match_and_lock", "insert_and_unlock", "evict")
-    use_host = host and all(host_arrays_safe(type(manager), n) for n in names)
-    return (TimedHost if use_host else Timed)(manager)
+def timed(manager: BaseCacheManager) -> Timed:
+    """``manager`` wrapped to time its calls."""
+    return Timed(manager)
 
 
 def serve(flow: RequestFlow, jobs: list[Job]) -> list[int]:
@@ -202,15 +180,13 @@ def drive(
     jobs: list[Job],
     pool_tokens: int,
     page_size: int,
-    host: bool = True,
 ) -> tuple[float, float, dict[str, object]]:
     """Replay ``jobs`` (prompt, then the output appended, then finish) and return
-    (seconds inside manager calls, of which boundary conversions, decisions); ``host``: the
-    flow hands over its NumPy arrays where the manager takes them (else tensors)."""
+    (seconds inside manager calls, of which boundary conversions, decisions)."""
     inner = make()
     if isinstance(inner, VllmStandIn):
         inner.clock = clock
-    wrapped = timed(inner, host)
+    wrapped = timed(inner)
     flow = RequestFlow(wrapped, PageAllocator(pool_tokens // page_size, page_size))
     reused = serve(flow, jobs)
     cached = sorted(inner.cached_indices().tolist())
@@ -227,7 +203,6 @@ def compare(
     repeats: int,
     pool_tokens: int,
     traces: tuple[str, ...] = tuple(TRACES),
-    host: bool = True,
 ) -> dict[str, dict[str, float]]:
     makers: dict[str, Callable[[], BaseCacheManager]] = {
         "BlockHashCacheManager": lambda: BlockHashCacheManager("cpu", page_size),
@@ -243,7 +218,7 @@ def compare(
         ref = None
         for _ in range(repeats):  # interleaved, best of each: load on the machine hits both alike
             for name, make in makers.items():
-                secs, boundary, decisions = drive(make, jobs, pool_tokens, page_size, host)
+                secs, boundary, decisions = drive(make, jobs, pool_tokens, page_size)
                 if ref is None:
                     ref = decisions
                 elif decisions != ref:
@@ -318,11 +293,6 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--pool", type=int, default=49152, help="pool size in tokens")
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
     ap.add_argument("--traces", nargs="+", choices=list(TRACES), default=list(TRACES))
-    ap.add_argument(
-        "--tensors",
-        action="store_true",
-        help="hand both managers tensors (the flow's form for a manager without NumPy forms)",
-    )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     global clock
@@ -334,12 +304,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
         "clock": args.clock,
-        "calls": "tensors" if args.tensors else "host NumPy arrays",
     }
     print(f"ran on: {info}")
     result: dict[str, object] = {"machine": info}
     for ps in args.page_size:
-        rows = compare(ps, args.repeats, args.pool, tuple(args.traces), not args.tensors)
+        rows = compare(ps, args.repeats, args.pool, tuple(args.traces))
         result[f"page_size_{ps}"] = rows
         print(
             f"\npage size {ps}, pool {args.pool} tokens; seconds inside manager calls (best of {args.repeats}):"

@@ -7,8 +7,9 @@ jobs three ways, same run, CPU time of the thread, fastest of ``--repeats``:
 - ``flow``: `radix_ops.drive` through `RequestFlow` with the bare manager;
 - ``floor``: the same manager calls and allocator calls that the flow makes, written out in one
   loop with nothing else: no `Request` objects, no checks, no stats, no events. It is what any
-  flow built on these calls must do (the ids and slots as NumPy, the tokens copied once, the
-  pages allocated, the new slots returned as a tensor), so its ratio is a floor for the flow's.
+  flow built on these calls must do (the ids and slots as NumPy, handed to the manager as tensor
+  views, the tokens copied once, the pages allocated, the new slots returned as a tensor), so
+  its ratio is a floor for the flow's.
 
 It must make the flow's cache decisions (the same reused tokens), or the comparison is void.
 
@@ -44,7 +45,7 @@ _I64, _I32 = np.dtype(np.int64), np.dtype(np.int32)
 def _room(m: RadixCacheManager, a: PageAllocator, pages: int, ps: int) -> None:
     """Evict what ``pages`` new pages need beyond the free ones and give their pages back."""
     if pages > a.num_free_pages:
-        a.free_page_runs(m.evict((pages - a.num_free_pages) * ps, host=True))
+        a.free_page_runs(m.evict((pages - a.num_free_pages) * ps))
 
 
 def floor_drive(m: RadixCacheManager, a: PageAllocator, jobs: list[Job]) -> int:
@@ -55,7 +56,7 @@ def floor_drive(m: RadixCacheManager, a: PageAllocator, jobs: list[Job]) -> int:
     for job in jobs:
         ids = job.prompt.numpy()
         n = len(ids)
-        handle, prefix = m.match_and_lock(ids[:-1])
+        handle, prefix = m.match_and_lock(from_numpy(ids[:-1]))
         cached = handle.cached_len
         cap = n + 16 + (n >> 2) + ps
         own_ids, slots = empty(cap, _I64), empty(cap, _I32)
@@ -65,7 +66,7 @@ def floor_drive(m: RadixCacheManager, a: PageAllocator, jobs: list[Job]) -> int:
         filled = cached + k * ps
         own_ids[:n] = ids
         if cached:
-            slots[:cached] = prefix
+            slots[:cached] = prefix.numpy()
         reused += cached
         length = n
         if len(job.output):
@@ -80,12 +81,13 @@ def floor_drive(m: RadixCacheManager, a: PageAllocator, jobs: list[Job]) -> int:
             from_numpy(slots[length:end])  # `extend` returns the new slots as a tensor
             length = end
         whole = length - length % ps
-        already = m.insert_and_unlock(handle, own_ids[:whole], slots[:whole]).cached_len
+        res = m.insert_and_unlock(handle, from_numpy(own_ids[:whole]), from_numpy(slots[:whole]))
+        already = res.cached_len
         if already > cached:
             dup = slots[cached:already]
             a.free_page_runs(dup if whole == length else np.concatenate([dup, slots[whole:length]]))
         elif whole < length:
-            a.free_page_start(slots.item(whole))
+            a.free_page_runs(slots[whole:length])
     return reused
 
 
@@ -94,15 +96,11 @@ class _Counting(PageAllocator):
 
     def __init__(self, num_pages: int, page_size: int) -> None:
         super().__init__(num_pages, page_size)
-        self.seen: dict[str, list[int]] = {"allocate": [], "free_start": [], "free_runs": []}
+        self.seen: dict[str, list[int]] = {"allocate": [], "free_runs": []}
 
     def allocate_page_slots(self, num_pages: int, out: np.ndarray, start: int = 0) -> None:
         self.seen["allocate"].append(num_pages)
         super().allocate_page_slots(num_pages, out, start)
-
-    def free_page_start(self, slot: int) -> None:
-        self.seen["free_start"].append(1)
-        super().free_page_start(slot)
 
     def free_page_runs(self, slots: torch.Tensor | np.ndarray) -> None:
         self.seen["free_runs"].append(-(-len(slots) // self.page_size))
@@ -142,7 +140,6 @@ def parts(jobs: list[Job], ps: int, num_slots: int) -> dict[str, tuple[float, fl
         slots = alloc.allocate_slots(alloc.num_slots).numpy()
         state["a"] = alloc
         state["runs"] = iter([slots[i : i + pages * ps] for i in range(0, len(slots), pages * ps)])
-        state["starts"] = iter(slots[::ps].tolist())
 
     def fresh() -> None:
         state["a"] = PageAllocator(num_slots // ps, ps)
@@ -154,15 +151,12 @@ def parts(jobs: list[Job], ps: int, num_slots: int) -> dict[str, tuple[float, fl
     def allocate() -> None:
         state["a"].allocate_page_slots(kk, room)  # type: ignore[attr-defined]
 
-    def free_start() -> None:
-        state["a"].free_page_start(next(state["starts"]))  # type: ignore[attr-defined, call-overload]
-
     def free_runs() -> None:
         state["a"].free_page_runs(next(state["runs"]))  # type: ignore[attr-defined, call-overload]
 
     return {
-        "tensor.numpy()": (1 + with_output, _us(prompt.numpy, n=5000)),
-        "torch.from_numpy": (with_output, _us(lambda: torch.from_numpy(out[:k_new]), n=5000)),
+        "tensor.numpy()": (2 + with_output, _us(prompt.numpy, n=5000)),
+        "torch.from_numpy": (3 + with_output, _us(lambda: torch.from_numpy(out[:k_new]), n=5000)),
         "np.empty": (2.0, _us(lambda: np.empty(n + 64, _I64), n=5000)),
         "copies (ids, prefix, output)": (
             2 + with_output,
@@ -171,10 +165,6 @@ def parts(jobs: list[Job], ps: int, num_slots: int) -> dict[str, tuple[float, fl
         f"allocate_page_slots ({kk} pages)": (
             calls["allocate"],
             _us(allocate, fresh, n=min(500, most // kk)),
-        ),
-        "free_page_start": (
-            calls["free_start"],
-            _us(free_start, lambda: handed_out(1), n=min(500, most)),
         ),
         f"free_page_runs ({kr} pages)": (
             calls["free_runs"],

@@ -96,9 +96,9 @@ def recording(pkg: ModuleType, ps: int) -> Any:
 
 
 def mark_host(pkg: ModuleType, cls: type) -> None:
-    """Where ``pkg``'s radix manager takes the NumPy forms (`takes_host_arrays`), say that
-    ``cls``'s fused calls and evict do too, so its flow makes the same calls as on the bare
-    manager (a checkout without them: nothing to mark)."""
+    """Where ``pkg``'s flow hands NumPy forms to a manager marked as taking them (a baseline
+    from before the flow took one form, tensors), mark ``cls``'s fused calls and evict too, so
+    that its flow makes the same calls as on the bare manager (this checkout: nothing to mark)."""
     base = importlib.import_module(pkg.__name__ + ".managers.base")
     if getattr(base, "host_arrays_safe", lambda c, n: False)(pkg.RadixCacheManager, "evict"):
         for name in ("match_and_lock", "insert_and_unlock", "evict"):

@@ -55,12 +55,7 @@ from kvcache import (
     RequestFlow,
     SizeInfo,
 )
-from kvcache.managers.base import (
-    InsertResult,
-    fused_calls_safe,
-    host_arrays_safe,
-    takes_host_arrays,
-)
+from kvcache.managers.base import InsertResult
 from kvcache.serving.workloads import Job, agent, long_few_shot, mixed, multi_turn_chat, replay
 
 # name -> factory(page_size); None where the manager has no such page size.
@@ -95,8 +90,9 @@ class RecordedCalls(BaseCacheManager):
     The manager's time is then measured by `replay_calls` alone, with no timer around each call
     (a timer call costs about as much as a small manager call on a busy machine) and in CPU
     time of the thread, which a machine shared with other jobs does not inflate. A manager
-    subclass itself, defining the fused calls too, so that the flow makes the same calls
-    through it as through the bare manager (`fused_calls_safe`).
+    subclass itself, forwarding the fused calls (`match_and_lock`, `insert_and_unlock`) that the
+    flow makes: the same calls it makes on the bare manager, replayed as such (a manager without
+    fused calls of its own answers them with the base class's defaults, as it does bare).
     """
 
     def __init__(self, manager: BaseCacheManager) -> None:
@@ -138,6 +134,8 @@ class RecordedCalls(BaseCacheManager):
     lock_handle = _recorded("lock_handle")
     insert_prefix = _recorded("insert_prefix")
     insert_and_match = _recorded("insert_and_match")
+    match_and_lock = _recorded("match_and_lock")
+    insert_and_unlock = _recorded("insert_and_unlock")
     evict = _recorded("evict")
     reset = _recorded("reset")
     check_integrity = _recorded("check_integrity")
@@ -145,31 +143,9 @@ class RecordedCalls(BaseCacheManager):
     handle_indices = _recorded("handle_indices")
 
 
-class RecordedFusedCalls(RecordedCalls):
-    """`RecordedCalls` of a manager with fused calls of its own: the flow makes those."""
-
-    match_and_lock = _recorded("match_and_lock")
-    insert_and_unlock = _recorded("insert_and_unlock")
-
-
-class RecordedHostCalls(RecordedFusedCalls):
-    """`RecordedFusedCalls` of a manager whose fused calls and evict take the NumPy forms
-    (`takes_host_arrays`): the flow makes them with NumPy arrays, as it would on the manager."""
-
-    match_and_lock = takes_host_arrays(_recorded("match_and_lock"))
-    insert_and_unlock = takes_host_arrays(_recorded("insert_and_unlock"))
-    evict = takes_host_arrays(_recorded("evict"))
-
-
 def record(manager: BaseCacheManager) -> RecordedCalls:
     """A recorder through which the flow makes the calls it would make on ``manager``."""
-    cls = type(manager)
-    if not fused_calls_safe(cls):
-        return RecordedCalls(manager)
-    names = ("match_and_lock", "insert_and_unlock", "evict")
-    return (
-        RecordedHostCalls if all(host_arrays_safe(cls, f) for f in names) else RecordedFusedCalls
-    )(manager)
+    return RecordedCalls(manager)
 
 
 _MATCHES = ("match_prefix", "match_and_lock")

@@ -23,9 +23,9 @@ Our own code, written from vLLM's published design (``vllm/v1/core``: ``kv_cache
 It speaks this package's `BaseCacheManager` API so that the same `RequestFlow` drives both. A
 request is recognised at insert by its tokens (its first block, then an exact comparison of the
 whole remembered prefix), which is what carrying ``block_hashes`` on a request object amounts to.
-Converting the API's arrays (token ids, a tensor or the flow's NumPy array, to a list; pages to
-slots, a tensor or, for the fused calls and ``evict(host=True)`` that take the flow's NumPy
-forms as the package's managers do, a NumPy array) and finding the request's record are timed
+Converting the API's arrays (token ids, a tensor or a NumPy array, to a list; pages to slots, a
+tensor or, for the fused calls given NumPy arrays and ``evict(host=True)``, a NumPy array) and
+finding the request's record are timed
 separately in ``boundary_seconds``: vLLM's own manager receives lists and a request object and
 returns block ids.
 
@@ -48,7 +48,6 @@ import numpy as np
 import torch
 
 from kvcache import BaseCacheHandle, BaseCacheManager, InsertResult, SizeInfo
-from kvcache.managers.base import takes_host_arrays
 
 __all__ = ["VllmStandIn", "StandInHandle"]
 
@@ -214,9 +213,8 @@ class VllmStandIn(BaseCacheManager):
                 block.ref_cnt += 1
 
     # The flow's fused calls: the same work as the separate calls (vLLM's allocate_slots looks
-    # up and touches in one call; its request's end caches and frees). Like the managers, they
-    # take the flow's host NumPy arrays as they are (vLLM is handed lists and gives block ids).
-    @takes_host_arrays
+    # up and touches in one call; its request's end caches and frees). They also take NumPy
+    # arrays as they are, for a caller that has them (vLLM is handed lists and gives block ids).
     def match_and_lock(
         self, input_ids: torch.Tensor, extra_key: object = None
     ) -> tuple[StandInHandle, torch.Tensor]:
@@ -224,7 +222,6 @@ class VllmStandIn(BaseCacheManager):
         self.lock_handle(handle)
         return handle, slots
 
-    @takes_host_arrays
     def insert_and_unlock(
         self,
         handle: BaseCacheHandle,
@@ -289,7 +286,6 @@ class VllmStandIn(BaseCacheManager):
         self._remember(ids, hashes, blocks)
         return m * ps, blocks
 
-    @takes_host_arrays
     def evict(self, size: int, *, host: bool = False) -> torch.Tensor:
         n = -(-size // self.page_size)
         if n > self.free.num_free:

@@ -1,8 +1,8 @@
 """`BlockHashCacheManager`'s own NumPy forms (`match_and_lock`, `insert_and_unlock`,
 `evict(host=True)`): the same answers and state as the tensor forms, the same refusals (nothing
-changed), and the flow driving it with its host arrays; `evict(host=True)` is checked beside
-radix's in `tests/test_host_arrays.py`. `tests/test_host_arrays.py` checks the
-base class's forms (which this manager's own calls replace)."""
+changed); the flow driving it with tensors; its fused calls deciding as the separate calls do.
+`evict(host=True)` is checked beside radix's in `tests/test_host_arrays.py`, which also checks
+the base class's fused calls (which this manager's own calls replace)."""
 
 from __future__ import annotations
 
@@ -19,17 +19,10 @@ from hypothesis import strategies as st
 from test_host_arrays import OPS, drive_forms
 
 from kvcache import BaseCacheManager, BlockHashCacheManager, PageAllocator, RequestFlow
-from kvcache.managers.base import fused_calls_safe, host_arrays_safe, takes_host_arrays
 
 
 def state(m: BlockHashCacheManager) -> Any:
     return observe(m), m.free_queue(), m.clock, sorted(m.locked_handles().values())
-
-
-def test_the_calls_say_they_take_numpy():
-    for name in ("match_and_lock", "insert_and_unlock", "evict"):
-        assert host_arrays_safe(BlockHashCacheManager, name)
-    assert fused_calls_safe(BlockHashCacheManager)
 
 
 @settings(max_examples=60, deadline=None)
@@ -94,10 +87,11 @@ def test_bad_numpy_slots_are_refused_changing_nothing():
     assert res.cached_len == 4 and m.size_info.protected_size == 0
 
 
-def test_the_flow_drives_it_with_host_arrays():
-    """RequestFlow takes the NumPy forms and decides as a flow over the tensor forms does."""
+def test_the_flow_drives_it_with_tensors():
+    """RequestFlow makes the fused calls with tensors, and decides as a flow over fused calls
+    that take tensors only does."""
 
-    class TensorsOnly(BlockHashCacheManager):  # fused calls without the NumPy mark
+    class TensorsOnly(BlockHashCacheManager):  # fused calls that refuse anything but tensors
         def match_and_lock(self, input_ids, extra_key=None):
             assert isinstance(input_ids, torch.Tensor)
             return super().match_and_lock(input_ids, extra_key)
@@ -109,12 +103,10 @@ def test_the_flow_drives_it_with_host_arrays():
     seen: list[type] = []
 
     class Spy(BlockHashCacheManager):
-        @takes_host_arrays
         def match_and_lock(self, input_ids, extra_key=None):
             seen.append(type(input_ids))
             return super().match_and_lock(input_ids, extra_key)
 
-        @takes_host_arrays
         def insert_and_unlock(self, handle, input_ids, indices, extra_key=None, *, relock=False):
             seen.extend((type(input_ids), type(indices)))
             return super().insert_and_unlock(handle, input_ids, indices, extra_key, relock=relock)
@@ -134,7 +126,7 @@ def test_the_flow_drives_it_with_host_arrays():
             flow.check_integrity()
         results.append((reused, flow.stats.evicted_tokens, sorted(m.cached_indices().tolist())))
     assert results[0] == results[1]
-    assert seen and set(seen) == {np.ndarray}
+    assert seen and set(seen) == {torch.Tensor}
 
 
 class SeparateCalls(BlockHashCacheManager):
@@ -161,8 +153,8 @@ def test_own_fused_calls_decide_as_the_separate_calls(ops: list, ps: int) -> Non
     fresh = 0
     for kind, toks, k in ops:
         if kind == "match" or (not held and kind in ("insert", "relock")):
-            fh, fidx = fm.match_and_lock(np.array(toks, dtype=np.int64))
-            sh, sidx = sm.match_and_lock(np.array(toks, dtype=np.int64))
+            fh, fidx = fm.match_and_lock(torch.tensor(toks, dtype=torch.int64))
+            sh, sidx = sm.match_and_lock(torch.tensor(toks, dtype=torch.int64))
             assert fh == sh and fidx.tolist() == sidx.tolist()
             held.append((fh, sh, toks))
         elif kind in ("insert", "relock"):
@@ -172,9 +164,9 @@ def test_own_fused_calls_decide_as_the_separate_calls(ops: list, ps: int) -> Non
             prefix = fm.handle_indices(fh).tolist() if fh.cached_len else []
             new = [fresh * ps + j for j in range(-(-(n - len(prefix)) // ps) * ps)]
             fresh += -(-(n - len(prefix)) // ps)
-            slots = np.array((prefix + new)[:n], dtype=np.int32)
+            slots = torch.tensor((prefix + new)[:n], dtype=torch.int32)
             relock = kind == "relock"
-            ids = np.array(seq, dtype=np.int64)
+            ids = torch.tensor(seq, dtype=torch.int64)
             fres = fm.insert_and_unlock(fh, ids, slots, relock=relock)
             sres = sm.insert_and_unlock(sh, ids, slots, relock=relock)
             assert fres.cached_len == sres.cached_len and fres.handle == sres.handle

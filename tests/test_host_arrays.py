@@ -1,6 +1,7 @@
-"""The NumPy forms of the fused calls (`match_and_lock`, `insert_and_unlock`) and of radix's
-`evict(host=True)`: the same answers and the same state as the tensor forms, the same refusals,
-and a flow that uses them only where a manager says it takes them (`takes_host_arrays`)."""
+"""The fused calls (`match_and_lock`, `insert_and_unlock`): radix's own NumPy forms and its
+`evict(host=True)` give the same answers and the same state as the tensor forms, with the same
+refusals; the base class's defaults (tensors only) decide as the managers' own fused calls do;
+and the flow hands every manager tensors."""
 
 from __future__ import annotations
 
@@ -22,11 +23,10 @@ from kvcache import (
     RadixCacheManager,
     RequestFlow,
 )
-from kvcache.managers.base import fused_calls_safe, host_arrays_safe, takes_host_arrays
 
 
 class PlainCalls(RadixCacheManager):
-    """Radix driven through the base class's fused calls (which convert the NumPy forms)."""
+    """Radix driven through the base class's fused calls (the separate public calls)."""
 
     match_and_lock = BaseCacheManager.match_and_lock
     insert_and_unlock = BaseCacheManager.insert_and_unlock
@@ -39,13 +39,18 @@ class BlockPlain(BlockHashCacheManager):
     insert_and_unlock = BaseCacheManager.insert_and_unlock
 
 
+#: Managers whose own fused calls take the NumPy forms (radix's, until it drops them).
 MAKERS: dict[str, Callable[[], BaseCacheManager]] = {
     "radix1": RadixCacheManager,
     "radix4": lambda: RadixCacheManager(page_size=4),
     "radix4-fifo": lambda: RadixCacheManager(page_size=4, eviction_policy="fifo"),
-    "plain2": lambda: PlainCalls(page_size=2),
-    "blockhash2": lambda: BlockPlain(page_size=2),
 }
+#: The base class's fused calls (tensors only), beside the manager class whose own they replace.
+DEFAULTS: dict[str, tuple[Callable[[], BaseCacheManager], Callable[[], BaseCacheManager]]] = {
+    "plain2": (lambda: PlainCalls(page_size=2), lambda: RadixCacheManager(page_size=2)),
+    "blockhash2": (lambda: BlockPlain(page_size=2), lambda: BlockHashCacheManager(page_size=2)),
+}
+TENSOR_MAKERS = {**MAKERS, **{name: pair[0] for name, pair in DEFAULTS.items()}}
 
 
 def state(m: BaseCacheManager) -> Any:
@@ -79,6 +84,18 @@ def test_numpy_and_tensor_forms_agree(name: str, ops: list, id_dtype: type) -> N
     drive_forms(MAKERS[name](), MAKERS[name](), ops, id_dtype, state, same_length)
 
 
+@settings(max_examples=40, deadline=None)
+@given(ops=OPS)
+def test_default_fused_calls_decide_as_radix_own(ops: list) -> None:
+    """The base class's fused calls (the public calls in turn) and radix's own, both with
+    tensors: every answer equal and the whole state equal after every step. (Block hash's own
+    against the defaults: `tests/test_block_host.py`, which compares what is decided, not the
+    LRU clock the defaults' lock check advances.)"""
+    name = "plain2"
+    plain, own = DEFAULTS[name]
+    drive_forms(own(), plain(), ops, np.int64, state, same_length, host=False)
+
+
 def same_length(a: Any, b: Any) -> bool:
     return a.cached_len == b.cached_len
 
@@ -90,21 +107,25 @@ def drive_forms(
     id_dtype: type,
     state: Callable[[BaseCacheManager], Any],
     same_handles: Callable[[Any, Any], bool],
+    host: bool = True,
 ) -> None:
     """Run ``ops`` (from ``OPS``) on ``tm`` with tensors and on ``hm`` with NumPy arrays of ids
-    in ``id_dtype``; after every step the answers agree, ``same_handles`` holds for the handles,
-    ``state`` is equal and both managers pass ``check_integrity``."""
+    in ``id_dtype`` (``host=False``: tensors too, of that dtype); after every step the answers
+    agree, ``same_handles`` holds for the handles, ``state`` is equal and both managers pass
+    ``check_integrity``."""
     ps = tm.page_size
-    evict_host = host_arrays_safe(type(hm), "evict")
+    form: Callable[..., Any] = np.array if host else (lambda v, dtype: torch.tensor(v, dtype=dtype))
     held: list[tuple[Any, Any, list[int]]] = []  # (tensor handle, NumPy handle, tokens)
     fresh = 0  # next free page: every insert brings new pages past it
 
     for kind, toks, k in ops:
         if kind == "match" or (not held and kind in ("insert", "relock")):
             th, tidx = tm.match_and_lock(torch.tensor(toks, dtype=torch.int64))
-            hh, hidx = hm.match_and_lock(np.array(toks, dtype=id_dtype))
-            assert isinstance(tidx, torch.Tensor) and isinstance(hidx, np.ndarray)
-            assert hidx.dtype == np.int32 and hidx.tolist() == tidx.tolist()
+            hh, hidx = hm.match_and_lock(form(toks, dtype=id_dtype if host else torch.int64))
+            assert isinstance(tidx, torch.Tensor)
+            assert isinstance(hidx, np.ndarray if host else torch.Tensor)
+            assert hidx.dtype == (np.int32 if host else torch.int32)
+            assert hidx.tolist() == tidx.tolist()
             assert same_handles(th, hh)
             held.append((th, hh, toks))
         elif kind in ("insert", "relock"):
@@ -123,7 +144,10 @@ def drive_forms(
                 relock=relock,
             )
             hres = hm.insert_and_unlock(
-                hh, np.array(seq, dtype=id_dtype), np.array(slots, dtype=np.int32), relock=relock
+                hh,
+                form(seq, dtype=id_dtype if host else torch.int64),
+                form(slots, dtype=np.int32 if host else torch.int32),
+                relock=relock,
             )
             assert tres.cached_len == hres.cached_len
             assert same_handles(tres.handle, hres.handle)
@@ -132,9 +156,9 @@ def drive_forms(
         else:  # evict what is evictable, up to k pages
             size = min(k * ps, tm.size_info.evictable_size)
             tout = tm.evict(size)
-            hout = hm.evict(size, host=True) if evict_host else hm.evict(size)
+            hout = hm.evict(size, host=True) if host else hm.evict(size)
             assert isinstance(tout, torch.Tensor)
-            assert not evict_host or (isinstance(hout, np.ndarray) and hout.dtype == np.int32)
+            assert not host or (isinstance(hout, np.ndarray) and hout.dtype == np.int32)
             assert as_host(hout).tolist() == tout.tolist()
         assert state(tm) == state(hm)
         tm.check_integrity()
@@ -147,10 +171,10 @@ def drive_forms(
 
 def populated(name: str) -> tuple[BaseCacheManager, Any]:
     """A manager holding two pages of ids 0.., and a locked handle on the first page."""
-    m = MAKERS[name]()
+    m = TENSOR_MAKERS[name]()
     ps = m.page_size
     m.insert_prefix(torch.arange(2 * ps), torch.arange(2 * ps, dtype=torch.int32))
-    handle, _ = m.match_and_lock(np.arange(ps))
+    handle, _ = m.match_and_lock(torch.arange(ps))
     return m, handle
 
 
@@ -201,10 +225,55 @@ def test_bad_numpy_slots_are_refused_changing_nothing(name):
         (np.where(good == 8 * ps, -8, good).astype(np.int32), ValueError, "-8"),
         (np.where(good == 9 * ps, 1, good).astype(np.int32), ValueError, r"\b1\b"),  # held
     ]:
-        # Block hash takes the base default, whose lock check (unlock, lock again) re-stamps the
-        # block's LRU clock before insert_prefix refuses (the tensor form alike): there only the
-        # refusals made before that check (dtype, shape) leave everything as it was.
-        late = name == "blockhash2" and bad.dtype == np.int32 and bad.ndim == 1
+        with watch(m), pytest.raises(exc, match=match):
+            m.insert_and_unlock(handle, ids, bad)
+    res = m.insert_and_unlock(handle, ids, good)  # the handle stayed locked: it goes through
+    assert res.cached_len == 2 * ps and m.size_info.protected_size == 0
+
+
+BAD_TENSOR_IDS = [
+    (torch.tensor([1.0, 2.0]), TypeError, "input_ids must have an integer dtype"),
+    (torch.tensor([True, False]), TypeError, "input_ids must have an integer dtype"),
+    (torch.tensor([[1, 2]]), ValueError, r"input_ids must be 1-D, got shape \(1, 2\)"),
+    (np.array([1, 2]), TypeError, r"input_ids must be a torch\.Tensor, got ndarray"),
+]
+
+
+@pytest.mark.parametrize("name", list(DEFAULTS))
+@pytest.mark.parametrize(("bad", "exc", "match"), BAD_TENSOR_IDS)
+def test_default_fused_calls_refuse_bad_ids_changing_nothing(name, bad, exc, match):
+    """The base class's fused calls take tensors only (a NumPy array is refused as
+    `match_prefix` refuses it) and refuse what the public calls refuse, nothing locked."""
+    m, handle = populated(name)
+    ps = m.page_size
+    with watch(m), pytest.raises(exc, match=match):
+        m.match_and_lock(bad)
+    slots = torch.arange(8 * ps, 8 * ps + len(bad.reshape(-1)), dtype=torch.int32)
+    # The default's lock check (unlock, lock again) re-stamps a block's LRU clock before
+    # insert_prefix refuses: for block hash only the sizes stay as they were.
+    with watch(m if name != "blockhash2" else lambda: m.size_info), pytest.raises(exc, match=match):
+        m.insert_and_unlock(handle, bad, slots)
+    m.lock_handle(handle, unlock=True)  # still locked after the refusals: one unlock works
+    assert m.size_info.protected_size == 0
+
+
+@pytest.mark.parametrize("name", list(DEFAULTS))
+def test_default_fused_calls_refuse_bad_slots_changing_nothing(name):
+    m, handle = populated(name)
+    ps = m.page_size
+    ids = torch.arange(4 * ps)  # two pages cached, two new
+    new = torch.arange(8 * ps, 10 * ps)
+    good = torch.cat([torch.arange(2 * ps), new]).to(torch.int32)
+    for bad, exc, match in [
+        (good.long(), TypeError, "indices"),
+        (good.float(), TypeError, "indices"),
+        (good[None, :], ValueError, "indices must be 1-D"),
+        (good[:-1], ValueError, r"len\(indices\)"),
+        (torch.where(good == 8 * ps, -8, good).to(torch.int32), ValueError, "-8"),
+        (torch.where(good == 9 * ps, 1, good).to(torch.int32), ValueError, r"\b1\b"),  # held
+        (good.numpy(), TypeError, r"indices must be a torch\.Tensor, got ndarray"),
+    ]:
+        late = name == "blockhash2"  # the lock check re-stamps the LRU clock: sizes only
         with watch(m if not late else lambda: m.size_info), pytest.raises(exc, match=match):
             m.insert_and_unlock(handle, ids, bad)
     res = m.insert_and_unlock(handle, ids, good)  # the handle stayed locked: it goes through
@@ -246,7 +315,11 @@ def test_plain_calls_still_refuse_numpy():
 
 
 class CountingMatch(RadixCacheManager):
-    """Overrides match_prefix (to count): radix's fused calls would bypass it."""
+    """Overrides match_prefix (to count), so it takes the base class's fused calls back, as
+    `BaseCacheManager` asks of a subclass that overrides a part: radix's own would bypass it."""
+
+    match_and_lock = BaseCacheManager.match_and_lock
+    insert_and_unlock = BaseCacheManager.insert_and_unlock
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -276,33 +349,31 @@ class OldFused(RadixCacheManager):
 
 
 class Spy(RadixCacheManager):
-    """Says it takes the NumPy forms, and records what the flow hands it."""
+    """Records what the flow hands its fused calls and evict."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.seen: set[Any] = set()
 
-    @takes_host_arrays
     def match_and_lock(self, input_ids: Any, extra_key: Any = None) -> Any:
         self.seen.add(type(input_ids))
         return super().match_and_lock(input_ids, extra_key)
 
-    @takes_host_arrays
     def insert_and_unlock(self, handle, input_ids, indices, extra_key=None, *, relock=False):
         self.seen |= {type(input_ids), type(indices)}
         return super().insert_and_unlock(handle, input_ids, indices, extra_key, relock=relock)
 
-    @takes_host_arrays
     def evict(self, size: int, *, host: bool = False) -> Any:
         self.seen.add(host)
         return super().evict(size, host=host)
 
 
 @pytest.mark.parametrize("make", [CountingMatch, OldFused, Spy, PlainCalls])
-def test_the_flow_uses_numpy_forms_only_where_a_manager_says_so(make):
-    """A subclass overriding match_prefix is still called (the fused calls are not used); one
-    whose fused calls or evict predate the NumPy forms gets tensors; radix and the base
-    defaults take NumPy. Every flow evicts and ends with the pool whole."""
+def test_the_flow_hands_every_manager_tensors(make):
+    """The flow always makes the fused calls, with tensors (a tensor in, a tensor out), and
+    evict without ``host``: a subclass overriding match_prefix that takes the default fused calls
+    back is called for every match, fused calls written for tensors only get tensors. Every
+    flow evicts and ends with the pool whole."""
     m = make(page_size=2)
     flow = RequestFlow(m, PageAllocator(8, 2))
     gen = torch.Generator().manual_seed(0)
@@ -318,8 +389,7 @@ def test_the_flow_uses_numpy_forms_only_where_a_manager_says_so(make):
         flow.check_integrity()
     assert flow.stats.evictions > 0
     if make is CountingMatch:
-        assert not fused_calls_safe(make) and m.matches == 30
+        assert m.matches == 30
     if make is Spy:
-        assert m.seen == {np.ndarray, True}  # NumPy ids and slots in, evict(host=True)
-    assert host_arrays_safe(make, "evict") == (make is not OldFused)
+        assert m.seen == {torch.Tensor, False}  # tensor ids and slots in, evict(host=False)
     assert flow.allocator.num_free_pages + m.size_info.total_size // 2 == 8

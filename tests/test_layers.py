@@ -190,16 +190,12 @@ STILL_TO_MOVE: dict[str, set[str]] = {
     "private_bases": {
         "kvcache/managers/radix.py",
         "kvcache/managers/radix_locks.py",
-        "kvcache/serving/allocator.py",
-        "kvcache/serving/request_flow.py",
     },
     "private_imports": set(),
     "private_attributes": {
         "kvcache/managers/block_locks.py",
         "kvcache/managers/radix_locks.py",
         "kvcache/managers/radix_roots.py",
-        "kvcache/serving/allocator_flow.py",
-        "kvcache/serving/flow_batch.py",
     },
 }
 

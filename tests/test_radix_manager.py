@@ -422,21 +422,30 @@ def test_a_handle_made_by_hand_with_the_wrong_length_is_refused():
     m.check_integrity()
 
 
-def test_the_flow_uses_fused_calls_only_where_no_override_is_bypassed():
-    """`RequestFlow` makes one call for match + lock and for insert + unlock on a radix manager,
-    but a subclass overriding ``match_prefix`` (here: counting) still sees every match."""
-    from kvcache import PageAllocator, RequestFlow
-    from kvcache.managers.base import fused_calls_safe
+def test_a_subclass_overriding_a_part_takes_the_fused_calls_back():
+    """`RequestFlow` makes one call for match + lock and for insert + unlock on a radix manager;
+    a subclass overriding ``match_prefix`` (here: counting) takes the base class's fused calls
+    back, as `BaseCacheManager` documents, and then sees every match. One that does not is
+    bypassed by radix's own fused calls (the rule is the subclass's to keep)."""
+    from kvcache import BaseCacheManager, PageAllocator, RequestFlow
 
     class Counting(RadixCacheManager):
         matches = 0
+        match_and_lock = BaseCacheManager.match_and_lock
+        insert_and_unlock = BaseCacheManager.insert_and_unlock
 
         def match_prefix(self, input_ids, extra_key=None):
             Counting.matches += 1
             return super().match_prefix(input_ids, extra_key)
 
-    assert fused_calls_safe(RadixCacheManager) and not fused_calls_safe(Counting)
-    for manager in (RadixCacheManager(), Counting()):
+    class Bypassed(RadixCacheManager):
+        matches = 0
+
+        def match_prefix(self, input_ids, extra_key=None):
+            Bypassed.matches += 1
+            return super().match_prefix(input_ids, extra_key)
+
+    for manager in (RadixCacheManager(), Counting(), Bypassed()):
         flow = RequestFlow(manager, PageAllocator(16))
         for _ in range(2):
             req = flow.begin(torch.tensor([1, 2, 3]))
@@ -445,6 +454,7 @@ def test_the_flow_uses_fused_calls_only_where_no_override_is_bypassed():
             flow.check_integrity()
         assert manager.size_info.total_size == 3 and manager.num_locked_handles == 0
     assert Counting.matches == 2
+    assert Bypassed.matches == 0
 
 
 def test_page_alignment_is_checked_past_the_kept_page_rows():

@@ -1,5 +1,5 @@
-"""`Request` shows the flow's host copy as tensors: the views behave as the old tensor fields did
-(in-place writes reach the request, values handed out stay put), and appends of any size keep
+"""`Request` shows the flow's host arrays as tensors: the views behave as the old tensor fields
+did (in-place writes reach the request, values handed out stay put), and appends of any size keep
 ids and slots equal to a plain reference."""
 
 from __future__ import annotations
@@ -10,8 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache import PageAllocator, RadixCacheManager, RequestFlow
-from kvcache.serving.request import HostCopy, Request
+from kvcache import NaiveCacheManager, PageAllocator, RadixCacheManager, Request, RequestFlow
 
 
 def t(*xs: int) -> torch.Tensor:
@@ -58,24 +57,28 @@ def test_assigning_tensors_replaces_the_host_copy():
 
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(
-    start=st.integers(0, 40),
+    start=st.integers(1, 40),
     chunks=st.lists(st.integers(0, 70), max_size=8),
-    prefix=st.integers(0, 20),
+    ps=st.sampled_from([1, 3, 4, 16]),
+    batch=st.booleans(),
 )
-def test_host_copy_appends_match_a_list(start, chunks, prefix):
+def test_appends_match_a_list(start, chunks, ps, batch):
+    """A request begun with ``start`` tokens and extended by chunks of any size (the request's
+    arrays growing past their room, its last page filled before the next): ids are the tokens
+    appended, slots the pages a fresh pool hands out in order, slot after slot."""
     rng = np.random.default_rng(start)
+    flow = RequestFlow(NaiveCacheManager(page_size=ps), PageAllocator(-(-400 // ps), ps))
     ids = list(rng.integers(0, 1000, start))
-    slots = list(rng.integers(0, 1000, start).astype(np.int32))
-    m = min(prefix, start)
-    h = HostCopy(
-        np.array(ids, dtype=np.int64),
-        np.array(slots[m:], dtype=np.int32),
-        np.array(slots[:m], dtype=np.int32),
-    )
+    r = flow.begin(torch.tensor(ids))
     for k in chunks:
-        new_ids, new_slots = list(rng.integers(0, 1000, k)), list(rng.integers(0, 1000, k))
-        h.append(np.array(new_ids, dtype=np.int64), np.array(new_slots, dtype=np.int32))
-        ids += new_ids
-        slots += new_slots
-        assert h.length == len(ids)
-        assert h.ids[: h.length].tolist() == ids and h.slots[: h.length].tolist() == slots
+        new = list(rng.integers(0, 1000, k))
+        out = (
+            flow.extend_batch([r], [torch.tensor(new, dtype=torch.int64)])[0]
+            if batch
+            else flow.extend(r, torch.tensor(new, dtype=torch.int64))
+        )
+        assert out.tolist() == list(range(len(ids), len(ids) + k))
+        ids += new
+        assert len(r) == len(ids)
+        assert r.input_ids.tolist() == ids and r.indices.tolist() == list(range(len(ids)))
+    flow.check_integrity()

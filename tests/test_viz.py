@@ -372,7 +372,10 @@ def test_recorder_records_a_request_flow():
     assert captions[1] == "req 0 · step 4 insert_prefix: 10 tokens, 0 already cached"
     assert captions[2] == "req 1 · step 1 match_prefix: cached_len=6 indices=[0, 1, 2, 3, 4, 5]"
     assert rec.snapshots[2].split and rec.snapshots[2].shrunk  # the match split [Hello worl]
-    assert any("req 1 · step 2 lock_handle" in c for c in captions)
+    # Match and lock are one manager call, and events are sent once `begin` has applied: the
+    # lock is in the tree the match event shows (protected: the matched [Hello ] node, ref 1).
+    assert rec.snapshots[2].protected_size == 6
+    assert [n.ref_count for n in rec.snapshots[2].nodes if n.tokens[:1] == tuple(b"H")] == [1]
     assert all(
         a.nodes != b.nodes for a, b in zip(rec.snapshots, rec.snapshots[1:], strict=False)
     )  # no repeats

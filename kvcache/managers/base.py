@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple, Protocol, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -20,75 +20,7 @@ __all__ = [
     "SizeInfo",
     "InsertResult",
     "BaseCacheManager",
-    "fused_calls_safe",
-    "takes_host_arrays",
-    "host_arrays_safe",
-    "HostArrayCalls",
-    "host_array",
-    "TOKEN_DTYPES",
-    "SLOT_DTYPES",
 ]
-
-# The NumPy twins of the dtypes `check_token_ids` and `check_indices` accept.
-TOKEN_DTYPES = frozenset(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64, np.uint8))
-SLOT_DTYPES = frozenset((np.dtype(np.int32),))
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def takes_host_arrays(fn: _F) -> _F:
-    """Mark ``fn``, a manager's `match_and_lock`, `insert_and_unlock` or `evict`, as one that
-    takes the NumPy forms documented on `BaseCacheManager`'s (NumPy ids and slots; ``evict``:
-    the keyword ``host``). A caller asks `host_arrays_safe` before using them: an override
-    written before them (not marked) is called with tensors as it always was."""
-    fn.takes_host_arrays = True  # type: ignore[attr-defined]
-    return fn
-
-
-class HostArrayCalls(Protocol):
-    """The NumPy forms as types: a manager whose `match_and_lock`, `insert_and_unlock` and
-    `evict` are marked with `takes_host_arrays` (ask `host_arrays_safe` first, then cast)."""
-
-    def match_and_lock(
-        self, input_ids: np.ndarray, extra_key: Hashable = None
-    ) -> tuple[BaseCacheHandle, np.ndarray]: ...
-
-    def insert_and_unlock(
-        self,
-        handle: BaseCacheHandle,
-        input_ids: np.ndarray,
-        indices: np.ndarray,
-        extra_key: Hashable = None,
-        *,
-        relock: bool = False,
-    ) -> InsertResult: ...
-
-    def evict(self, size: int, *, host: Literal[True]) -> np.ndarray: ...
-
-
-def host_arrays_safe(cls: type, name: str) -> bool:
-    """Whether ``cls``'s method ``name`` is marked by `takes_host_arrays`."""
-    return getattr(getattr(cls, name, None), "takes_host_arrays", False) is True
-
-
-def host_array(values: np.ndarray, name: str, dtypes: frozenset[np.dtype[Any]]) -> np.ndarray:
-    """``values`` after the checks the tensor form gets: 1-D (``ValueError`` naming the shape)
-    and of one of ``dtypes`` (``TypeError`` naming the dtype); returned as it is."""
-    if values.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {tuple(values.shape)}")
-    if values.dtype not in dtypes:
-        want = "dtype int32" if dtypes is SLOT_DTYPES else "an integer dtype"
-        order = "" if values.dtype.isnative else " in this machine's byte order"
-        raise TypeError(f"{name} must have {want}{order}, got {values.dtype}")
-    return values
-
-
-def _as_tensor(values: Any, name: str, dtypes: frozenset[np.dtype[Any]]) -> Any:
-    """A NumPy form checked and seen as a CPU tensor (a view where it can be); anything else
-    as given, for the tensor checks of the call it goes to."""
-    if not isinstance(values, np.ndarray):
-        return values
-    return torch.from_numpy(np.ascontiguousarray(host_array(values, name, dtypes)))
 
 
 @dataclass(frozen=True)
@@ -136,6 +68,18 @@ class BaseCacheManager(ABC):
 
     Attributes every manager sets: ``device`` (where its index tensors live) and ``page_size``
     (tokens per page; matches and inserts are whole pages).
+
+    The request flow makes two calls per request, `match_and_lock` (steps 1 and 2) and
+    `insert_and_unlock` (steps 4 and 7), always with tensors. Their defaults here make the
+    separate public calls (`match_prefix`, `lock_handle`, `insert_and_match`, which by default is
+    `insert_prefix` then `match_prefix`), so a manager that implements only the abstract methods
+    is served as it is. A manager may override the two to walk its index once (radix and block
+    hash do): such an override no longer goes through the parts. So a subclass of a manager with
+    fused calls that overrides a part (`match_prefix`, `lock_handle`, `insert_prefix`,
+    `insert_and_match`) to change or watch what it does must also override the fused call that
+    makes that part: with its own, or by taking the default back
+    (``match_and_lock = BaseCacheManager.match_and_lock``, the same for `insert_and_unlock`).
+    Otherwise the flow's calls never reach its override. Nothing checks this for it.
     """
 
     device: torch.device = torch.device("cpu")
@@ -166,10 +110,8 @@ class BaseCacheManager(ABC):
 
     @abstractmethod
     def evict(self, size: int) -> torch.Tensor:
-        """Forget unlocked prefixes holding at least ``size`` tokens; return their slots.
-
-        A manager whose ``evict`` is marked with `takes_host_arrays` also takes the keyword
-        ``host``: ``host=True`` returns the slots as a 1-D NumPy int32 array on the host."""
+        """Forget unlocked prefixes holding at least ``size`` tokens; return their slots (1-D int32
+        on ``device``)."""
 
     @abstractmethod
     def reset(self) -> None:
@@ -190,8 +132,8 @@ class BaseCacheManager(ABC):
         """`insert_prefix`, then the handle of what is now cached, in one call.
 
         The default runs the two public calls; a manager may override it to walk its index once
-        (the request flow calls it on every `cache` and `finish`). Same validation and errors as
-        `insert_prefix`; the returned handle is not locked.
+        (the default `insert_and_unlock`, the flow's insert, makes it). Same validation and
+        errors as `insert_prefix`; the returned handle is not locked.
         """
         if extra_key is None:  # a manager written before namespaces takes no key
             cached_len = self.insert_prefix(input_ids, indices)
@@ -201,31 +143,24 @@ class BaseCacheManager(ABC):
             handle, _ = self.match_prefix(input_ids, extra_key)
         return InsertResult(cached_len, handle)
 
-    @takes_host_arrays
     def match_and_lock(
         self, input_ids: torch.Tensor, extra_key: Hashable = None
     ) -> tuple[BaseCacheHandle, torch.Tensor]:
         """`match_prefix`, then `lock_handle` of the handle it returns, in one call (the flow's
-        steps 1 and 2). The default runs the two public calls; a manager may override it to lock
-        the path its walk just followed.
+        steps 1 and 2): the handle and its ``handle.cached_len`` slots (1-D int32 on ``device``).
 
-        NumPy form: ``input_ids`` may be a 1-D NumPy array of an integer dtype that
-        `match_prefix` takes as a tensor (checked alike: ``ValueError`` naming the shape,
-        ``TypeError`` naming the dtype, nothing locked); the slots then come back as a 1-D
-        NumPy int32 array on the host. A tensor in, a tensor out, as ever. Overrides that take
-        this form say so with `takes_host_arrays`; the annotations name the tensor form only, so
-        that overrides written for it type-check (`HostArrayCalls` types the NumPy form).
+        The default makes the two public calls; a manager may override it to lock the path its
+        walk just followed. Same validation and errors as `match_prefix`; nothing is locked when
+        it raises.
         """
-        given: Any = input_ids
-        ids: torch.Tensor = _as_tensor(given, "input_ids", TOKEN_DTYPES)
         handle, indices = (
-            self.match_prefix(ids) if extra_key is None else self.match_prefix(ids, extra_key)
+            self.match_prefix(input_ids)  # a manager written before namespaces takes no key
+            if extra_key is None
+            else self.match_prefix(input_ids, extra_key)
         )
         self.lock_handle(handle)
-        out: Any = indices.cpu().numpy() if isinstance(given, np.ndarray) else indices
-        return handle, out
+        return handle, indices
 
-    @takes_host_arrays
     def insert_and_unlock(
         self,
         handle: BaseCacheHandle,
@@ -241,26 +176,16 @@ class BaseCacheManager(ABC):
         The flow's insert: ``handle`` is the request's locked prefix, normally a prefix of
         ``input_ids``, which a manager may use to skip re-matching that prefix. All or nothing:
         ``RuntimeError`` (nothing inserted) when ``handle`` is not locked, and the errors of
-        `insert_prefix` with ``handle`` still locked. The default runs the public calls (a
-        manager that overrides neither is driven by the flow through those calls directly).
-
-        NumPy form: ``input_ids`` and ``indices`` may each be a 1-D NumPy array (ids of an
-        integer dtype, slots int32 on the host, whatever the manager's ``device``), checked as
-        `match_and_lock`'s are (nothing changes on a raise).
+        `insert_prefix` with ``handle`` still locked. The default makes the public calls: one
+        unlock of ``handle`` to prove it is locked (and a lock to restore it), the insert, the
+        relock, the unlock.
         """
-        given: Any = indices  # the NumPy form too (the annotations name the tensor form only)
-        ids: torch.Tensor = _as_tensor(input_ids, "input_ids", TOKEN_DTYPES)
-        idx: torch.Tensor = (
-            _as_tensor(given, "indices", SLOT_DTYPES).to(self.device)
-            if isinstance(given, np.ndarray)
-            else given
-        )
         self.lock_handle(handle, unlock=True)  # raises, changing nothing, when not locked
         self.lock_handle(handle)  # locked again: the insert runs as it would on its own
         res = (
-            self.insert_and_match(ids, idx)
+            self.insert_and_match(input_ids, indices)
             if extra_key is None
-            else self.insert_and_match(ids, idx, extra_key)
+            else self.insert_and_match(input_ids, indices, extra_key)
         )
         if relock:
             self.lock_handle(res.handle)
@@ -292,24 +217,29 @@ class BaseCacheManager(ABC):
         raise NotImplementedError(f"{type(self).__name__} has no per-node eviction priority")
 
 
-_FUSED_PARTS = {
-    "match_and_lock": ("match_prefix", "lock_handle"),
-    "insert_and_unlock": ("insert_and_match", "lock_handle"),
-}
+# ------------------------------------------------------------------------------ leftovers
+# The radix and block-hash managers still import these four names; they go once those managers
+# no longer do. `takes_host_arrays` marks nothing any more: no caller asks for a NumPy form.
+
+# The NumPy twins of the dtypes `check_token_ids` and `check_indices` accept.
+TOKEN_DTYPES = frozenset(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64, np.uint8))
+SLOT_DTYPES = frozenset((np.dtype(np.int32),))
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def fused_calls_safe(cls: type) -> bool:
-    """Whether a caller (the flow) should use ``cls``'s `match_and_lock` and `insert_and_unlock`
-    in place of the calls they fuse: both are the class's own (not the defaults, which only
-    make those calls) and each is defined in a class at or below every class defining one of its
-    parts, so that a subclass overriding ``match_prefix`` (to log, to count) is never bypassed
-    by its parent's fused call."""
+def takes_host_arrays(fn: _F) -> _F:
+    """``fn`` as it is (a mark that once said ``fn`` takes NumPy arrays; nothing reads it now)."""
+    return fn
 
-    def owner(name: str) -> type:
-        return next(k for k in cls.__mro__ if name in vars(k))
 
-    for fused, parts in _FUSED_PARTS.items():
-        where = owner(fused)
-        if where is BaseCacheManager or not all(issubclass(where, owner(p)) for p in parts):
-            return False
-    return True
+def host_array(values: np.ndarray, name: str, dtypes: frozenset[np.dtype[Any]]) -> np.ndarray:
+    """``values`` after the checks the tensor form gets: 1-D (``ValueError`` naming the shape)
+    and of one of ``dtypes`` (``TypeError`` naming the dtype); returned as it is."""
+    if values.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(values.shape)}")
+    if values.dtype not in dtypes:
+        want = "dtype int32" if dtypes is SLOT_DTYPES else "an integer dtype"
+        order = "" if values.dtype.isnative else " in this machine's byte order"
+        raise TypeError(f"{name} must have {want}{order}, got {values.dtype}")
+    return values

@@ -16,7 +16,15 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from .base import BaseCacheHandle, BaseCacheManager, InsertResult, takes_host_arrays
+from .base import (
+    SLOT_DTYPES,
+    TOKEN_DTYPES,
+    BaseCacheHandle,
+    BaseCacheManager,
+    InsertResult,
+    host_array,
+    takes_host_arrays,
+)
 from .block_pool import BlockHashCacheHandle, BlockTable
 
 
@@ -28,6 +36,7 @@ class _Manager(Protocol):
     _touch: tuple[np.ndarray, int] | None
     _plain_match: bool  # match_prefix is the class's own (no subclass overrides it)
     _clock: int
+    device: torch.device
 
     @property
     def clock(self) -> int: ...
@@ -53,6 +62,14 @@ class _Manager(Protocol):
 __all__ = ["lock_handle", "match_and_lock", "insert_and_unlock"]
 
 _new_tuple = tuple.__new__
+
+
+def _tensor_form(values: Any, name: str, dtypes: frozenset[np.dtype[Any]]) -> Any:
+    """A NumPy form (checked as `host_array` checks) as a CPU tensor, for the base class's
+    separate calls, which take tensors only; anything else as given."""
+    if not isinstance(values, np.ndarray):
+        return values
+    return torch.from_numpy(np.ascontiguousarray(host_array(values, name, dtypes)))
 
 
 def lock_handle(self: _Manager, handle: BaseCacheHandle, unlock: bool = False) -> None:
@@ -134,7 +151,9 @@ def match_and_lock(
     if self._plain_match:  # the insert reads the handle: no memo entry
         handle, slots = self._match(input_ids, extra_key, False, isinstance(given, np.ndarray))
     elif isinstance(given, np.ndarray):  # a subclass's own match_prefix takes tensors
-        return BaseCacheManager.match_and_lock(self, given, extra_key)  # type: ignore[arg-type, return-value]
+        ids = _tensor_form(given, "input_ids", TOKEN_DTYPES)
+        found, found_slots = BaseCacheManager.match_and_lock(self, ids, extra_key)  # type: ignore[arg-type]
+        return found, found_slots.cpu().numpy()  # type: ignore[return-value]
     else:
         handle, slots = self.match_prefix(input_ids, extra_key)
     pages = handle.pages
@@ -164,11 +183,13 @@ def insert_and_unlock(
             record = self._locks.get(handle)
         if record is None or handle.pages is not record[1]:  # type: ignore[attr-defined]
             # Not locked, or locked through an equal handle: the separate calls, checked.
+            given: Any = indices
+            slots = _tensor_form(given, "indices", SLOT_DTYPES)
             return BaseCacheManager.insert_and_unlock(
                 self,  # type: ignore[arg-type]  # the manager, seen through `_Manager`
                 handle,
-                input_ids,
-                indices,
+                _tensor_form(input_ids, "input_ids", TOKEN_DTYPES),
+                slots.to(self.device) if isinstance(given, np.ndarray) else slots,
                 extra_key,
                 relock=relock,
             )

@@ -3,6 +3,13 @@
 A page is ``page_size`` consecutive token slots: page ``p`` holds slots
 ``p * page_size ... p * page_size + page_size - 1``. The allocator hands out and takes back whole
 pages; a request that fills part of its last page keeps the rest of that page for later tokens.
+
+Read top to bottom: the free list (a ring of page ids and a mask of free pages), the calls that
+hand pages out (`allocate`, `allocate_slots` as tensors; `allocate_host_slots` and
+`allocate_page_slots` into host NumPy arrays, for the request flow, which keeps its requests'
+slots there), the calls that take them back (`free` by page, `free_slots` and `free_page_runs` by
+slot, `free_page_start` for one page), and the page <-> slot mapping. Every call checks before it
+changes anything: a refused call leaves the allocator as it was.
 """
 
 from __future__ import annotations
@@ -23,7 +30,6 @@ from .._validate import (
     pages_to_slots,
     slots_to_pages,
 )
-from .allocator_flow import FlowPageCalls, write_slots
 
 __all__ = ["PageAllocator"]
 
@@ -32,9 +38,23 @@ __all__ = ["PageAllocator"]
 _FEW = 32
 
 _INT_DTYPES = frozenset((torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8))
+_I32 = np.dtype(np.int32)
+_FALSE = np.zeros((), dtype=np.bool_)
 
 
-class PageAllocator(FlowPageCalls):
+def _unwritable(out: np.ndarray) -> ValueError:
+    return ValueError(f"out must be a writeable array, got a read-only one: {out!r:.80}")
+
+
+def _write_slots(out: np.ndarray, values: np.ndarray | int) -> None:
+    """``out[:] = values``, with ``ValueError`` naming ``out`` when it is read-only."""
+    try:
+        out[:] = values
+    except ValueError as e:
+        raise _unwritable(out) from e
+
+
+class PageAllocator:
     """Free list of ``num_pages`` pages, handed out in FIFO order as int32 tensors on ``device``.
 
     The bookkeeping lives on the host in NumPy, as in vLLM's block pool: a ring buffer for the
@@ -155,7 +175,7 @@ class PageAllocator(FlowPageCalls):
         if out is not None and k == 1:
             # One page (a short prompt or a decode step): scalar work, no fancy indexing.
             p = int(self._ring[head])
-            write_slots(
+            _write_slots(
                 out,
                 p
                 if ps == 1
@@ -178,13 +198,99 @@ class PageAllocator(FlowPageCalls):
         if out is None:
             slots = slots.astype(np.int32)  # a copy: ``pages`` is a view of the ring
         else:
-            write_slots(out, slots)
+            _write_slots(out, slots)
         self._head = (head + k) % self.num_pages
         self._count -= k
         self._is_free[pages] = False
         if out is None:
             return slots
         return out
+
+    def allocate_page_slots(self, num_pages: int, out: np.ndarray, start: int = 0) -> None:
+        """Take ``num_pages`` pages off the free list and write every slot of them, page after
+        page, into ``out[start : start + num_pages * page_size]`` (``out``: a C-contiguous 1-D
+        int32 NumPy array of at least that many entries; the rest is left as it was).
+
+        For a caller that keeps the unused tail of its last page at hand (the request flow: a
+        request's next tokens fill it with no call at all). ``TypeError``/``ValueError`` for a bad
+        ``num_pages``, ``out`` or ``start``, ``RuntimeError`` if fewer pages are free; nothing is
+        taken then.
+        """
+        k = (
+            num_pages
+            if type(num_pages) is int and num_pages >= 0
+            else check_size(num_pages, "num_pages")
+        )
+        if type(start) is not int or start < 0:
+            start = check_size(start, "start")
+        ps = self.page_size
+        size = k * ps
+        end = start + size
+        if (
+            type(out) is not np.ndarray
+            or out.dtype is not _I32
+            or out.ndim != 1
+            or len(out) < end
+            or (out.strides[0] != 4 and not out.flags.c_contiguous)  # a reshape must be a view
+        ):
+            raise ValueError(
+                f"out must be a C-contiguous 1-D int32 NumPy array of at least {end} entries, "
+                f"got {out!r:.80}"
+            )
+        if k > self._count:
+            raise RuntimeError(f"cannot allocate {k} pages: only {self._count} are free")
+        head = self._head
+        # ``out`` is written before the free list changes: a write that fails (``out`` read-only)
+        # must leave the pages free.
+        if k == 1:  # one page (a short prompt, a decode step): scalar work, no fancy indexing
+            p = self._ring.item(head)
+            try:
+                if ps == 1:
+                    out[start] = p
+                else:
+                    out[start:end] = (
+                        self._rows[p] if self._rows is not None else p * ps + self._offsets
+                    )
+            except ValueError as e:
+                raise _unwritable(out) from e
+            self._head = head + 1 if head + 1 < self.num_pages else 0
+            self._count -= 1
+            self._free_bytes[p] = 0
+            return
+        stop = head + k
+        pages = self._ring[head:stop] if stop <= self.num_pages else self._take(head, k)
+        try:
+            if ps == 1:
+                out[start:end] = pages
+            elif self._rows is not None:  # a gather of the pages' rows, straight into ``out``
+                self._rows.take(pages, axis=0, out=out[start:end].reshape(k, ps), mode="clip")
+            else:
+                out[start:end].reshape(k, ps)[:] = pages[:, None] * ps + self._offsets
+        except ValueError as e:
+            raise _unwritable(out) from e
+        self._head = stop if stop < self.num_pages else stop - self.num_pages
+        self._count -= k
+        self._is_free[pages] = _FALSE  # a 0-d array: no conversion of a Python bool per call
+
+    def free_page_start(self, slot: int) -> None:
+        """Return the one page whose first slot is ``slot`` (a Python int) to the end of the free
+        list: a request's partial last page. ``TypeError`` when ``slot`` is not an int,
+        ``ValueError`` when it is not in ``[0, num_slots)`` or does not start a page,
+        ``RuntimeError`` when its page is free already; nothing changes then."""
+        if type(slot) is not int:
+            raise TypeError(f"slot must be an int, got {type(slot).__name__}")
+        ps = self.page_size
+        p = slot >> self._shift if self._pow2 else slot // ps
+        if not 0 <= p < self.num_pages or p * ps != slot:
+            raise ValueError(
+                f"slot must start one of the {self.num_pages} pages of {ps} slots, got {slot}"
+            )
+        if self._free_bytes[p]:
+            raise RuntimeError(f"double free: page {p} is already free")
+        self._free_bytes[p] = 1
+        tail = self._head + self._count
+        self._ring[tail - self.num_pages if tail >= self.num_pages else tail] = p
+        self._count += 1
 
     def free(self, pages: torch.Tensor | np.ndarray) -> None:
         """Return ``pages`` (1-D integer tensor or NumPy array of page ids) to the end of the free list."""

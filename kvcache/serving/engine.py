@@ -33,9 +33,8 @@ from .._validate import as_int, as_list, check_size, reject_one_tensor
 from ..managers.base import BaseCacheManager
 from ..storage.mha_pool import MHAKVCache
 from .allocator import PageAllocator
-from .integrity import check_manager
 from .model import TinyLlama
-from .request_flow import FlowStats, Request, RequestFlow
+from .request_flow import FlowStats, Request, RequestFlow, check_manager
 
 __all__ = ["Engine"]
 

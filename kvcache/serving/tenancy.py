@@ -29,8 +29,7 @@ import torch
 from .._validate import as_list, check_positive_int, check_token_ids, reject_one_tensor
 from ..managers.base import BaseCacheHandle, BaseCacheManager, InsertResult, SizeInfo
 from ..managers.cache_events import check_extra_key
-from .integrity import check_manager
-from .request_flow import RequestFlow
+from .request_flow import RequestFlow, check_manager
 
 __all__ = ["TenantJob", "multi_tenant", "PublicPrefixCache", "replay_tenants", "POLICIES"]
 

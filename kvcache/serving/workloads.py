@@ -18,8 +18,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..managers.base import BaseCacheHandle, BaseCacheManager, InsertResult, SizeInfo
-from .integrity import check_manager
-from .request_flow import RequestFlow
+from .request_flow import RequestFlow, check_manager
 from .workload_checks import checked_workload
 
 __all__ = [

@@ -24,7 +24,7 @@ import torch
 from matplotlib.patches import Circle
 
 from .._validate import check_int_in
-from ..serving.request import FlowEvent
+from ..serving.request_flow import FlowEvent
 from ..storage.base import KVCacheLayout
 from ..storage.distributed import divide_even
 from ..storage.mha_pool import MHAKVCache
