@@ -191,10 +191,6 @@ def test_every_call_of_the_engine_may_fail(torch_store, model, kind, ps, exc):
     every_fault(model, kind, ps, exc, inner=False)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="needs the flow's calls all or nothing under manager and allocator faults (house-flow)",
-)
 @pytest.mark.parametrize("kind,ps", CONFIGS)
 @pytest.mark.parametrize("exc", EXCEPTIONS, ids=lambda e: e.__name__)
 def test_every_call_inside_the_flow_may_fail(torch_store, model, kind, ps, exc):

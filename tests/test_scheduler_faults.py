@@ -244,10 +244,6 @@ def test_every_call_of_a_step_may_fail(torch_store, kind, ps, policy, exc):
     assert sched.report().preemptions > 0 and sched.report().reused_tokens > 0
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="needs the flow's calls all or nothing under manager and allocator faults (house-flow)",
-)
 @pytest.mark.parametrize("kind,ps,policy", CONFIGS)
 @pytest.mark.parametrize("exc", EXCEPTIONS, ids=lambda e: e.__name__)
 def test_every_call_inside_the_flow_may_fail(torch_store, kind, ps, policy, exc):

@@ -363,6 +363,12 @@ class Scheduler:
         s.status = status
         self._lanes[LANES[status]][s.sid] = s
 
+    def _stood(self, s: SchedRequest) -> bool:
+        """After a flow call on ``s`` raised: whether the call stood. A failing `finish`,
+        `abort` or `cache` completes once the manager has changed and then raises (the flow's
+        rule); a failure before that changes nothing and the request still runs."""
+        return s.flow_req is None or not self.flow.is_running(s.flow_req)
+
     def _requeue(self, reqs: list[SchedRequest]) -> None:
         """``reqs`` (no longer running in the flow) to the front of the queue, in their order
         (vLLM prepends preempted requests)."""
@@ -448,7 +454,14 @@ class Scheduler:
         if s is None or s.status not in ("waiting", "running"):
             raise RuntimeError(f"request {sid} is not waiting or running")
         if s.status == "running":
-            self.flow.abort(s.req)  # all or nothing: if it raises, the request still runs
+            try:
+                self.flow.abort(s.req)
+            except BaseException:
+                if self.flow.is_running(s.req):
+                    raise  # nothing changed: the request still runs
+                self._move(s, "aborted")  # the abort stood, then raised
+                s.flow_req = None
+                raise
             s.flow_req = None
         self._move(s, "aborted")
 
@@ -518,7 +531,12 @@ class Scheduler:
                 self.flow.finish(s.req)
             except Exception as e:
                 s.error = e
-                self.flow.abort(s.req)  # if this raises too, the next step tries again
+                if not self._stood(s):
+                    try:
+                        self.flow.abort(s.req)
+                    except Exception:
+                        if not self._stood(s):
+                            continue  # still running as it was: the next step tries again
             self._end_finished(batch, s)
 
     def _build(self, batch: _Batch) -> None:
@@ -632,16 +650,19 @@ class Scheduler:
             blamed = [(batch.current, len(batch.current.tokens()))]
         else:
             blamed = [(s, s.req.num_computed + q) for s, q in batch.items]
-        back = []
         try:
             for s, _ in batch.items:
-                try:
-                    self.flow.abort(s.req)
-                except Exception:
-                    continue  # it still runs in the flow as it was: it stays running here too
-                back.append(s)
-        finally:  # even if an abort is interrupted: those aborted are requeued
-            self._requeue(back)
+                if not self._stood(s):  # a preemption may have ended it already
+                    try:
+                        self.flow.abort(s.req)
+                    except Exception:
+                        if not self._stood(s):
+                            continue  # it still runs in the flow as it was: so it does here
+        finally:  # even if an abort is interrupted: those no longer in the flow are requeued
+            # (a victim whose preemption was interrupted after its abort stood, too)
+            order = [s for s, _ in batch.items] + list(self._lanes["running"].values())
+            gone = {s.sid: s for s in order if s.status == "running" and self._stood(s)}
+            self._requeue(list(gone.values()))
         for s in batch.admitted:
             if s.status == "running":  # admitted, and could not be taken back
                 self._count_admission(s)
@@ -663,7 +684,8 @@ class Scheduler:
             try:
                 self.flow.abort(s.req)
             except Exception:
-                return  # still running as it was: run alone again, and blamed again if it fails
+                if not self._stood(s):
+                    return  # still running as it was: run alone again, blamed again if it fails
             s.flow_req = None
         self._move(s, "failed")
 
@@ -715,7 +737,12 @@ class Scheduler:
         if s.first_token_time is None:
             s.first_token_time = self.clock
         if s.complete:
-            self.flow.finish(req)
+            try:
+                self.flow.finish(req)
+            except BaseException:
+                if self._stood(s):
+                    self._end_finished(batch, s)  # it finished, then raised
+                raise
             self._end_finished(batch, s)
 
     def _end_finished(self, batch: _Batch, s: SchedRequest) -> None:
