@@ -8,7 +8,10 @@ this list:
 - `kvcache.managers`: prefix-cache managers (`NaiveCacheManager`, `RadixCacheManager`,
   `BlockHashCacheManager`) behind one contract, `BaseCacheManager`;
 - `kvcache.serving`: pages and requests (`PageAllocator`, `RequestFlow`), a tiny model and its
-  `Engine`, workloads, the `Scheduler` and the `Router` over replicas;
+  `Engine`, workloads and the `Scheduler`;
+- `kvcache.system`: the serving system around one cache, beyond the study guide: the host-memory
+  tier (`TieredCacheManager`), the `Router` over replicas with its `PrefixMirror`, tenancy
+  (`PublicPrefixCache`);
 - `kvcache.viz`: drawings, the recorder, the explorer widget and the static step player;
 - `kvcache.examples`: runnable demos (tensor-parallel attention over processes).
 
@@ -59,29 +62,18 @@ from .managers import (
 )
 from .serving import (
     LLAMA3_8B_H100,
-    NVLINK_C2C,
-    PCIE4_X16,
-    PCIE5_X16,
-    TIER_POLICIES,
     ByteTokenizer,
     CostModel,
     Engine,
     FlowEvent,
     FlowStats,
-    HostKVPool,
-    HostLink,
     PageAllocator,
-    PrefixMirror,
     Request,
     RequestFlow,
-    Router,
-    RouterReport,
     SchedRequest,
     Scheduler,
     ServeReport,
     StepRecord,
-    TieredCacheManager,
-    TierStats,
     TinyLlama,
     TinyLlamaConfig,
     model_runner,
@@ -97,6 +89,25 @@ from .storage import (
     reset_tp_info,
     set_tp_info,
     try_get_tp_info,
+)
+from .system import (
+    NVLINK_C2C,
+    PCIE4_X16,
+    PCIE5_X16,
+    ROUTING_POLICIES,
+    TIER_POLICIES,
+    HostKVPool,
+    HostLink,
+    PrefixMirror,
+    PublicPrefixCache,
+    Router,
+    RouterReport,
+    TenantJob,
+    TieredCacheManager,
+    TierStats,
+    multi_tenant,
+    poisson_arrivals,
+    replay_tenants,
 )
 
 if TYPE_CHECKING:
@@ -212,7 +223,13 @@ __all__ = [
     "ServeReport",
     "Router",
     "RouterReport",
+    "ROUTING_POLICIES",
     "PrefixMirror",
+    "poisson_arrivals",
+    "PublicPrefixCache",
+    "TenantJob",
+    "multi_tenant",
+    "replay_tenants",
     "TieredCacheManager",
     "TierStats",
     "TIER_POLICIES",

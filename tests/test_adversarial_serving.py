@@ -303,7 +303,7 @@ def test_model_config_sizes_of_every_library_are_kept_as_python_ints():
 def test_public_prefix_cache_checks_ids_by_name(value):
     """``public_len`` of a non-tensor raised AttributeError (no ``shape``) or "tuple index out
     of range"; a non-iterable ``public`` raised "'int' object is not iterable"."""
-    from kvcache.serving.tenancy import PublicPrefixCache
+    from kvcache.system.tenancy import PublicPrefixCache
 
     cache = PublicPrefixCache(RadixCacheManager(), [ids(1, 2)])
     with pytest.raises((TypeError, ValueError), match="input_ids must be"):

@@ -71,3 +71,24 @@ def test_namespace_overhead_runs():
     out = namespace_overhead.main(["--requests", "40", "--pages", "3000", "--repeats", "1"])
     assert set(out) == {"radix", "block-hash"}
     assert all(r["baseline_s"] > 0 and r["current_s"] > 0 for r in out.values())
+
+
+def test_tier_router_benchmark_runs():
+    """The all-or-nothing cost benchmark runs, and the tier and the router decide as before."""
+    import subprocess
+
+    import pytest
+    import tier_router
+
+    repo = Path(__file__).resolve().parents[1]
+    have = subprocess.run(
+        ["git", "-C", str(repo), "rev-parse", "--verify", "-q", tier_router.DEFAULT_BASELINE],
+        capture_output=True,
+    )
+    if have.returncode != 0:
+        pytest.skip("no git history here: the baseline revision cannot be extracted")
+    out = tier_router.main(
+        ["--conversations", "3", "--turns", "2", "--requests", "12", "--repeats", "1"]
+    )
+    assert set(out) == {"tier-write_back", "tier-write_through", "router"}
+    assert all(r["baseline_s"] > 0 and r["current_s"] > 0 for r in out.values())

@@ -45,9 +45,9 @@ from kvcache import (
     TinyLlama,
     TinyLlamaConfig,
 )
-from kvcache.serving.host_pool import PCIE5_X16, HostKVPool
-from kvcache.serving.host_tier import TieredCacheManager
 from kvcache.serving.workloads import multi_turn_chat
+from kvcache.system.host_pool import PCIE5_X16, HostKVPool
+from kvcache.system.host_tier import TieredCacheManager
 
 pytestmark = pytest.mark.usefixtures("torch_store")
 

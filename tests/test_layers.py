@@ -30,12 +30,22 @@ ALLOWED = {
         "kvcache.storage",
         "kvcache.managers",
     },
+    # The serving system around one cache (host tier, router, tenancy): built on serving, and
+    # nothing below it may need it.
+    "kvcache.system": {
+        "kvcache._validate",
+        "kvcache.kernels",
+        "kvcache.storage",
+        "kvcache.managers",
+        "kvcache.serving",
+    },
     "kvcache.viz": {
         "kvcache._validate",
         "kvcache.kernels",
         "kvcache.storage",
         "kvcache.managers",
         "kvcache.serving",
+        "kvcache.system",
     },
     "kvcache.examples": {
         "kvcache._validate",
@@ -43,6 +53,7 @@ ALLOWED = {
         "kvcache.storage",
         "kvcache.managers",
         "kvcache.serving",
+        "kvcache.system",
     },
 }
 
@@ -63,6 +74,7 @@ FORBIDDEN_OUTSIDE = {
     "kvcache.storage": _PLAIN,
     "kvcache.managers": _PLAIN,
     "kvcache.serving": ("graphviz", "ipywidgets", "IPython", "torch.multiprocessing", "book"),
+    "kvcache.system": ("graphviz", "ipywidgets", "IPython", "torch.multiprocessing", "book"),
     "kvcache.viz": ("book",),
     "kvcache.examples": ("graphviz", "ipywidgets", "IPython", "book"),
 }
@@ -257,7 +269,7 @@ def _public_names() -> set[str]:
     import kvcache
 
     names = set(kvcache.__all__)
-    for layer in ("managers", "serving", "storage", "kernels", "viz"):
+    for layer in ("managers", "serving", "system", "storage", "kernels", "viz"):
         names |= set(getattr(importlib.import_module(f"kvcache.{layer}"), "__all__", ()))
     return names
 

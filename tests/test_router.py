@@ -32,9 +32,9 @@ from kvcache import (
     Scheduler,
 )
 from kvcache.managers.base import BaseCacheManager
-from kvcache.serving.prefix_mirror import PrefixMirror
-from kvcache.serving.router import ROUTING_POLICIES, Router, poisson_arrivals
 from kvcache.serving.workloads import few_shot
+from kvcache.system.prefix_mirror import PrefixMirror
+from kvcache.system.router import ROUTING_POLICIES, Router, poisson_arrivals
 
 MANAGERS: dict[str, Callable[[], BaseCacheManager]] = {
     "radix-1": lambda: RadixCacheManager(page_size=1, events=True),

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 import torch
-from faults import Faults
+from faults import Faults, public_methods
 
 from kvcache import (
     BlockHashCacheManager,
@@ -82,7 +82,9 @@ def make_manager(kind: str, ps: int, faults: Faults, inner: bool) -> Any:
         plain = BlockHashCacheManager(page_size=ps).hash_fn
         hash_fn = faults.wrap(plain, "hash_fn") if inner else plain
         m = BlockHashCacheManager(page_size=ps, hash_fn=hash_fn)
-    return faults.patch(m, "manager", None if inner else ["match_prefix"])
+    # Every public method the flow calls while serving (not check_parts, asked once at build).
+    calls = [n for n in public_methods(m) if n != "check_parts"] if inner else ["match_prefix"]
+    return faults.patch(m, "manager", calls)
 
 
 def make_allocator(num_pages: int, ps: int, faults: Faults, inner: bool) -> PageAllocator:

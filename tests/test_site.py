@@ -707,6 +707,7 @@ API_PAGES = {
     "storage": "kvcache.storage",
     "managers": "kvcache.managers",
     "serving": "kvcache.serving",
+    "system": "kvcache.system",
     "viz": "kvcache.viz",
     "examples": "kvcache.examples.tp_attention",
 }

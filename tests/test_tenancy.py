@@ -24,7 +24,7 @@ from kvcache import (
     RadixCacheManager,
     RequestFlow,
 )
-from kvcache.serving.tenancy import (
+from kvcache.system.tenancy import (
     POLICIES,
     PublicPrefixCache,
     multi_tenant,

@@ -208,6 +208,13 @@ class BaseCacheManager(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} cannot give a handle's indices")
 
+    def check_parts(self, *, allocator: Any = None, pool: Any = None) -> None:
+        """``ValueError`` unless ``allocator`` (a `PageAllocator`) and ``pool`` (a K/V pool),
+        where given, are the ones this manager works with. A `RequestFlow` and an `Engine` ask
+        it when they are built. The default accepts anything: a manager sees only token ids and
+        slots; one built on its own allocator and pool (the host tier) refuses others."""
+        return None
+
     def eviction_priority(self, node: Any) -> tuple[int, ...]:
         """The sort key under which ``node`` would be evicted: smaller goes first.
 

@@ -86,6 +86,8 @@ class Engine:
             raise ValueError(
                 f"allocator device {allocator.device} != kv_cache device {kv_cache.device}"
             )
+        if isinstance(manager, BaseCacheManager):
+            manager.check_parts(allocator=allocator, pool=kv_cache)  # a host tier: its own parts
         self.model, self.kv_cache, self.decode_kernel = model, kv_cache, decode_kernel
         self.flow = RequestFlow(manager, allocator, trace=trace)
 

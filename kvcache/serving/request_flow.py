@@ -341,6 +341,8 @@ class RequestFlow:
             raise ValueError(
                 f"manager device {manager.device} != allocator device {allocator.device}"
             )
+        if isinstance(manager, BaseCacheManager):
+            manager.check_parts(allocator=allocator)  # a host tier: the pages it was built on
         self.manager = manager
         self.allocator = allocator
         self.page_size = allocator.page_size

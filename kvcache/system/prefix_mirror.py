@@ -20,7 +20,7 @@ from collections.abc import Hashable, Iterable, Sequence
 
 import torch
 
-from .._validate import as_list, check_positive_int, check_token_ids
+from .._validate import as_int, as_list, check_positive_int, token_ids
 from ..managers.cache_events import (
     AllCleared,
     BlockRemoved,
@@ -32,6 +32,21 @@ from ..managers.cache_events import (
 __all__ = ["PrefixMirror"]
 
 Page = tuple[int, ...]
+
+
+def _token_list(tokens: object) -> list[int]:
+    """``tokens`` as a list of Python ints: a 1-D integer tensor on the CPU (`token_ids`), or a
+    sequence whose every item is a real integer (`as_int`: no ``bool``, float or string). A
+    ``str`` or ``bytes`` is refused whole: it is a sequence of characters, not of token ids."""
+    if isinstance(tokens, torch.Tensor):
+        ids: list[int] = token_ids(tokens, "tokens").tolist()
+        return ids
+    if isinstance(tokens, (str, bytes, bytearray)):
+        raise TypeError(f"tokens must be token ids, got {type(tokens).__name__} {tokens!r:.40}")
+    items = as_list(tokens, "tokens", "token ids")
+    if all(type(t) is int for t in items):  # the common case: one pass, no conversion
+        return items
+    return [as_int(t, f"tokens[{i}]") for i, t in enumerate(items)]
 
 
 class _Node:
@@ -70,11 +85,10 @@ class PrefixMirror:
     def match(self, tokens: torch.Tensor | Sequence[int], extra_key: Hashable = None) -> int:
         """Leading tokens of ``tokens`` (1-D) held under ``extra_key``: a multiple of the page
         size, the longest run of whole pages cached from the first one on. ``tokens``: a 1-D
-        integer tensor on the CPU or a sequence of ints; ``TypeError``/``ValueError`` otherwise."""
-        if isinstance(tokens, torch.Tensor):
-            toks = check_token_ids(tokens, "tokens").tolist()
-        else:
-            toks = as_list(tokens, "tokens", "token ids")
+        integer tensor on the CPU or a sequence of integers (each a real integer: ``True``,
+        ``1.5`` and ``"a"`` are refused, not looked up); ``TypeError``/``ValueError`` otherwise,
+        naming the first item that is not one."""
+        toks = _token_list(tokens)
         check_extra_key(extra_key)
         node, ps, n = self._roots.get(extra_key), self.page_size, 0
         while node is not None and n + ps <= len(toks):

@@ -23,6 +23,12 @@ Time. Every replica keeps its own simulated clock (`Scheduler.clock`, the cost m
 is a discrete-event simulation: requests arrive at given times; before an arrival, every busy
 replica that is behind it steps; an idle replica's clock jumps to the arrival. Replicas run in
 one process; nothing here assumes more than the events and the load counts a real router has.
+
+All or nothing. `route` changes nothing; a `submit` the chosen replica refuses (or that raises
+anything) takes back the events it delivered to reach its arrival time; `run` checks every job
+against every replica before it submits the first. A replica's step and its event source are
+two calls: when the source raises after the step, the step stands and its events are taken
+with the replica's next step (or by `sync`); the mirror is only later, as a lagging one is.
 """
 
 from __future__ import annotations
@@ -32,20 +38,21 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .._validate import as_list, check_token_ids
-from ..managers.cache_events import CacheEvent
-from .cost_model import percentile
+from ..managers.cache_events import AllCleared, BlockRemoved, BlockStored, CacheEvent
+from ..serving.cost_model import percentile
+from ..serving.scheduler import Scheduler
+from ..serving.workload_checks import check_jobs
+from ..serving.workloads import Job
 from .prefix_mirror import PrefixMirror
-from .scheduler import Scheduler
-from .workload_checks import check_jobs
-from .workloads import Job
 
 __all__ = ["Router", "RouterReport", "ROUTING_POLICIES", "poisson_arrivals"]
 
-#: The policies a `Router` takes (see the module docstring of `kvcache.serving.router`).
+#: The policies a `Router` takes (see the module docstring of `kvcache.system.router`).
 ROUTING_POLICIES = ("cache_aware", "round_robin", "least_loaded")
 
 
@@ -102,6 +109,25 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
     gen = torch.Generator().manual_seed(seed)
     gaps = torch.empty(n, dtype=torch.float64).exponential_(float(rate), generator=gen)
     return torch.cumsum(gaps, 0).tolist()
+
+
+#: Events on their way to a mirror: (due time, sequence number, replica, events).
+Flight = tuple[float, int, int, list[CacheEvent]]
+
+
+def _inverse(
+    events: list[CacheEvent], before: dict[tuple[object, tuple[int, ...]], tuple[int, ...]] | None
+) -> list[CacheEvent]:
+    """The events that take ``events`` back on a mirror: each store removed and each removal
+    stored again, newest first; a batch that clears the mirror is taken back by clearing it and
+    storing ``before`` (its pages before the batch) again, parents first."""
+    if before is not None:
+        pages = sorted(before.items(), key=lambda item: len(item[0][1]))
+        return [AllCleared(), *(BlockStored(k, toks, slots) for (k, toks), slots in pages)]
+    return [
+        BlockRemoved(*ev) if isinstance(ev, BlockStored) else BlockStored(*ev)
+        for ev in reversed(events)
+    ]
 
 
 def _number(value: object, name: str, lo: float, hi: float = math.inf) -> float:
@@ -188,7 +214,7 @@ class Router:
         self.placement: list[tuple[int, int]] = []  # router id -> (replica, scheduler id)
         self._rid_of: dict[tuple[int, int], int] = {}
         self._next_rr = 0
-        self._in_flight: list[tuple[float, int, int, list[CacheEvent]]] = []
+        self._in_flight: list[Flight] = []
         self._seq = itertools.count()
         self._predicted: dict[int, int] = {}
         self._realized: dict[int, int] = {}
@@ -254,15 +280,20 @@ class Router:
         queue it there; returns its router id (`placement` maps it to ``(replica, sid)``).
 
         The events due by ``at`` reach the mirrors first. A request the chosen replica refuses
-        (`Scheduler.submit`'s errors) changes nothing here. An idle replica's clock jumps to
-        ``at``; a busy one's is left alone (`run` steps every busy replica up to an arrival
-        before it submits, so that a request never starts before it arrived)."""
+        (`Scheduler.submit`'s errors, or anything it raises) changes nothing here: those events
+        are taken back and wait in flight again. An idle replica's clock jumps to ``at``; a busy
+        one's is left alone (`run` steps every busy replica up to an arrival before it submits,
+        so that a request never starts before it arrived)."""
         t = self.now if at is None else _number(at, "at", self.now)
-        self._deliver(t)
-        r, reason, predicted = self.route(prompt)
-        sched = self.replicas[r]
-        was_idle = sched.idle
-        sid = sched.submit(prompt, max_new_tokens, forced)  # validates; raises before queueing
+        delivered = self._deliver(t)
+        try:
+            r, reason, predicted = self.route(prompt)
+            sched = self.replicas[r]
+            was_idle = sched.idle
+            sid = sched.submit(prompt, max_new_tokens, forced)  # validates; raises before queueing
+        except BaseException:
+            self._undeliver(delivered)
+            raise
         self.now = t
         if was_idle and sched.clock < t:
             sched.clock = t  # its time jumps to the arrival
@@ -280,7 +311,11 @@ class Router:
     def step(self) -> int:
         """One scheduler step of the busy replica furthest behind in time; its events are
         published (due ``event_delay_s`` after the step's end). Returns the replica stepped;
-        ``RuntimeError`` when no replica has work, or the one stepped could make no progress."""
+        ``RuntimeError`` when no replica has work, or the one stepped could make no progress.
+
+        A step that raises changes nothing here (the scheduler's own promise); when the replica's
+        event source raises after its step, the step stands and those events are taken with
+        its next step (or by `sync`)."""
         busy = [i for i, s in enumerate(self.replicas) if not s.idle]
         if not busy:
             raise RuntimeError("no replica has a request waiting or running")
@@ -300,22 +335,44 @@ class Router:
             raise RuntimeError(f"replica {r}: {len(sched.waiting)} requests wait, none can start")
         return r
 
-    def _deliver(self, until: float) -> None:
+    def _deliver(self, until: float) -> list[tuple[Flight, Any, int]]:
+        """Apply every batch of events due by ``until`` to its mirror; returns each batch with
+        what `_undeliver` needs to take it back (the mirror's pages when it clears, its count)."""
+        done: list[tuple[Flight, Any, int]] = []
         while self._in_flight and self._in_flight[0][0] <= until:
-            _, _, r, events = heapq.heappop(self._in_flight)
-            self.mirrors[r].apply(events)
+            flight = heapq.heappop(self._in_flight)
+            mirror = self.mirrors[flight[2]]
+            clears = any(isinstance(ev, AllCleared) for ev in flight[3])
+            done.append((flight, mirror.pages() if clears else None, mirror.events_applied))
+            mirror.apply(flight[3])
+        return done
+
+    def _undeliver(self, done: list[tuple[Flight, Any, int]]) -> None:
+        """Take back what `_deliver` applied, newest first: the mirrors, their counts and the
+        events in flight are as they were."""
+        for flight, before, count in reversed(done):
+            mirror = self.mirrors[flight[2]]
+            mirror.apply(_inverse(flight[3], before))
+            mirror.events_applied = count
+            heapq.heappush(self._in_flight, flight)
 
     def sync(self) -> None:
         """Deliver every event published or not yet taken, whatever its delay (the mirrors then
-        equal the replicas' caches)."""
+        equal the replicas' caches). An event source that raises leaves the events taken so far
+        delivered, and its own for the next `sync`."""
         self._deliver(math.inf)
         for r, take in enumerate(self._take_events):
             self.mirrors[r].apply(take())
 
     def run(self, jobs: Sequence[Job], arrivals: Sequence[float] | None = None) -> RouterReport:
         """Serve ``jobs`` (their outputs forced) arriving at ``arrivals`` (non-decreasing, from
-        `now`; default: all now) until every replica is idle; returns the report."""
-        jobs = check_jobs(jobs)  # all checked before the first is submitted
+        `now`; default: all now) until every replica is idle; returns the report.
+
+        Every job is checked before the first is submitted, against every replica (any may be
+        chosen): a prompt of at least one token whose longest sequence fits each replica's pool
+        (what `Scheduler.submit` requires). A step or a submit that raises later stops the run
+        where it is (what was submitted stays queued; `run` or `step` can go on)."""
+        jobs = check_jobs(jobs)
         times = (
             [self.now] * len(jobs) if arrivals is None else as_list(arrivals, "arrivals", "times")
         )
@@ -325,6 +382,8 @@ class Router:
         for i, t in enumerate(times):
             _number(t, f"arrivals[{i}]", last)
             last = t
+        for i, job in enumerate(jobs):
+            self._check_fits(i, len(job.prompt), max(1, len(job.output)))
         i = 0
         while True:
             busy = [s.clock for s in self.replicas if not s.idle]
@@ -337,6 +396,20 @@ class Router:
                 self.step()
             else:
                 return self.report()
+
+    def _check_fits(self, i: int, prompt_len: int, max_new_tokens: int) -> None:
+        """``ValueError`` unless job ``i`` is one every replica's `Scheduler.submit` takes: at
+        least one prompt token, and ``prompt_len + max_new_tokens - 1`` tokens in its pool."""
+        if prompt_len == 0:
+            raise ValueError(f"jobs[{i}].prompt must hold at least one token")
+        for r, s in enumerate(self.replicas):
+            ps, pages = s.flow.page_size, s.flow.allocator.num_pages
+            need = -(-(prompt_len + max_new_tokens - 1) // ps)
+            if need > pages:
+                raise ValueError(
+                    f"jobs[{i}] needs up to {need} pages ({prompt_len} prompt + {max_new_tokens} "
+                    f"new tokens, page size {ps}); replica {r}'s pool has {pages}: it can never fit"
+                )
 
     # ------------------------------------------------------------------ results
     def report(self) -> RouterReport:

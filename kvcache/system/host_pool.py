@@ -67,8 +67,10 @@ class HostKVPool:
         pin_memory: page-lock the buffer; default: when ``like`` lives on CUDA.
 
     ``save`` copies device pages into host pages, ``read`` gathers host pages into one
-    contiguous tensor (the staging buffer of a load) and ``restore`` writes such a tensor into
-    device pages. Page ids are checked before anything is copied.
+    contiguous tensor (the staging buffer of a load), ``write`` puts such a tensor back into host
+    pages and ``restore`` writes it into device pages. Every call checks all its arguments before
+    it copies anything, and writes its destination in one step at the end: a call that raises
+    has written nothing.
     """
 
     def __init__(self, like: MHAKVCache, num_pages: int, *, pin_memory: bool | None = None) -> None:
@@ -130,14 +132,36 @@ class HostKVPool:
                 f"{self.page_shape} of {self.buffer.dtype}"
             )
 
+    def _check_staged(self, staged: object, n: int) -> torch.Tensor:
+        """``staged`` must be what `read` returns for ``n`` pages: ``(n, *page_shape)``, this
+        pool's dtype, dense."""
+        if not isinstance(staged, torch.Tensor):
+            raise TypeError(f"staged must be a torch.Tensor, got {type(staged).__name__}")
+        check_dense(staged, "staged")
+        if staged.dtype != self.buffer.dtype:
+            raise ValueError(f"staged must have dtype {self.buffer.dtype}, got {staged.dtype}")
+        if staged.shape != (n, *self.page_shape):
+            raise ValueError(
+                f"staged must have shape {(n, *self.page_shape)}, got {tuple(staged.shape)}"
+            )
+        return staged
+
     def read(self, host_pages: torch.Tensor) -> torch.Tensor:
         """A copy of ``host_pages``: ``(n, 2, num_layers, page_size, heads, head_dim)`` on the CPU."""
         return self.buffer.index_select(0, self._check(host_pages, "host_pages", self.num_pages))
 
+    def write(self, host_pages: torch.Tensor, staged: torch.Tensor) -> None:
+        """Put ``staged`` (from `read`) back into ``host_pages``: the inverse of `read`."""
+        hp = self._check(host_pages, "host_pages", self.num_pages)
+        self.buffer[hp] = self._check_staged(staged, hp.numel()).to("cpu")
+
     def save(
         self, device: MHAKVCache, device_pages: torch.Tensor, host_pages: torch.Tensor
     ) -> None:
-        """Copy device page ``device_pages[i]`` of every layer into host page ``host_pages[i]``."""
+        """Copy device page ``device_pages[i]`` of every layer into host page ``host_pages[i]``.
+
+        The pages are gathered on the device first and land in the host buffer in one
+        assignment, so a failure before it leaves every host page as it was."""
         self._check_like(device)
         hp = self._check(host_pages, "host_pages", self.num_pages)
         dp = self._check(device_pages, "device_pages", device.num_pages)
@@ -157,18 +181,13 @@ class HostKVPool:
         self.buffer[hp] = kv.permute(2, 0, 1, 3, 4, 5).to("cpu")
 
     def restore(self, device: MHAKVCache, device_pages: torch.Tensor, staged: torch.Tensor) -> None:
-        """Write ``staged`` (from `read`) into ``device_pages`` of ``device``, every layer."""
+        """Write ``staged`` (from `read`) into ``device_pages`` of ``device``, every layer.
+
+        The pages written are ones the caller has just taken and not yet handed to anyone: a
+        failure part way leaves only those pages partly written."""
         self._check_like(device)
         dp = self._check(device_pages, "device_pages", device.num_pages)
-        if not isinstance(staged, torch.Tensor):
-            raise TypeError(f"staged must be a torch.Tensor, got {type(staged).__name__}")
-        check_dense(staged, "staged")
-        if staged.dtype != self.buffer.dtype:
-            raise ValueError(f"staged must have dtype {self.buffer.dtype}, got {staged.dtype}")
-        if staged.shape != (dp.numel(), *self.page_shape):
-            raise ValueError(
-                f"staged must have shape {(dp.numel(), *self.page_shape)}, got {tuple(staged.shape)}"
-            )
+        self._check_staged(staged, dp.numel())
         if not dp.numel():
             return
         dp = dp.to(device.device)

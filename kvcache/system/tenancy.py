@@ -26,13 +26,21 @@ from typing import NamedTuple
 
 import torch
 
-from .._validate import as_list, check_positive_int, check_token_ids, reject_one_tensor
+from .._validate import (
+    as_list,
+    check_positive_int,
+    check_size,
+    check_token_ids,
+    reject_one_tensor,
+)
 from ..managers.base import BaseCacheHandle, BaseCacheManager, InsertResult, SizeInfo
 from ..managers.cache_events import check_extra_key
-from .request_flow import RequestFlow, check_manager
+from ..serving.request_flow import RequestFlow, check_manager
+from ..serving.workload_checks import check_span
 
 __all__ = ["TenantJob", "multi_tenant", "PublicPrefixCache", "replay_tenants", "POLICIES"]
 
+#: How `replay_tenants` shares one cache: one namespace for all, public prefixes only, or none.
 POLICIES = ("shared", "public", "tenant")
 
 
@@ -62,10 +70,22 @@ def multi_tenant(
     tenant; each tenant has ``contexts_per_tenant`` private contexts (its documents, its
     instructions), reused by its own requests only; the question is new every time. Requests
     come from tenants chosen uniformly at random.
+
+    Every argument is checked before anything is drawn (``TypeError``/``ValueError`` naming
+    it): the counts and ``vocab`` are integers >= 1, ``system_len`` an integer >= 0, each
+    length range a ``(lo, hi)`` pair of integers with ``0 <= lo <= hi``.
     """
-    for name, value in (("num_requests", num_requests), ("num_tenants", num_tenants)):
+    for name, value in (
+        ("num_requests", num_requests),
+        ("num_tenants", num_tenants),
+        ("contexts_per_tenant", contexts_per_tenant),
+        ("vocab", vocab),
+    ):
         check_positive_int(value, name)
-    check_positive_int(contexts_per_tenant, "contexts_per_tenant")
+    system_len = check_size(system_len, "system_len")
+    context_len = check_span(context_len, "context_len")
+    question_len = check_span(question_len, "question_len")
+    output_len = check_span(output_len, "output_len")
     rng = random.Random(seed)
 
     def tokens(n: int) -> list[int]:
