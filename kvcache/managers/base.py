@@ -174,22 +174,31 @@ class BaseCacheManager(ABC):
         returned handle is locked first (the lock moves to the longer prefix).
 
         The flow's insert: ``handle`` is the request's locked prefix, normally a prefix of
-        ``input_ids``, which a manager may use to skip re-matching that prefix. All or nothing:
-        ``RuntimeError`` (nothing inserted) when ``handle`` is not locked, and the errors of
-        `insert_prefix` with ``handle`` still locked. The default makes the public calls: one
-        unlock of ``handle`` to prove it is locked (and a lock to restore it), the insert, the
-        relock, the unlock.
+        ``input_ids``, which a manager may use to skip re-matching that prefix. ``RuntimeError``
+        (nothing inserted) when ``handle`` is not locked, and the errors of `insert_prefix` with
+        ``handle`` still locked.
+
+        A failure (of anything it calls, ``KeyboardInterrupt`` too) before the insert changes
+        nothing. The insert is the one change that cannot be undone: a failure after it is
+        completed (the call made again), so that the lock has moved as asked, and the error
+        then propagates carrying the call's `InsertResult` as its ``insert_result`` attribute,
+        for the caller to complete its own step (as `RequestFlow` does). The default makes the
+        public calls: one unlock of ``handle`` to prove it is locked (and a lock to restore it),
+        the insert, the relock, the unlock.
         """
         self.lock_handle(handle, unlock=True)  # raises, changing nothing, when not locked
-        self.lock_handle(handle)  # locked again: the insert runs as it would on its own
+        _made_again(self.lock_handle, handle)  # locked again: the insert runs as on its own
         res = (
             self.insert_and_match(input_ids, indices)
             if extra_key is None
             else self.insert_and_match(input_ids, indices, extra_key)
         )
-        if relock:
-            self.lock_handle(res.handle)
-        self.lock_handle(handle, unlock=True)
+        # The insert is made: from here on the call only completes.
+        late = _made_again(self.lock_handle, res.handle, quiet=True) if relock else None
+        late = _made_again(self.lock_handle, handle, True, quiet=True) or late
+        if late is not None:
+            late.insert_result = res  # type: ignore[attr-defined]
+            raise late
         return res
 
     @abstractmethod
@@ -222,6 +231,22 @@ class BaseCacheManager(ABC):
         state. Raises ``NotImplementedError`` for a manager without per-node priorities.
         """
         raise NotImplementedError(f"{type(self).__name__} has no per-node eviction priority")
+
+
+def _made_again(
+    call: Callable[..., object], *args: object, quiet: bool = False
+) -> BaseException | None:
+    """``call(*args)``, made once more if it raises (a lock or unlock that raises has changed
+    nothing, so making it again is safe). The error is re-raised once the call is made, or,
+    with ``quiet``, returned for the caller to raise when its own step is whole."""
+    try:
+        call(*args)
+    except BaseException as e:
+        call(*args)
+        if not quiet:
+            raise
+        return e
+    return None
 
 
 # ------------------------------------------------------------------------------ leftovers

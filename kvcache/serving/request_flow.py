@@ -1,5 +1,7 @@
 """`RequestFlow`: carries requests through the seven steps of the cache's life, for any manager,
-with the running `Request`, the flow's `FlowStats` and its step events (`FlowEvent`).
+with the running `Request`, the flow's `FlowStats` and its step events (`FlowEvent`). It is
+long because it is one concept read top to bottom: the request and the flow that owns it, each
+step on one path with its all-or-nothing order spelled out beside it.
 
     begin(ids)   1. match_prefix + 2. lock_handle    one manager call: match_and_lock
                  3. allocate the pages the prefix lacks (evicting first if the free list is short)
@@ -63,7 +65,7 @@ from .._validate import (
     slot_array,
     token_ids,
 )
-from ..managers.base import BaseCacheHandle, BaseCacheManager
+from ..managers.base import BaseCacheHandle, BaseCacheManager, InsertResult
 from ..managers.cache_events import check_extra_key
 from .allocator import PageAllocator
 
@@ -304,6 +306,21 @@ def _complete(call: Callable[..., object], *args: object) -> BaseException | Non
         call(*args)
         return e
     return None
+
+
+def _inserted(
+    insert_and_unlock: Callable[..., InsertResult], *args: object, **kwargs: object
+) -> tuple[InsertResult, BaseException | None]:
+    """The manager's ``insert_and_unlock(*args, **kwargs)`` and what interrupted it after its
+    insert: a manager completes a call interrupted past its insert and raises with the result
+    attached (``insert_result``); the step then completes too and raises at its end."""
+    try:
+        return insert_and_unlock(*args, **kwargs), None
+    except BaseException as e:
+        res = getattr(e, "insert_result", None)
+        if not isinstance(res, InsertResult):
+            raise  # nothing changed
+        return res, e
 
 
 class RequestFlow:
@@ -731,15 +748,16 @@ class RequestFlow:
         n = req.num_computed // self.page_size * self.page_size
         lo = req.tree_len
         ids, slots = self._insert_tensors(req, n)
-        res = self.manager.insert_and_unlock(req.handle, ids, slots, req.extra_key, relock=True)
+        res, interrupted = _inserted(
+            self.manager.insert_and_unlock, req.handle, ids, slots, req.extra_key, relock=True
+        )
         # The insert is made and the lock moved: from here on the step only completes.
         already, handle = res.cached_len, res.handle
         hi = min(already, handle.cached_len)  # a manager caching nothing holds none of them
         req.handle = handle
         dup = req._slots[lo:hi].copy() if hi > lo else None
-        interrupted = None
         if dup is not None:
-            interrupted = _complete(self._read_tree_slots, req, hi)
+            interrupted = _complete(self._read_tree_slots, req, hi) or interrupted
             # own pages from a page start: whole pages
             interrupted = _complete(self.allocator.free_page_runs, dup) or interrupted
         if interrupted is not None or self._events is not None:
@@ -781,7 +799,7 @@ class RequestFlow:
         n = length - length % self.page_size
         lo = req.tree_len
         ids, slots = self._insert_tensors(req, n)
-        res = self.manager.insert_and_unlock(req.handle, ids, slots, req.extra_key)
+        res, late = _inserted(self.manager.insert_and_unlock, req.handle, ids, slots, req.extra_key)
         # The insert is made and the lock released: from here on the step only completes.
         already = res.cached_len
         req.finished = True
@@ -794,6 +812,7 @@ class RequestFlow:
         else:
             run = own[n:length]
         interrupted = _complete(self.allocator.free_page_runs, run) if len(run) else None
+        interrupted = interrupted or late
         if interrupted is not None or self._events is not None:
             self._done(interrupted, self._finish_events, req, n, already, run)
         return already

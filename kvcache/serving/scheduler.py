@@ -366,8 +366,10 @@ class Scheduler:
     def _stood(self, s: SchedRequest) -> bool:
         """After a flow call on ``s`` raised: whether the call stood. A failing `finish`,
         `abort` or `cache` completes once the manager has changed and then raises (the flow's
-        rule); a failure before that changes nothing and the request still runs."""
-        return s.flow_req is None or not self.flow.is_running(s.flow_req)
+        rule); a failure before that changes nothing and the request still runs. Read off the
+        request itself (the flow marks it ``finished``), not asked of the flow: recovery makes
+        no call that could fail in turn."""
+        return s.flow_req is None or s.flow_req.finished
 
     def _requeue(self, reqs: list[SchedRequest]) -> None:
         """``reqs`` (no longer running in the flow) to the front of the queue, in their order
@@ -457,7 +459,7 @@ class Scheduler:
             try:
                 self.flow.abort(s.req)
             except BaseException:
-                if self.flow.is_running(s.req):
+                if not s.req.finished:
                     raise  # nothing changed: the request still runs
                 self._move(s, "aborted")  # the abort stood, then raised
                 s.flow_req = None
