@@ -208,10 +208,9 @@ def _check_rule(rule: str, broken: dict[str, str], waived: set[str]) -> None:
 
 #: Chapters without a "Before you start" admonition (prerequisites) among their first cells.
 NO_PREREQUISITES_YET = {
-    "01_why", "02_two_layers", "02b_forward_pass", "03_request_life", "03b_request_design",
-    "04_integrity", "05_layouts", "06_mha_pool", "07_tensor_parallel", "08_page_size",
-    "09_naive_manager", "10_radix_tree", "11_lock_evict", "12_workloads", "12b_block_hash",
-    "13_tiny_model", "14_scheduling", "15_explorer", "16_isolation", "17_routing", "18_host_tier",
+    "04_integrity", "09_naive_manager", "10_radix_tree", "11_lock_evict", "12_workloads",
+    "12b_block_hash", "13_tiny_model", "14_scheduling", "15_explorer", "16_isolation",
+    "17_routing", "18_host_tier",
 }  # fmt: skip
 
 
@@ -229,10 +228,9 @@ def test_every_chapter_says_what_it_needs_first():
 
 #: Chapters without their 2-4 numbered exercises in the book's form yet.
 NO_EXERCISES_YET = {
-    "01_why", "02_two_layers", "02b_forward_pass", "03_request_life", "03b_request_design",
-    "04_integrity", "05_layouts", "06_mha_pool", "07_tensor_parallel", "08_page_size",
-    "09_naive_manager", "10_radix_tree", "11_lock_evict", "12_workloads", "12b_block_hash",
-    "13_tiny_model", "14_scheduling", "15_explorer", "16_isolation", "17_routing", "18_host_tier",
+    "04_integrity", "09_naive_manager", "10_radix_tree", "11_lock_evict", "12_workloads",
+    "12b_block_hash", "13_tiny_model", "14_scheduling", "15_explorer", "16_isolation",
+    "17_routing", "18_host_tier",
 }  # fmt: skip
 
 
