@@ -56,7 +56,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import radix_ops
-from real_engines import commit, import_engine, machine, write_json
+from harness import commit, import_engine, machine, write_json
 
 from kvcache import RadixCacheManager
 from kvcache.serving.workloads import Job
@@ -343,7 +343,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         fast_compare_key(torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64))
     torch.set_num_threads(1)
     info = machine(
-        sglang="0.5.23", minisgl=commit(args.minisgl_path) if args.minisgl_path else None
+        sglang="0.5.23",
+        minisgl=commit(args.minisgl_path) if args.minisgl_path else None,
+        clock="wall (perf_counter)",
     )
     print(f"ran on: {info}")
     result: dict[str, Any] = {"machine": info}
@@ -370,7 +372,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     f"{'':22s} mini-sglang {row['minisgl_seconds']:.3f} s = "
                     f"{row['minisgl_ratio']:.2f}x ({same} decisions)"
                 )
-    write_json(args.json, result)
+    write_json(result, args.json)
     return result
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import platform
 import shutil
 import sys
@@ -37,6 +36,9 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import machine, write_json
 
 import kvcache
 from kvcache.serving.workloads import Job, TimedManager, mixed
@@ -186,8 +188,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
             )
     ratio = results["lpm, no queue limit"]["us_per_step"] / results["fcfs"]["us_per_step"]
     print(f"per-step cost of LPM matching the whole queue / FCFS: {ratio:.2f}")
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+    write_json({"machine": machine(clock="thread CPU time"), **results}, args.json)
     return results
 
 
