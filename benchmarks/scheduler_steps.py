@@ -73,19 +73,6 @@ def timed_flow(pkg: ModuleType) -> type:
     return type("TimedFlow", (base,), body)
 
 
-class CpuTimedManager(TimedManager):
-    """`TimedManager` on the thread's CPU clock (its ``perf_counter`` would count the waits of
-    a shared machine)."""
-
-    def _timed(self, op: str, *args: Any, **kwargs: Any) -> Any:
-        t0 = clock()
-        try:
-            return self._bound[op](*args, **kwargs)
-        finally:
-            self.seconds[op] += clock() - t0
-            self.calls[op] += 1
-
-
 #: The runs compared: FCFS; LPM as SGLang runs it (FCFS while more than 128 requests wait);
 #: LPM matching every waiting request at every step, what that limit avoids.
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -105,7 +92,7 @@ def load_baseline(root: Path) -> ModuleType:
 
 def serve(pkg: ModuleType, jobs: list[Job], config: dict[str, Any]) -> dict[str, float]:
     """Serve ``jobs`` to the end with ``pkg``; CPU seconds of the run and of the manager's calls."""
-    manager = CpuTimedManager(pkg.RadixCacheManager(page_size=PAGE_SIZE))
+    manager = TimedManager(pkg.RadixCacheManager(page_size=PAGE_SIZE), clock=clock)
     flow = timed_flow(pkg)(manager, pkg.PageAllocator(NUM_PAGES, PAGE_SIZE))
     sched = pkg.Scheduler(flow, token_budget=TOKEN_BUDGET, max_batch=MAX_BATCH, **config)
     for job in jobs:
