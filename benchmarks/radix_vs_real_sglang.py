@@ -8,14 +8,14 @@ scheduler makes around a request:
 
     match_prefix -> path_device_indices -> inc_lock_ref      (a request starts)
     evict(tokens short)                                     (when the free pages run out)
-    insert(key, int64 copy of the slots) -> dec_lock_ref    (it finishes: cache_finished_req)
+    insert(key, int64 copy of the slots) -> dec_lock_ref    (it finishes: release_kv_cache)
 
 and ours with the calls `RequestFlow` makes (``match_and_lock``, ``evict``,
 ``insert_and_unlock``, on the flow's NumPy arrays). One driver serves both, with the same
 untimed page allocator and the same clock around each call; a pool's pages are handed out and
 taken back alike. SGLang's keys are built untimed from ``array('q')`` token ids (its scheduler
 keeps them), but the slicing, page alignment and int64 copy inside its insert path are timed, as
-they are inside its ``cache_finished_req``.
+they are inside its ``release_kv_cache`` (``RadixCache._insert_cache``).
 
 SGLang stamps access times with ``time.monotonic()``; here its module's clock is a counter (one
 call, as the stand-in does), so two nodes never tie and the eviction order is defined. SGLang
@@ -151,7 +151,7 @@ class Sglang:
     """SGLang's ``RadixCache`` with the calls its scheduler makes around a request."""
 
     # Keys as its scheduler keeps them (``array('q')``), slots as a tensor (its int64 copy is
-    # made inside `insert_unlock`, timed, as inside ``cache_finished_req``).
+    # made inside `insert_unlock`, timed, as inside SGLang's ``_insert_cache``).
     key = staticmethod(lambda ids: array("q", ids.tobytes()))
     values = staticmethod(torch.from_numpy)
 

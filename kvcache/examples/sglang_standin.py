@@ -16,7 +16,8 @@ its 2026 core), not copied from it. What it keeps, because that is where SGLang'
 - values are int64 torch tensors of KV slots; a split clones both halves, a new leaf clones its
   slice, the insert slices the value tensor after every matched node, a match ``torch.cat``-s
   the values of its path; the caller's int32 slots are copied to int64 first (SGLang's
-  ``cache_finished_req`` does ``kv_indices.to(torch.int64, copy=True)``);
+  ``_insert_cache``, run when a request finishes, does ``kv_indices[:key_len].to(dtype=torch.int64,
+  copy=True)``);
 - every node carries SGLang's bookkeeping fields (two ``time.monotonic()`` stamps at creation,
   ``priority`` raised along an insert's path, host and hash fields left empty);
 - ``inc_lock_ref``/``dec_lock_ref`` walk to the root, move sizes between evictable and protected,
@@ -29,7 +30,7 @@ Adapted to this package's `BaseCacheManager` API so that the same `RequestFlow` 
 recorded calls) drive both: token ids arrive as a tensor and are copied into ``array('q')`` (SGLang
 builds its key from the request's ``array('q')`` with a concat and a slice: the same copy); the
 match result is a handle plus the int64 slot tensor; ``insert_and_match`` returns a handle on the
-node the insert ended at (SGLang's ``cache_unfinished_req`` runs a second full ``match_prefix``
+node the insert ended at (SGLang's ``checkpoint`` runs a second full ``match_prefix``
 instead, so this is generous to SGLang); ``evict`` returns the evicted slots in one tensor
 (SGLang frees each node's value separately). It validates nothing (generous again).
 
@@ -268,7 +269,7 @@ class SglangStandIn(BaseCacheManager):
     def _insert(
         self, input_ids: torch.Tensor, indices: torch.Tensor, extra_key: Hashable
     ) -> tuple[int, SglNode, int]:
-        # SGLang's cache_finished_req: the aligned key, its slots copied to int64; then insert().
+        # SGLang's _insert_cache: the aligned key, its slots copied to int64; then insert().
         key = self._key(input_ids, extra_key).page_aligned(self.page_size)
         value = indices[: len(key)].to(dtype=torch.int64, copy=True)
         key = key.page_aligned(self.page_size)  # insert() aligns (and cuts the value) again

@@ -99,6 +99,8 @@ class SourceHandle(BaseCacheHandle):
 
 
 class SourceRadixCacheManager(BaseCacheManager):
+    """The guide's radix manager at page size 1: a full scan of the tree on every ``evict``."""
+
     page_size = 1
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
@@ -254,6 +256,9 @@ class PagedSourceNode(SourceNode):
 
 
 class PagedSourceRadixCacheManager(SourceRadixCacheManager):
+    """The guide's design ported to pages: children filed under their first page, matches
+    rounded down to whole pages, the same full scan on every ``evict``."""
+
     def __init__(self, device: torch.device | str = "cpu", page_size: int = 1) -> None:
         self.page_size = page_size
         super().__init__(device)
