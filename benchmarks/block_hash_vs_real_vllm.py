@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import block_hash_vs_vllm as stand_in_bench
-from real_engines import import_engine, machine, write_json
+from harness import import_engine, machine, write_json
 
 from kvcache import BlockHashCacheManager, PageAllocator, RequestFlow
 from kvcache.serving.workloads import Job
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     import_engine(args.engines_path, "vllm.v1.core.kv_cache_manager", "vLLM's prefix cache")
     torch.set_num_threads(1)
-    info = {**machine(vllm="0.33.0"), "block_size": BLOCK, "pool_tokens": POOL}
+    info = machine(vllm="0.33.0", clock="wall (perf_counter)", block_size=BLOCK, pool_tokens=POOL)
     print(f"ran on: {info}")
     result: dict[str, Any] = {"machine": info}
     for trace in args.traces:
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"with its block hashing {row['vllm_with_hashing_seconds']:.3f} s = "
             f"{row['ratio_with_hashing']:.2f}x"
         )
-    write_json(args.json, result)
+    write_json(result, args.json)
     return result
 
 

@@ -15,7 +15,7 @@ request's record (``boundary_seconds``: vLLM is handed lists and the request obj
 its own conversions and look-up inside its time); "without SHA-256" also leaves out the
 stand-in's hashing (vLLM computes ``Request.block_hashes`` when a request arrives, so a
 measurement of its manager calls alone may leave that time out; ours hashes inside its calls).
-See `vllm_standin` for what the stand-in does per block (no more than vLLM).
+See `kvcache.examples.vllm_standin` for what the stand-in does per block (no more than vLLM).
 
 The flow hands both managers tensors (ids, slots; slots back), the one form of its calls.
 
@@ -26,8 +26,6 @@ Run: ``python benchmarks/block_hash_vs_vllm.py [--page-size 16 1] [--repeats 3] 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import random
 import sys
 import time
@@ -38,9 +36,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from vllm_standin import VllmStandIn
+from harness import machine, write_json
 
 from kvcache import BaseCacheManager, BlockHashCacheManager, PageAllocator, RequestFlow
+from kvcache.examples.vllm_standin import VllmStandIn
 from kvcache.serving.workloads import Job, multi_turn_chat
 
 VOCAB = 32000
@@ -298,13 +297,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     global clock
     clock = CLOCKS[args.clock]
     torch.set_num_threads(1)
-    info = {
-        "cpu": platform.processor() or platform.machine(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%d"),
-        "clock": args.clock,
-    }
+    info = machine(clock=args.clock)
     print(f"ran on: {info}")
     result: dict[str, object] = {"machine": info}
     for ps in args.page_size:
@@ -325,9 +318,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                     f"{row[name + ' hash seconds']:.3f} s of it SHA-256; net without it "
                     f"{row[name + ' net ratio without SHA-256']:.2f}x)"
                 )
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+    write_json(result, args.json)
     return result
 
 

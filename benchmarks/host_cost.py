@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_bench import device_label, time_fn, write_result
+from harness import device_label, time_fn, write_json
 
 from kvcache import KVCacheLayout, MHAKVCache, store_cache
 from kvcache.kernels import paged_decode_attention
@@ -127,7 +127,7 @@ def main(args: argparse.Namespace) -> dict:
         for what, fn in decode_calls(q, kc, vc, list(flat.split(context))).items():
             record(what, batch, fn)
     result = dict(benchmark="host_cost", **device_label(device), rows=rows)
-    write_result(result, args.out, f"host_cost-{device.type}")
+    write_json(result, args.out, f"host_cost-{device.type}")
     return result
 
 

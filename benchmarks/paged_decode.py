@@ -29,7 +29,7 @@ stops on a mismatch. With ``--splits-sweep N ...`` the unchecked kernel is also 
 Bandwidth = bytes of K and V the requests read (``2 * batch * context * kv_heads * head_dim *
 itemsize``) / time. On CUDA each row also gives the fraction of a device-to-device copy's
 bandwidth measured in the same run, its time under a wall clock (``wall_s``: host work
-included, see ``kernel_bench``), and the run ends with the issue's goals read off the rows.
+included, see ``harness``), and the run ends with the issue's goals read off the rows.
 Results go to a JSON file with the device, versions, date and commit, rewritten after each
 configuration (``"complete": false`` until the last).
 """
@@ -97,7 +97,7 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_bench import copy_bandwidth, device_label, time_fn, wall_time, write_result  # noqa: E402
+from harness import copy_bandwidth, device_label, time_fn, wall_time, write_json  # noqa: E402
 
 from kvcache import KVCacheLayout  # noqa: E402
 from kvcache.kernels import (  # noqa: E402
@@ -351,12 +351,12 @@ def main(args: argparse.Namespace) -> dict:
                         )
                     print(line, flush=True)
                 del pool, fns
-                write_result(result, args.out, out_name, quiet=True)
+                write_json(result, args.out, out_name, quiet=True)
 
     result["complete"] = True
     for line in goals(rows, bw_copy):
         print("#", line)
-    write_result(result, args.out, out_name)
+    write_json(result, args.out, out_name)
     return result
 
 

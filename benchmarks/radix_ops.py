@@ -14,7 +14,7 @@
    chat (880 requests, 110 conversations of 8 turns), few-shot (800 requests on 2-8k-token
    shared prefixes) and agent (800 branching multi-turn requests) — the time inside manager
    calls for `RadixCacheManager`, the source design (page size 1 only), its page-aware
-   variant and a stand-in for SGLang's 2026 radix cache (``sglang_standin.py``), and the whole
+   variant and a stand-in for SGLang's radix cache (``kvcache.examples.sglang_standin``), and the whole
    flow against the manager calls. Every manager must make the same cache decisions (reused and
    evicted tokens), or the comparison is void. Prints, per trace and page size,
    ``RadixCacheManager vs SGLang-style stand-in: N.Nx`` (the stand-in's time over ours; also
@@ -28,8 +28,6 @@ Prints what it ran on.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import sys
 import time
@@ -43,9 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sglang_standin import SglangStandIn
-from source_radix import SourceRadixCacheManager
-from source_radix_paged import PagedSourceRadixCacheManager
+from harness import machine, write_json
 
 from kvcache import (
     BaseCacheManager,
@@ -55,6 +51,8 @@ from kvcache import (
     RequestFlow,
     SizeInfo,
 )
+from kvcache.examples.sglang_standin import SglangStandIn
+from kvcache.examples.source_radix import PagedSourceRadixCacheManager, SourceRadixCacheManager
 from kvcache.managers.base import InsertResult
 from kvcache.serving.workloads import Job, agent, long_few_shot, mixed, multi_turn_chat, replay
 
@@ -167,16 +165,6 @@ def replay_calls(calls: list[tuple], manager: BaseCacheManager) -> float:
 
 
 _INSERTS = ("insert_and_match", "insert_and_unlock")
-
-
-def machine() -> dict[str, str]:
-    return {
-        "cpu": platform.processor() or platform.machine(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "threads": str(torch.get_num_threads()),
-        "date": time.strftime("%Y-%m-%d"),
-    }
 
 
 class _Stub:
@@ -467,9 +455,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         }
     )
     result["block_hash"] = block_hash
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+    write_json(result, args.json)
     return result
 
 

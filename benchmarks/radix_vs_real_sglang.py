@@ -8,14 +8,14 @@ scheduler makes around a request:
 
     match_prefix -> path_device_indices -> inc_lock_ref      (a request starts)
     evict(tokens short)                                     (when the free pages run out)
-    insert(key, int64 copy of the slots) -> dec_lock_ref    (it finishes: cache_finished_req)
+    insert(key, int64 copy of the slots) -> dec_lock_ref    (it finishes: release_kv_cache)
 
 and ours with the calls `RequestFlow` makes (``match_and_lock``, ``evict``,
 ``insert_and_unlock``, on the flow's NumPy arrays). One driver serves both, with the same
 untimed page allocator and the same clock around each call; a pool's pages are handed out and
 taken back alike. SGLang's keys are built untimed from ``array('q')`` token ids (its scheduler
 keeps them), but the slicing, page alignment and int64 copy inside its insert path are timed, as
-they are inside its ``cache_finished_req``.
+they are inside its ``release_kv_cache`` (``RadixCache._insert_cache``).
 
 SGLang stamps access times with ``time.monotonic()``; here its module's clock is a counter (one
 call, as the stand-in does), so two nodes never tie and the eviction order is defined. SGLang
@@ -56,7 +56,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import radix_ops
-from real_engines import commit, import_engine, machine, write_json
+from harness import commit, import_engine, machine, write_json
 
 from kvcache import RadixCacheManager
 from kvcache.serving.workloads import Job
@@ -151,7 +151,7 @@ class Sglang:
     """SGLang's ``RadixCache`` with the calls its scheduler makes around a request."""
 
     # Keys as its scheduler keeps them (``array('q')``), slots as a tensor (its int64 copy is
-    # made inside `insert_unlock`, timed, as inside ``cache_finished_req``).
+    # made inside `insert_unlock`, timed, as inside SGLang's ``_insert_cache``).
     key = staticmethod(lambda ids: array("q", ids.tobytes()))
     values = staticmethod(torch.from_numpy)
 
@@ -343,7 +343,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         fast_compare_key(torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64))
     torch.set_num_threads(1)
     info = machine(
-        sglang="0.5.23", minisgl=commit(args.minisgl_path) if args.minisgl_path else None
+        sglang="0.5.23",
+        minisgl=commit(args.minisgl_path) if args.minisgl_path else None,
+        clock="wall (perf_counter)",
     )
     print(f"ran on: {info}")
     result: dict[str, Any] = {"machine": info}
@@ -370,7 +372,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     f"{'':22s} mini-sglang {row['minisgl_seconds']:.3f} s = "
                     f"{row['minisgl_ratio']:.2f}x ({same} decisions)"
                 )
-    write_json(args.json, result)
+    write_json(result, args.json)
     return result
 
 

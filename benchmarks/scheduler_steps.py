@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import platform
 import shutil
 import sys
@@ -37,6 +36,9 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import machine, write_json
 
 import kvcache
 from kvcache.serving.workloads import Job, TimedManager, mixed
@@ -71,19 +73,6 @@ def timed_flow(pkg: ModuleType) -> type:
     return type("TimedFlow", (base,), body)
 
 
-class CpuTimedManager(TimedManager):
-    """`TimedManager` on the thread's CPU clock (its ``perf_counter`` would count the waits of
-    a shared machine)."""
-
-    def _timed(self, op: str, *args: Any, **kwargs: Any) -> Any:
-        t0 = clock()
-        try:
-            return self._bound[op](*args, **kwargs)
-        finally:
-            self.seconds[op] += clock() - t0
-            self.calls[op] += 1
-
-
 #: The runs compared: FCFS; LPM as SGLang runs it (FCFS while more than 128 requests wait);
 #: LPM matching every waiting request at every step, what that limit avoids.
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -103,7 +92,7 @@ def load_baseline(root: Path) -> ModuleType:
 
 def serve(pkg: ModuleType, jobs: list[Job], config: dict[str, Any]) -> dict[str, float]:
     """Serve ``jobs`` to the end with ``pkg``; CPU seconds of the run and of the manager's calls."""
-    manager = CpuTimedManager(pkg.RadixCacheManager(page_size=PAGE_SIZE))
+    manager = TimedManager(pkg.RadixCacheManager(page_size=PAGE_SIZE), clock=clock)
     flow = timed_flow(pkg)(manager, pkg.PageAllocator(NUM_PAGES, PAGE_SIZE))
     sched = pkg.Scheduler(flow, token_budget=TOKEN_BUDGET, max_batch=MAX_BATCH, **config)
     for job in jobs:
@@ -186,8 +175,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
             )
     ratio = results["lpm, no queue limit"]["us_per_step"] / results["fcfs"]["us_per_step"]
     print(f"per-step cost of LPM matching the whole queue / FCFS: {ratio:.2f}")
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+    write_json({"machine": machine(clock="thread CPU time"), **results}, args.json)
     return results
 
 

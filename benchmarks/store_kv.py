@@ -27,7 +27,7 @@ gives the fraction of a measured device-to-device copy's bandwidth, ``wall_s`` (
 of back-to-back calls: the host's checks and launch included) and, for the unchecked store,
 ``graph_s`` (the call captured in a CUDA graph and replayed: the kernel alone, no Python); and
 ``copy_rows`` time a plain ``copy_`` of each batch's bytes, the ceiling at that size. Timing:
-median of ``triton.testing.do_bench`` on CUDA (see ``kernel_bench`` for what each time
+median of ``triton.testing.do_bench`` on CUDA (see ``harness`` for what each time
 includes), ``torch.utils.benchmark`` on the CPU. Results go to a JSON file with the device name,
 versions, date and commit, rewritten after each pool (``"complete": false`` until the last); the
 run ends with the issue's two goals read off the rows.
@@ -74,13 +74,13 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_bench import (  # noqa: E402
+from harness import (  # noqa: E402
     copy_bandwidth,
     device_label,
     graph_time,
     time_fn,
     wall_time,
-    write_result,
+    write_json,
 )
 
 from kvcache import KVCacheLayout  # noqa: E402
@@ -288,7 +288,7 @@ def main(args: argparse.Namespace) -> dict:
                             rows.append(row)
                             print(line, flush=True)
                     del pool
-                    write_result(result, args.out, out_name, quiet=True)
+                    write_json(result, args.out, out_name, quiet=True)
     if bw_copy:
         heads, dim = (int(x) for x in args.heads[0].lower().split("x"))
         per_token = 2 * 2 * heads * dim * getattr(torch, args.dtypes[0]).itemsize
@@ -302,7 +302,7 @@ def main(args: argparse.Namespace) -> dict:
     result["complete"] = True
     for line in goals(rows, bw_copy):
         print("#", line)
-    write_result(result, args.out, out_name)
+    write_json(result, args.out, out_name)
     return result
 
 

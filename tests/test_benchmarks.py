@@ -8,9 +8,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import radix_ops
-from source_radix import SourceRadixCacheManager
 
 from kvcache import PageAllocator, RadixCacheManager, RequestFlow
+from kvcache.examples.source_radix import SourceRadixCacheManager
 from kvcache.serving.workloads import mixed, replay
 
 
@@ -46,31 +46,20 @@ def test_radix_ops_runs(tmp_path, monkeypatch):
     assert (tmp_path / "r.json").exists() and result["speedup"] > 0
 
 
-def test_namespace_overhead_runs():
-    """The default-namespace benchmark runs and finds the same cache decisions as its baseline."""
-    import subprocess
+def test_harness_labels_times_and_writes(tmp_path):
+    """The shared harness: a machine label with the commit and what a run adds, a CPU clock that
+    keeps the fastest run, and JSON written where asked (nowhere when nothing is asked)."""
+    import json
 
-    import namespace_overhead
-    import pytest
+    import harness
 
-    repo = Path(__file__).resolve().parents[1]
-    have = subprocess.run(
-        [
-            "git",
-            "-C",
-            str(repo),
-            "rev-parse",
-            "--verify",
-            "-q",
-            namespace_overhead.DEFAULT_BASELINE,
-        ],
-        capture_output=True,
-    )
-    if have.returncode != 0:
-        pytest.skip("no git history here: the baseline revision cannot be extracted")
-    out = namespace_overhead.main(["--requests", "40", "--pages", "3000", "--repeats", "1"])
-    assert set(out) == {"radix", "block-hash"}
-    assert all(r["baseline_s"] > 0 and r["current_s"] > 0 for r in out.values())
+    label = harness.machine(clock="thread CPU time", engine="x")
+    assert {"cpu", "python", "torch", "threads", "date", "commit"} <= set(label)
+    assert label["clock"] == "thread CPU time" and label["engine"] == "x"
+    assert harness.cpu_best(lambda: sum(range(1000)), 3) >= 0
+    assert harness.write_json({"a": 1}, None) is None
+    out = harness.write_json({"machine": label}, tmp_path / "deep" / "r.json", quiet=True)
+    assert json.loads(out.read_text())["machine"]["engine"] == "x"
 
 
 def test_tier_router_benchmark_runs():

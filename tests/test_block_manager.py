@@ -959,12 +959,7 @@ def test_agrees_with_a_vllm_style_stand_in_on_a_seeded_trace():
     """The benchmark's vLLM stand-in (SHA-256 block hashes, hash -> block dict, LRU free list)
     makes exactly our decisions on a seeded trace with eviction: tokens reused per request,
     tokens evicted, and the slots cached after every request."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from vllm_standin import VllmStandIn
-
+    from kvcache.examples.vllm_standin import VllmStandIn
     from kvcache.serving.workloads import multi_turn_chat
 
     jobs = multi_turn_chat(6, 4, system_len=40, message_len=(5, 30), output_len=(5, 30), seed=3)

@@ -5,17 +5,12 @@ every block of every request with SHA-256 and remembers nothing across requests.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcache import BlockHashCacheManager, PageAllocator, RequestFlow
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from vllm_standin import VllmStandIn
+from kvcache.examples.vllm_standin import VllmStandIn
 
 #: One step of a trace: which conversation, how it goes on (0: resend the history with a new
 #: message, 1: branch from an earlier turn, 2: edit one token of the history), how many new

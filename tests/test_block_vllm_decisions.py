@@ -11,18 +11,13 @@ the matched blocks' LRU place, vLLM's lookup does not (documented on ``match_pre
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcache import BlockHashCacheManager
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from vllm_standin import VllmStandIn
+from kvcache.examples.vllm_standin import VllmStandIn
 
 #: Sequences are made of a few block contents, so inserts overlap and repeat cached chains.
 _seq = st.lists(st.integers(0, 3), min_size=1, max_size=6)

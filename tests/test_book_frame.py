@@ -208,8 +208,7 @@ def _check_rule(rule: str, broken: dict[str, str], waived: set[str]) -> None:
 
 #: Chapters without a "Before you start" admonition (prerequisites) among their first cells.
 NO_PREREQUISITES_YET = {
-    "04_integrity", "09_naive_manager", "10_radix_tree", "11_lock_evict", "12_workloads",
-    "12b_block_hash", "13_tiny_model", "14_scheduling", "15_explorer", "16_isolation",
+    "04_integrity", "09_naive_manager", "10_radix_tree", "11_lock_evict", "14_scheduling",
     "17_routing", "18_host_tier",
 }  # fmt: skip
 
@@ -228,8 +227,7 @@ def test_every_chapter_says_what_it_needs_first():
 
 #: Chapters without their 2-4 numbered exercises in the book's form yet.
 NO_EXERCISES_YET = {
-    "04_integrity", "09_naive_manager", "10_radix_tree", "11_lock_evict", "12_workloads",
-    "12b_block_hash", "13_tiny_model", "14_scheduling", "15_explorer", "16_isolation",
+    "04_integrity", "09_naive_manager", "10_radix_tree", "11_lock_evict", "14_scheduling",
     "17_routing", "18_host_tier",
 }  # fmt: skip
 
@@ -283,8 +281,7 @@ def test_every_chapter_ends_with_numbered_exercises():
 
 #: Chapters from the block-hash chapter on without a "Where real servers differ" box yet.
 NO_SERVER_BOX_YET = {
-    "12b_block_hash", "13_tiny_model", "14_scheduling", "15_explorer", "16_isolation",
-    "17_routing", "18_host_tier",
+    "14_scheduling", "17_routing", "18_host_tier",
 }  # fmt: skip
 # A file of a real server's code, and the version or commit it was read at.
 _CITED_FILE = re.compile(r"[\w./-]+\.(?:py|cc|cpp|cu|h|rs)\b")
@@ -307,7 +304,7 @@ def test_chapters_past_the_source_say_where_real_servers_differ():
 
 
 #: Chapters whose code still edits ``sys.path`` or imports from ``benchmarks/``.
-READS_BENCHMARKS_YET = {"11_lock_evict", "12b_block_hash"}
+READS_BENCHMARKS_YET: set[str] = set()
 
 
 def test_no_chapter_reaches_outside_the_package():

@@ -10,9 +10,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import radix_ops
-from source_radix_paged import PagedSourceRadixCacheManager
 
 from kvcache import PageAllocator, RadixCacheManager, RequestFlow
+from kvcache.examples.source_radix import PagedSourceRadixCacheManager
 from kvcache.serving.workloads import agent, long_few_shot, mixed, replay
 
 

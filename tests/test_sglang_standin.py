@@ -1,4 +1,4 @@
-"""The SGLang-style stand-in (``benchmarks/sglang_standin.py``) is a faithful baseline: the same
+"""The SGLang-style stand-in (``kvcache.examples.sglang_standin``) is a faithful baseline: the same
 cache decisions as `RadixCacheManager` at page sizes 1 and 16 (or the benchmark's comparison
 with it is void), a galloping key compare that finds the first difference, and its line in
 ``radix_ops.py``'s JSON."""
@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import radix_ops
-from sglang_standin import RadixKey, SglangStandIn
 
 from kvcache import PageAllocator, RadixCacheManager, RequestFlow
+from kvcache.examples.sglang_standin import RadixKey, SglangStandIn
 from kvcache.serving.workloads import agent, mixed, replay
 
 

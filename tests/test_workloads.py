@@ -163,3 +163,50 @@ def test_every_generator_makes_jobs_or_names_the_argument_and_its_limit(data, wh
     if "output_len" in kwargs and fn is not W.mixed:
         lo, hi = kwargs["output_len"]
         assert all(lo <= len(job.output) <= hi for job in jobs)
+
+
+def test_timed_manager_forwards_the_flows_combined_calls():
+    """`TimedManager` times ``match_and_lock`` and ``insert_and_unlock`` as themselves: the manager
+    behind it receives the combined calls (its own fast path, not the base class's separate
+    calls), decides exactly as it does bare, and every second is counted once."""
+
+    class Counting(RadixCacheManager):
+        combined = 0
+
+        def match_and_lock(self, *args, **kwargs):
+            Counting.combined += 1
+            return super().match_and_lock(*args, **kwargs)
+
+        def insert_and_unlock(self, *args, **kwargs):
+            Counting.combined += 1
+            return super().insert_and_unlock(*args, **kwargs)
+
+    jobs = W.mixed(60, seed=1)
+    bare = RequestFlow(RadixCacheManager(page_size=4), PageAllocator(400, 4))
+    replay(bare, jobs)
+    timed = W.TimedManager(Counting(page_size=4))
+    flow = RequestFlow(timed, PageAllocator(400, 4))
+    replay(flow, jobs)
+    assert (flow.stats.reused_tokens, flow.stats.evicted_tokens) == (
+        bare.stats.reused_tokens,
+        bare.stats.evicted_tokens,
+    )
+    assert timed.calls["match_and_lock"] == timed.calls["insert_and_unlock"] == len(jobs)
+    assert Counting.combined == 2 * len(jobs)
+    assert timed.calls["match_prefix"] == timed.calls["lock_handle"] == 0  # not double counted
+    assert timed.total_seconds == sum(timed.seconds.values()) > 0
+
+
+def test_timed_manager_takes_a_clock_and_refuses_what_is_not_one():
+    import time
+
+    import pytest
+
+    ticks = iter(range(1000))
+    timed = W.TimedManager(RadixCacheManager(), clock=lambda: float(next(ticks)))
+    flow = RequestFlow(timed, PageAllocator(1024))
+    replay(flow, W.shared_system_prompts(3, system_len=8, seed=0))
+    assert timed.total_seconds == sum(timed.calls.values())  # one tick per call
+    assert W.TimedManager(RadixCacheManager(), clock=time.thread_time).clock is time.thread_time
+    with pytest.raises(TypeError, match="clock"):
+        W.TimedManager(RadixCacheManager(), clock=5)

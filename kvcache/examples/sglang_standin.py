@@ -1,4 +1,4 @@
-"""A stand-in for SGLang's 2026 radix cache, to time `RadixCacheManager` against.
+"""A stand-in for SGLang's radix cache (read at 0.5.23), to time `RadixCacheManager` against.
 
 Our own code, written from the published design of SGLang's
 ``python/sglang/srt/mem_cache/radix_cache.py`` (``RadixKey``, ``TreeNode``, ``RadixCache``, as of
@@ -16,7 +16,8 @@ its 2026 core), not copied from it. What it keeps, because that is where SGLang'
 - values are int64 torch tensors of KV slots; a split clones both halves, a new leaf clones its
   slice, the insert slices the value tensor after every matched node, a match ``torch.cat``-s
   the values of its path; the caller's int32 slots are copied to int64 first (SGLang's
-  ``cache_finished_req`` does ``kv_indices.to(torch.int64, copy=True)``);
+  ``_insert_cache``, run when a request finishes, does ``kv_indices[:key_len].to(dtype=torch.int64,
+  copy=True)``);
 - every node carries SGLang's bookkeeping fields (two ``time.monotonic()`` stamps at creation,
   ``priority`` raised along an insert's path, host and hash fields left empty);
 - ``inc_lock_ref``/``dec_lock_ref`` walk to the root, move sizes between evictable and protected,
@@ -29,7 +30,7 @@ Adapted to this package's `BaseCacheManager` API so that the same `RequestFlow` 
 recorded calls) drive both: token ids arrive as a tensor and are copied into ``array('q')`` (SGLang
 builds its key from the request's ``array('q')`` with a concat and a slice: the same copy); the
 match result is a handle plus the int64 slot tensor; ``insert_and_match`` returns a handle on the
-node the insert ended at (SGLang's ``cache_unfinished_req`` runs a second full ``match_prefix``
+node the insert ended at (SGLang's ``checkpoint`` runs a second full ``match_prefix``
 instead, so this is generous to SGLang); ``evict`` returns the evicted slots in one tensor
 (SGLang frees each node's value separately). It validates nothing (generous again).
 
@@ -53,7 +54,7 @@ from typing import Any
 
 import torch
 
-from kvcache import BaseCacheHandle, BaseCacheManager, InsertResult, SizeInfo
+from kvcache.managers import BaseCacheHandle, BaseCacheManager, InsertResult, SizeInfo
 
 __all__ = ["RadixKey", "SglNode", "SglangHandle", "SglangStandIn"]
 
@@ -63,7 +64,7 @@ class RadixKey:
 
     __slots__ = ("extra_key", "is_bigram", "token_ids")
 
-    def __init__(self, token_ids: array, extra_key: Hashable = None, is_bigram: bool = False):
+    def __init__(self, token_ids: array[int], extra_key: Hashable = None, is_bigram: bool = False):
         self.token_ids = token_ids
         self.extra_key = extra_key
         self.is_bigram = is_bigram  # EAGLE's bigram view: never set here, tested as SGLang does
@@ -73,7 +74,7 @@ class RadixKey:
             return max(len(self.token_ids) - 1, 0)
         return len(self.token_ids)
 
-    def __getitem__(self, idx: slice) -> RadixKey:
+    def __getitem__(self, idx: slice | int) -> RadixKey:
         """A new key over a copy of the sliced tokens (step 1 only)."""
         if isinstance(idx, int):
             idx = slice(idx, idx + 1)
@@ -212,7 +213,9 @@ class SglangStandIn(BaseCacheManager):
         value = torch.cat(values) if values else self._empty
         return SglangHandle(value.shape[0], last), value
 
-    def _match_prefix_helper(self, node: SglNode, key: RadixKey) -> tuple[list, SglNode]:
+    def _match_prefix_helper(
+        self, node: SglNode, key: RadixKey
+    ) -> tuple[list[torch.Tensor], SglNode]:
         now = next(self._clock)
         node.last_access_time = now
         ps = self.page_size
@@ -266,7 +269,7 @@ class SglangStandIn(BaseCacheManager):
     def _insert(
         self, input_ids: torch.Tensor, indices: torch.Tensor, extra_key: Hashable
     ) -> tuple[int, SglNode, int]:
-        # SGLang's cache_finished_req: the aligned key, its slots copied to int64; then insert().
+        # SGLang's _insert_cache: the aligned key, its slots copied to int64; then insert().
         key = self._key(input_ids, extra_key).page_aligned(self.page_size)
         value = indices[: len(key)].to(dtype=torch.int64, copy=True)
         key = key.page_aligned(self.page_size)  # insert() aligns (and cuts the value) again
@@ -313,7 +316,9 @@ class SglangStandIn(BaseCacheManager):
 
     # ------------------------------------------------------------- locks
     def lock_handle(self, handle: BaseCacheHandle, unlock: bool = False) -> None:
-        node = handle.node  # type: ignore[attr-defined]
+        if not isinstance(handle, SglangHandle) or handle.node is None:
+            raise TypeError(f"not a handle of this manager: {handle!r}")
+        node = handle.node
         if unlock:
             self.dec_lock_ref(node)
         else:
@@ -375,8 +380,8 @@ class SglangStandIn(BaseCacheManager):
             num_evicted += len(x.value)
             self._delete_leaf(x)
             parent = x.parent
-            if len(parent.children) == 0 and parent.lock_ref == 0:  # type: ignore[union-attr]
-                heapq.heappush(heap, (get_priority(parent), parent))  # type: ignore[arg-type]
+            if parent is not None and len(parent.children) == 0 and parent.lock_ref == 0:
+                heapq.heappush(heap, (get_priority(parent), parent))
             self._record_remove_event(x)
         self.update_eviction_metrics(num_evicted, start_time)
         return torch.cat(freed) if freed else self._empty
@@ -406,9 +411,11 @@ class SglangStandIn(BaseCacheManager):
 
     # ------------------------------------------------------------ the rest
     def handle_indices(self, handle: BaseCacheHandle) -> torch.Tensor:
+        if not isinstance(handle, SglangHandle) or handle.node is None:
+            raise TypeError(f"not a handle of this manager: {handle!r}")
         parts = []
-        node = handle.node  # type: ignore[attr-defined]
-        while node is not self.root_node:
+        node: SglNode | None = handle.node
+        while node is not self.root_node and node is not None:
             parts.append(node.value)
             node = node.parent
         parts.reverse()

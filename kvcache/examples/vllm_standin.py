@@ -23,11 +23,9 @@ Our own code, written from vLLM's published design (``vllm/v1/core``: ``kv_cache
 It speaks this package's `BaseCacheManager` API so that the same `RequestFlow` drives both. A
 request is recognised at insert by its tokens (its first block, then an exact comparison of the
 whole remembered prefix), which is what carrying ``block_hashes`` on a request object amounts to.
-Converting the API's arrays (token ids, a tensor or a NumPy array, to a list; pages to slots, a
-tensor or, for the fused calls given NumPy arrays and ``evict(host=True)``, a NumPy array) and
-finding the request's record are timed
-separately in ``boundary_seconds``: vLLM's own manager receives lists and a request object and
-returns block ids.
+Converting the API's tensors (token ids to a list; pages to slots) and finding the request's
+record are timed separately in ``boundary_seconds``: vLLM's own manager receives lists and a
+request object and returns block ids.
 
 Per block it does no more than vLLM, and in places less: a lookup is one dict probe (vLLM also
 builds a ``BlockHashWithGroupId`` key and goes through ``BlockHashToBlockMap.get_one_block``);
@@ -42,16 +40,23 @@ from __future__ import annotations
 import hashlib
 import pickle
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from kvcache import BaseCacheHandle, BaseCacheManager, InsertResult, SizeInfo
+from kvcache.managers import BaseCacheHandle, BaseCacheManager, InsertResult, SizeInfo
 
 __all__ = ["VllmStandIn", "StandInHandle"]
 
 NONE_HASH = hashlib.sha256(b"kvcache stand-in NONE_HASH").digest()
+
+
+def _default_namespace_only(extra_key: Hashable) -> None:
+    """The stand-in serves the default namespace only (vLLM's ``cache_salt`` left out)."""
+    if extra_key is not None:
+        raise ValueError(f"the vLLM stand-in serves only extra_key=None, got {extra_key!r}")
 
 
 def sha256_block_hash(parent: bytes, tokens: tuple[int, ...]) -> bytes:
@@ -124,19 +129,19 @@ class VllmStandIn(BaseCacheManager):
         self.requests: dict[tuple[int, ...], tuple[list[int], list[bytes], list[_Block]]] = {}
 
     # --------------------------------------------------------- boundary
-    def _tokens(self, input_ids: torch.Tensor | np.ndarray) -> list[int]:
+    def _tokens(self, input_ids: torch.Tensor) -> list[int]:
         t0 = self.clock()
-        out = (input_ids if isinstance(input_ids, np.ndarray) else input_ids.numpy()).tolist()
+        out: list[int] = input_ids.numpy().tolist()
         self.boundary_seconds += self.clock() - t0
         return out
 
-    def _slots(self, blocks: list[_Block], host: bool = False) -> torch.Tensor:
+    def _slots(self, blocks: list[_Block]) -> torch.Tensor:
         t0 = self.clock()
         ps = self.page_size
         pages = np.fromiter([b.page for b in blocks], dtype=np.int64, count=len(blocks))
         out = (pages[:, None] * ps + np.arange(ps)).reshape(-1).astype(np.int32)
         self.boundary_seconds += self.clock() - t0
-        return out if host else torch.from_numpy(out)  # type: ignore[return-value]
+        return torch.from_numpy(out)
 
     # ------------------------------------------------------------ hashes
     def _block_hashes(self, ids: list[int], arrival: bool) -> tuple[list[bytes], list[_Block]]:
@@ -188,17 +193,20 @@ class VllmStandIn(BaseCacheManager):
             self.boundary_seconds += self.clock() - t0
 
     def match_prefix(
-        self, input_ids: torch.Tensor, *, host: bool = False
+        self, input_ids: torch.Tensor, extra_key: Hashable = None
     ) -> tuple[StandInHandle, torch.Tensor]:
+        _default_namespace_only(extra_key)
         ids = self._tokens(input_ids)
         hashes, _ = self._block_hashes(ids, arrival=True)
         blocks = self._computed(hashes)
         self._remember(ids, hashes, blocks)
-        slots = self._slots(blocks, host)
+        slots = self._slots(blocks)
         return StandInHandle(len(blocks) * self.page_size, tuple(blocks)), slots
 
     def lock_handle(self, handle: BaseCacheHandle, unlock: bool = False) -> None:
-        blocks = handle.blocks  # type: ignore[attr-defined]
+        if not isinstance(handle, StandInHandle):
+            raise TypeError(f"not a handle of this manager: {handle!r}")
+        blocks = handle.blocks
         if unlock:  # free: in reverse order, so the tail of a chain is evicted first
             for block in reversed(blocks):
                 block.ref_cnt -= 1
@@ -213,12 +221,11 @@ class VllmStandIn(BaseCacheManager):
                 block.ref_cnt += 1
 
     # The flow's fused calls: the same work as the separate calls (vLLM's allocate_slots looks
-    # up and touches in one call; its request's end caches and frees). They also take NumPy
-    # arrays as they are, for a caller that has them (vLLM is handed lists and gives block ids).
+    # up and touches in one call; its request's end caches and frees).
     def match_and_lock(
-        self, input_ids: torch.Tensor, extra_key: object = None
+        self, input_ids: torch.Tensor, extra_key: Hashable = None
     ) -> tuple[StandInHandle, torch.Tensor]:
-        handle, slots = self.match_prefix(input_ids, host=isinstance(input_ids, np.ndarray))
+        handle, slots = self.match_prefix(input_ids, extra_key)
         self.lock_handle(handle)
         return handle, slots
 
@@ -227,22 +234,29 @@ class VllmStandIn(BaseCacheManager):
         handle: BaseCacheHandle,
         input_ids: torch.Tensor,
         indices: torch.Tensor,
-        extra_key: object = None,
+        extra_key: Hashable = None,
         *,
         relock: bool = False,
     ) -> InsertResult:
-        res = self.insert_and_match(input_ids, indices)
+        res = self.insert_and_match(input_ids, indices, extra_key)
         if relock:
             self.lock_handle(res.handle)
         self.lock_handle(handle, unlock=True)
         return res
 
-    def insert_prefix(self, input_ids: torch.Tensor, indices: torch.Tensor) -> int:
-        """``cache_full_blocks``: the new full blocks join the table; returns the length already cached."""
+    def insert_prefix(
+        self, input_ids: torch.Tensor, indices: torch.Tensor, extra_key: Hashable = None
+    ) -> int:
+        """``cache_full_blocks``: the new full blocks join the table; returns the length
+        already cached."""
+        _default_namespace_only(extra_key)
         return self._insert(input_ids, indices)[0]
 
-    def insert_and_match(self, input_ids: torch.Tensor, indices: torch.Tensor) -> InsertResult:
+    def insert_and_match(
+        self, input_ids: torch.Tensor, indices: torch.Tensor, extra_key: Hashable = None
+    ) -> InsertResult:
         """The insert, and a handle on the chain it leaves cached (no second lookup)."""
+        _default_namespace_only(extra_key)
         m, blocks = self._insert(input_ids, indices)
         return InsertResult(m, StandInHandle(len(blocks) * self.page_size, tuple(blocks)))
 
@@ -258,7 +272,7 @@ class VllmStandIn(BaseCacheManager):
         m = len(blocks)
         t0 = self.clock()
         cut = indices[m * ps : len(hashes) * ps : ps]
-        pages = ((cut if isinstance(cut, np.ndarray) else cut.numpy()) // ps).tolist()
+        pages: list[int] = (cut.numpy() // ps).tolist()
         self.boundary_seconds += self.clock() - t0
         new = []
         pool = self.pool
@@ -286,7 +300,7 @@ class VllmStandIn(BaseCacheManager):
         self._remember(ids, hashes, blocks)
         return m * ps, blocks
 
-    def evict(self, size: int, *, host: bool = False) -> torch.Tensor:
+    def evict(self, size: int) -> torch.Tensor:
         n = -(-size // self.page_size)
         if n > self.free.num_free:
             raise RuntimeError(f"cannot evict {size} tokens")
@@ -294,7 +308,7 @@ class VllmStandIn(BaseCacheManager):
         for block in victims:
             del self.cached[block.block_hash]
             block.block_hash = b""  # vLLM's reset_hash
-        return self._slots(victims, host)
+        return self._slots(victims)
 
     @property
     def size_info(self) -> SizeInfo:
