@@ -23,10 +23,8 @@ Our own code, written from vLLM's published design (``vllm/v1/core``: ``kv_cache
 It speaks this package's `BaseCacheManager` API so that the same `RequestFlow` drives both. A
 request is recognised at insert by its tokens (its first block, then an exact comparison of the
 whole remembered prefix), which is what carrying ``block_hashes`` on a request object amounts to.
-Converting the API's arrays (token ids, a tensor or a NumPy array, to a list; pages to slots, a
-tensor or, for the fused calls given NumPy arrays and ``evict(host=True)``, a NumPy array) and
-finding the request's record are timed
-separately in ``boundary_seconds``: vLLM's own manager receives lists and a request object and
+Converting the API's tensors (token ids to a list; pages to a slot tensor) and finding the
+request's record are timed separately in ``boundary_seconds``: vLLM's own manager receives lists and a request object and
 returns block ids.
 
 Per block it does no more than vLLM, and in places less: a lookup is one dict probe (vLLM also
@@ -124,19 +122,19 @@ class VllmStandIn(BaseCacheManager):
         self.requests: dict[tuple[int, ...], tuple[list[int], list[bytes], list[_Block]]] = {}
 
     # --------------------------------------------------------- boundary
-    def _tokens(self, input_ids: torch.Tensor | np.ndarray) -> list[int]:
+    def _tokens(self, input_ids: torch.Tensor) -> list[int]:
         t0 = self.clock()
-        out = (input_ids if isinstance(input_ids, np.ndarray) else input_ids.numpy()).tolist()
+        out: list[int] = input_ids.numpy().tolist()
         self.boundary_seconds += self.clock() - t0
         return out
 
-    def _slots(self, blocks: list[_Block], host: bool = False) -> torch.Tensor:
+    def _slots(self, blocks: list[_Block]) -> torch.Tensor:
         t0 = self.clock()
         ps = self.page_size
         pages = np.fromiter([b.page for b in blocks], dtype=np.int64, count=len(blocks))
         out = (pages[:, None] * ps + np.arange(ps)).reshape(-1).astype(np.int32)
         self.boundary_seconds += self.clock() - t0
-        return out if host else torch.from_numpy(out)  # type: ignore[return-value]
+        return torch.from_numpy(out)
 
     # ------------------------------------------------------------ hashes
     def _block_hashes(self, ids: list[int], arrival: bool) -> tuple[list[bytes], list[_Block]]:
@@ -187,14 +185,12 @@ class VllmStandIn(BaseCacheManager):
             self.requests[tuple(ids[: self.page_size])] = (ids, hashes, blocks)
             self.boundary_seconds += self.clock() - t0
 
-    def match_prefix(
-        self, input_ids: torch.Tensor, *, host: bool = False
-    ) -> tuple[StandInHandle, torch.Tensor]:
+    def match_prefix(self, input_ids: torch.Tensor) -> tuple[StandInHandle, torch.Tensor]:
         ids = self._tokens(input_ids)
         hashes, _ = self._block_hashes(ids, arrival=True)
         blocks = self._computed(hashes)
         self._remember(ids, hashes, blocks)
-        slots = self._slots(blocks, host)
+        slots = self._slots(blocks)
         return StandInHandle(len(blocks) * self.page_size, tuple(blocks)), slots
 
     def lock_handle(self, handle: BaseCacheHandle, unlock: bool = False) -> None:
@@ -213,12 +209,11 @@ class VllmStandIn(BaseCacheManager):
                 block.ref_cnt += 1
 
     # The flow's fused calls: the same work as the separate calls (vLLM's allocate_slots looks
-    # up and touches in one call; its request's end caches and frees). They also take NumPy
-    # arrays as they are, for a caller that has them (vLLM is handed lists and gives block ids).
+    # up and touches in one call; its request's end caches and frees).
     def match_and_lock(
         self, input_ids: torch.Tensor, extra_key: object = None
     ) -> tuple[StandInHandle, torch.Tensor]:
-        handle, slots = self.match_prefix(input_ids, host=isinstance(input_ids, np.ndarray))
+        handle, slots = self.match_prefix(input_ids)
         self.lock_handle(handle)
         return handle, slots
 
@@ -258,7 +253,7 @@ class VllmStandIn(BaseCacheManager):
         m = len(blocks)
         t0 = self.clock()
         cut = indices[m * ps : len(hashes) * ps : ps]
-        pages = ((cut if isinstance(cut, np.ndarray) else cut.numpy()) // ps).tolist()
+        pages = (cut.numpy() // ps).tolist()
         self.boundary_seconds += self.clock() - t0
         new = []
         pool = self.pool
@@ -286,7 +281,7 @@ class VllmStandIn(BaseCacheManager):
         self._remember(ids, hashes, blocks)
         return m * ps, blocks
 
-    def evict(self, size: int, *, host: bool = False) -> torch.Tensor:
+    def evict(self, size: int) -> torch.Tensor:
         n = -(-size // self.page_size)
         if n > self.free.num_free:
             raise RuntimeError(f"cannot evict {size} tokens")
@@ -294,7 +289,7 @@ class VllmStandIn(BaseCacheManager):
         for block in victims:
             del self.cached[block.block_hash]
             block.block_hash = b""  # vLLM's reset_hash
-        return self._slots(victims, host)
+        return self._slots(victims)
 
     @property
     def size_info(self) -> SizeInfo:

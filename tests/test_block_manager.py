@@ -337,6 +337,29 @@ def test_default_hash_is_stable_across_processes():
     assert 0 <= h(ROOT_HASH_SEED, (-5,)) < 2**64
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    ps=st.sampled_from([1, 2, 16]),
+    blocks=st.integers(0, 6),
+    seed=st.integers(0, 2**64 - 1),
+    data=st.data(),
+)
+def test_whole_chain_hash_equals_the_block_by_block_hash(ps, blocks, seed, data):
+    """`ChainHasher.chain` (plain ints for one or two blocks, NumPy past that) gives exactly the
+    hashes of `default_block_hash` applied block after block, for any int64 tokens."""
+    from kvcache.managers.block_hash import ChainHasher
+
+    tokens = data.draw(
+        st.lists(st.integers(-(2**63), 2**63 - 1), min_size=blocks * ps, max_size=blocks * ps)
+    )
+    rows = np.array(tokens, dtype=np.int64).reshape(blocks, ps)
+    expected, parent = [], seed
+    for row in rows.tolist():
+        parent = default_block_hash(parent, tuple(row))
+        expected.append(parent)
+    assert ChainHasher(ps, None).chain(rows, seed) == expected
+
+
 # ------------------------------------------------------------ lock / unlock
 def test_lock_unlock_moves_sizes_and_nests():
     m = BlockHashCacheManager(page_size=2)

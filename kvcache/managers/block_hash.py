@@ -35,8 +35,9 @@ carried from the lookup to the allocation).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
+from operator import mul
 
 import numpy as np
 import torch
@@ -129,6 +130,7 @@ class ChainHasher:
         # ``P**1 .. P**page_size``, made at the first hash (a huge page_size costs nothing until
         # a block that long is hashed); ``M**i`` and ``K * M**-i``, grown to the longest chain.
         self._weights: np.ndarray | None = None
+        self._weight_list: list[int] = []
         self._m_pow = _powers(_M, 64)
         self._k_m_inv_pow = _powers(_M_INV, 64) * np.uint64(_K)
 
@@ -151,6 +153,14 @@ class ChainHasher:
             return out
         if self._weights is None:
             self._weights = _powers(_P, self.page_size + 1)[1:]
+            self._weight_list = self._weights.tolist()
+        if nb <= 2:  # a block or two: plain ints cost less than NumPy's fixed cost per call
+            few = []
+            for row in rows.tolist():
+                c = sum(map(mul, row, self._weight_list)) & _MASK
+                seed = (seed * _M + (((c ^ (c >> 32)) * _K) & _MASK)) & _MASK
+                few.append(seed)
+            return few
         if len(self._m_pow) < nb:
             size = max(nb, 2 * len(self._m_pow))
             self._m_pow = _powers(_M, size)
@@ -412,7 +422,7 @@ class BlockHashCacheManager(BaseCacheManager):
         if extra_key is not None:
             check_extra_key(extra_key)
         raw = rows.tobytes()
-        hashes, pages = self._find(rows, raw, extra_key, _NO_PAGES, (), False)  # may raise
+        hashes, pages = self._find(rows, raw, extra_key, _NO_PAGES, [], False)  # may raise
         self._clock += 1
         if refresh:
             self._table.use(pages, self._clock)
@@ -428,29 +438,38 @@ class BlockHashCacheManager(BaseCacheManager):
         raw: bytes,
         extra_key: Hashable,
         known: np.ndarray,
-        known_hashes: Sequence[int],
+        known_hashes: list[int],
         every: bool,
     ) -> tuple[list[int], np.ndarray]:
-        """The chained hashes of the rows of ``rows`` (``raw``: their bytes) and the pages of
-        the longest cached chain that matches them, under ``extra_key`` (read-only).
+        """The chained hashes of the first rows of ``rows`` (``raw``: their bytes) and the pages
+        of the longest cached chain that matches them, under ``extra_key`` (read-only).
 
-        ``known``: pages known to hold the first rows, with ``known_hashes`` their hashes; when
-        none are, the memo's pages for the first rows that still hold them. Rows are hashed only
-        past the hashes known, and only as far as a lookup can go (past the last block found
-        only when it has a cached child), unless ``every`` row's hash is asked for."""
+        ``known``: pages known to hold the first rows, with ``known_hashes`` their hashes (a list
+        this extends); when none are, the memo's pages for the first rows that still hold them.
+        Rows past the known hashes are hashed only as far as a lookup can go, unless ``every``
+        row's hash is asked for (an insert: the new blocks' keys): the lookup goes past the last
+        block found only when that one has a cached child, so the next block is hashed first,
+        and the rest only when that one is cached too."""
         if not len(known):
             known_hashes, candidates, gens = self._recent.recall(raw, extra_key)
             known = self._table.unchanged(candidates, gens)
-        hashes = list(known_hashes)
+        hashes, n = known_hashes, len(rows)
         pages = self._walk(rows, hashes, known, extra_key)
-        if len(hashes) < len(rows) and (
-            every
-            or (len(pages) == len(hashes) and (not len(pages) or self._table.nchild[pages[-1]]))
-        ):
-            seed = hashes[-1] if hashes else key_seed(extra_key)
-            hashes += self._hasher.chain(rows[len(hashes) :], seed)
+        if len(pages) == len(hashes) < n and (not len(pages) or self._table.nchild[pages[-1]]):
+            self._hash_to(rows, hashes, n if every else len(hashes) + 1, extra_key)
             pages = self._walk(rows, hashes, pages, extra_key)
+            if len(pages) == len(hashes) < n:
+                self._hash_to(rows, hashes, n, extra_key)
+                pages = self._walk(rows, hashes, pages, extra_key)
+        if every:
+            self._hash_to(rows, hashes, n, extra_key)
         return hashes, pages
+
+    def _hash_to(self, rows: np.ndarray, hashes: list[int], upto: int, extra_key: Hashable) -> None:
+        """Extend ``hashes`` (those of the first rows of ``rows``) to the first ``upto`` rows."""
+        if len(hashes) < upto:
+            seed = hashes[-1] if hashes else key_seed(extra_key)
+            hashes += self._hasher.chain(rows[len(hashes) : upto], seed)
 
     def _walk(
         self, rows: np.ndarray, hashes: list[int], known: np.ndarray, extra_key: Hashable
@@ -591,8 +610,7 @@ class BlockHashCacheManager(BaseCacheManager):
         check_same_length(len(slots), len(ids))
         table, ps, nb = self._table, self.page_size, len(rows)
         raw = rows.tobytes()
-        known: np.ndarray = _NO_PAGES
-        known_hashes: Sequence[int] = ()
+        known, known_hashes = _NO_PAGES, []
         if (
             held is not None
             and raw.startswith(held.handle.tokens)
@@ -600,7 +618,9 @@ class BlockHashCacheManager(BaseCacheManager):
         ):  # the handle's chain is cached (locked): only what follows it is hashed
             known = held.pages
             # Its keys are the hashes while no collision has moved a key.
-            known_hashes = table.hashes_of(known) if table.max_probe else held.handle.block_hashes
+            known_hashes = (
+                table.hashes_of(known) if table.max_probe else list(held.handle.block_hashes)
+            )
         hashes, found = self._find(rows, raw, extra_key, known, known_hashes, True)  # may raise
         m = len(found)
         new = slots[m * ps : nb * ps]

@@ -324,7 +324,7 @@ class BlockTable:
                 "max_pages (the pool's page count) to cache pages past it"
             )
         inside = pages if top < self.capacity else pages[pages < self.capacity]
-        if np.count_nonzero(self.gen[inside] >= 0):
+        if len(inside) and self.gen[inside].max() >= 0:  # one holds a block (-1: none)
             page = int(inside[(self.gen[inside] >= 0).argmax()])
             raise ValueError(
                 f"page {page} (slots {page * ps}..{(page + 1) * ps - 1}) already holds cached "
