@@ -14,8 +14,9 @@ the longest cached prefix without any tree. The manager keeps (`block_pool`):
   is refused even while its blocks are locked through another handle.
 
 In this module, top to bottom: the hash (`default_block_hash`, and `ChainHasher`, which computes a
-whole sequence's chain at once), the handle, and the manager: match, insert, lock and unlock (and
-the request flow's two fused calls), evict, and the integrity check.
+whole sequence's chain at once), the handle, the memo of recent chains (`RecentChains`), and the
+manager: match, insert, lock and unlock (and the request flow's two fused calls), evict, and the
+integrity check.
 
 Collisions. A 64-bit hash can collide (and a caller's ``hash_fn`` may be weak on purpose). Every
 block keeps its tokens and its parent, and a lookup compares both, so a collision can cost a cache
@@ -29,7 +30,10 @@ Speed. The default hash of every block of a sequence is a few NumPy passes; a lo
 one array operation each. Locking, unlocking, queueing and evicting are array operations on a
 chain's pages. The flow's insert releases the handle it locked at its match: that chain is still
 cached, so the insert hashes and looks up only the blocks past it (vLLM's ``Request.block_hashes``
-carried from the lookup to the allocation).
+carried from the lookup to the allocation). A request that resends a recent one's tokens (a
+conversation's history, a task's few-shot examples) takes the hashes and pages of the part in
+common from the memo, checked by each page's generation, and a match hashes no block past the
+point where its lookup must stop.
 """
 
 from __future__ import annotations
@@ -216,6 +220,7 @@ class _Lock:
 _NO_PAGES = np.zeros(0, dtype=np.int64)
 
 
+# ------------------------------------------------------------------------------ the memo
 class RecentChains:
     """The chains of recent inserts (each one's tokens, block hashes, pages and their
     generations), so that a request that repeats or extends one of them (a conversation's next
@@ -426,11 +431,9 @@ class BlockHashCacheManager(BaseCacheManager):
         self._clock += 1
         if refresh:
             self._table.use(pages, self._clock)
-        k = len(pages)
-        width = 8 * self.page_size
-        return BlockHashCacheHandle(
-            k * self.page_size, self._keys(pages, hashes), raw[: k * width]
-        ), pages
+        k, ps = len(pages), self.page_size
+        handle = BlockHashCacheHandle(k * ps, self._keys(pages, hashes), raw[: k * 8 * ps])
+        return handle, pages
 
     def _find(
         self,
@@ -519,9 +522,8 @@ class BlockHashCacheManager(BaseCacheManager):
         table = self._table
         chain: list[int] = known.tolist()
         parent = chain[-1] if chain else -1
-        for h, row in zip(
-            hashes[len(chain) :], rows[len(chain) :], strict=False
-        ):  # as far as hashed
+        # As far as the rows are hashed (a match hashes lazily).
+        for h, row in zip(hashes[len(chain) :], rows[len(chain) :], strict=False):
             for probe in range(table.max_probe + 1):
                 page = table.page_of.get((h + probe) & _MASK)
                 if (
@@ -674,25 +676,29 @@ class BlockHashCacheManager(BaseCacheManager):
             del self._locks[handle]  # type: ignore[arg-type]
         self._table.release(lock.pages, self._clock)
 
+    def _lock_of(self, handle: BaseCacheHandle) -> _Lock | None:
+        """The lock of ``handle``, when it is locked itself or through an equal handle made for
+        the same tokens (locked blocks stay cached: no other check needed); else ``None``."""
+        if not isinstance(handle, BlockHashCacheHandle):
+            return None
+        lock = self._locks.get(handle)
+        return lock if lock is not None and handle.tokens == lock.handle.tokens else None
+
     def _held(self, handle: BaseCacheHandle) -> _Lock | None:
-        """The lock of ``handle`` (locked itself or through an equal handle), ``None`` for an
-        empty handle; ``TypeError`` or ``RuntimeError`` (not valid, or not locked) otherwise."""
-        lock = self._locks.get(handle) if isinstance(handle, BlockHashCacheHandle) else None
-        if lock is not None and handle.tokens == lock.handle.tokens:  # type: ignore[attr-defined]
-            return lock
-        if len(self._chain(handle)):  # a handle that is not even valid says so first
+        """The lock of ``handle`` (`_lock_of`), ``None`` for an empty handle; ``TypeError`` or
+        ``RuntimeError`` (not valid, or not locked) otherwise."""
+        lock = self._lock_of(handle)
+        if lock is None and len(self._chain(handle)):  # an invalid handle says so first
             raise RuntimeError(
                 f"cannot unlock a handle that is not locked ({handle.cached_len // self.page_size} "
                 f"blocks, cached_len={handle.cached_len})"
             )
-        return None
+        return lock
 
     def _pages(self, handle: BaseCacheHandle) -> np.ndarray:
         """The pages of ``handle``'s chain, root first, checked (a locked chain's are known)."""
-        lock = self._locks.get(handle) if isinstance(handle, BlockHashCacheHandle) else None
-        if lock is not None and handle.tokens == lock.handle.tokens:  # type: ignore[attr-defined]
-            return lock.pages
-        return self._chain(handle)
+        lock = self._lock_of(handle)
+        return lock.pages if lock is not None else self._chain(handle)
 
     def _chain(self, handle: BaseCacheHandle) -> np.ndarray:
         """The pages of the blocks ``handle`` names, root first, after checking that each one is
@@ -710,10 +716,9 @@ class BlockHashCacheManager(BaseCacheManager):
         found = list(map(table.page_of.get, keys))
         if None not in found:
             pages = np.fromiter(found, dtype=np.int64, count=len(found))
-            if (
-                len(handle.tokens) == len(keys) * width
-                and not (table.parent[pages[1:]] != pages[:-1]).any()
-                and (not len(pages) or table.parent[pages[0]] == -1)
+            if not len(pages) or (
+                table.parent[pages[0]] == -1
+                and same(table.parent[pages[1:]], pages[:-1])
                 and table.tok.take(pages, axis=0).tobytes() == handle.tokens
             ):
                 return pages

@@ -51,13 +51,13 @@ def same(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 def row_bytes(page_size: int) -> int:
-    """Bytes a `BlockTable` keeps per page id: its tokens (int64) and slots (int32), key, five
+    """Bytes a `BlockTable` keeps per page id: its tokens (int64) and slots (int32), its key, six
     int64 fields and its free-queue position."""
-    return 12 * page_size + 56
+    return 12 * page_size + 64
 
 
 #: The block table a manager grows to by default, at most: 4 GiB, some 17 million pages of 16
-#: tokens (277 million slots) or 63 million of one, past any pool a GPU holds.
+#: tokens (268 million slots) or 57 million of one, past any pool a GPU holds.
 DEFAULT_TABLE_BYTES = 4 << 30
 
 
@@ -225,22 +225,24 @@ class FreeQueue:
 class BlockTable:
     """Every cached block, one row per page, plus the key index and the free queue.
 
-    Arrays, indexed by page and grown on demand, with one spare row at index ``-1`` that stands
-    for "no page" (so that the parent ``-1`` of a first block can be used as an index; it holds no
-    block): ``tok`` (tokens, ``(capacity + 1, page_size)`` int64), ``slots`` (each page's slots,
-    int32, the same shape, the spare row holding those of page ``capacity``: a ``take`` of rows
-    costs a quarter of computing them), ``key`` (the
-    block's key,
-    uint64), ``parent`` (the parent block's page, ``-1`` for a first block), ``ref`` (lock count,
-    0 on a page that holds no block), ``nchild`` (cached children), ``last`` (last use), ``probe``
-    (collision offset: ``key`` is the block's hash plus ``probe``) and ``gen`` (the generation of
-    the block on the page: a number `add` gives each chain it caches and never gives again, ``-1``
-    for a page that holds no block: equal generations prove a page still holds the very block it
-    held, whatever happened in between). ``page_of`` maps
-    key -> page in insertion order (a parent before its children); ``free`` (a `FreeQueue`) holds
-    the pages whose ``ref`` is 0, head = next to evict; ``ns`` the namespace of each first block
-    whose namespace is not ``None``; ``num_locked`` counts the pages whose ``ref`` is not 0;
-    ``max_probe`` is the largest probe ever used.
+    Arrays, indexed by page and grown on demand, each with one spare row at index ``-1`` that
+    stands for "no page" (so that the parent ``-1`` of a first block can be used as an index):
+
+    - ``tok``: the block's tokens, ``(capacity + 1, page_size)`` int64;
+    - ``slots``: the page's slots, int32, the same shape (a ``take`` of rows costs a quarter of
+      computing them; the spare row holds those of page ``capacity``);
+    - ``key``: the block's key, uint64 (its hash plus ``probe``, the collision offset);
+    - ``parent``: the parent block's page, ``-1`` for a first block;
+    - ``ref``: how many locks hold the block (0 on a page that holds no block);
+    - ``nchild``: how many cached blocks chain from it; ``last``: when it was last used;
+    - ``gen``: the block's generation, a number `add` gives each chain it caches and never gives
+      again, ``-1`` for a page that holds no block: an unchanged generation proves that a page
+      still holds the very block it held, whatever happened in between.
+
+    ``page_of`` maps key -> page in insertion order (a parent before its children); ``free`` (a
+    `FreeQueue`) holds the pages whose ``ref`` is 0, head = next to evict; ``ns`` the namespace of
+    each first block whose namespace is not ``None``; ``num_locked`` counts the pages whose
+    ``ref`` is not 0; ``max_probe`` is the largest probe ever used.
 
     Memory: one row per page id up to the largest one ever cached (`row_bytes` a page), like vLLM's
     block pool, which holds a block object for every page there is; page ids from ``max_pages`` on
@@ -351,10 +353,10 @@ class BlockTable:
     def unchanged(self, pages: np.ndarray, gens: bytes) -> np.ndarray:
         """The longest prefix of ``pages`` whose generations are still ``gens`` (their int64
         bytes, read when they were remembered): the pages that still hold those very blocks."""
-        now = self.gen[pages]
-        if same(now, np.frombuffer(gens, dtype=np.int64)):
+        now, then = self.gen[pages], np.frombuffer(gens, dtype=np.int64)
+        if same(now, then):
             return pages
-        changed = np.flatnonzero(now != np.frombuffer(gens, dtype=np.int64))
+        changed = np.flatnonzero(now != then)
         return pages[: changed[0]] if len(changed) else pages
 
     def hashes_of(self, pages: np.ndarray) -> list[int]:
