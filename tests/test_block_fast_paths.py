@@ -74,7 +74,7 @@ def general_code() -> Iterator[None]:
     BlockTable.held = _counted_held  # type: ignore[method-assign]
     manager._walk = manager._walk_probing  # type: ignore[method-assign]
     manager._find = _every_hash(saved[4])  # type: ignore[method-assign]
-    RecentChains.recall = lambda self, raw, key: ([], np.zeros(0, dtype=np.int64), b"")  # type: ignore[method-assign]
+    RecentChains.recall = lambda self, raw, key: ((), np.zeros(0, dtype=np.int64), b"")  # type: ignore[method-assign]
     try:
         yield
     finally:

@@ -240,10 +240,15 @@ class RecentChains:
     def __init__(self, page_size: int, capacity: int = 256) -> None:
         self.page_size = page_size
         self.capacity = capacity
-        self._index: dict[Hashable, tuple[bytes, list[int], np.ndarray, bytes]] = {}
+        self._index: dict[Hashable, tuple[bytes, tuple[int, ...], np.ndarray, bytes]] = {}
 
     def remember(
-        self, raw: bytes, hashes: list[int], pages: np.ndarray, gens: bytes, extra_key: Hashable
+        self,
+        raw: bytes,
+        hashes: tuple[int, ...],
+        pages: np.ndarray,
+        gens: bytes,
+        extra_key: Hashable,
     ) -> None:
         """File a chain: ``raw`` its rows' bytes, ``hashes``, ``pages`` and ``gens`` (the pages'
         generations, int64 bytes) those of every block."""
@@ -254,7 +259,7 @@ class RecentChains:
             if len(self._index) > self.capacity:
                 del self._index[next(iter(self._index))]
 
-    def recall(self, raw: bytes, extra_key: Hashable) -> tuple[list[int], np.ndarray, bytes]:
+    def recall(self, raw: bytes, extra_key: Hashable) -> tuple[tuple[int, ...], np.ndarray, bytes]:
         """The hashes, pages and generations of the blocks that the rows ``raw`` share with the
         first entry found that shares any; all empty when none does."""
         n = len(raw) // (8 * self.page_size)
@@ -270,10 +275,12 @@ class RecentChains:
                     )
                     shared = int(differ.argmax())
                 shared //= self.page_size
+                if shared == len(hashes):
+                    return hashes, pages, gens
                 if shared:
                     return hashes[:shared], pages[:shared], gens[: 8 * shared]
             j = j >> 1 if j else -1
-        return [], _NO_PAGES, b""
+        return (), _NO_PAGES, b""
 
     def _key(self, raw: bytes, j: int, extra_key: Hashable) -> Hashable:
         width = 8 * self.page_size
@@ -427,7 +434,7 @@ class BlockHashCacheManager(BaseCacheManager):
         if extra_key is not None:
             check_extra_key(extra_key)
         raw = rows.tobytes()
-        hashes, pages = self._find(rows, raw, extra_key, _NO_PAGES, [], False)  # may raise
+        hashes, pages = self._find(rows, raw, extra_key, _NO_PAGES, (), False)  # may raise
         self._clock += 1
         if refresh:
             self._table.use(pages, self._clock)
@@ -441,41 +448,44 @@ class BlockHashCacheManager(BaseCacheManager):
         raw: bytes,
         extra_key: Hashable,
         known: np.ndarray,
-        known_hashes: list[int],
+        known_hashes: tuple[int, ...],
         every: bool,
-    ) -> tuple[list[int], np.ndarray]:
+    ) -> tuple[tuple[int, ...], np.ndarray]:
         """The chained hashes of the first rows of ``rows`` (``raw``: their bytes) and the pages
         of the longest cached chain that matches them, under ``extra_key`` (read-only).
 
-        ``known``: pages known to hold the first rows, with ``known_hashes`` their hashes (a list
-        this extends); when none are, the memo's pages for the first rows that still hold them.
+        ``known``: pages known to hold the first rows, with ``known_hashes`` their hashes; when
+        none are, the memo's pages for the first rows that still hold them.
         Rows past the known hashes are hashed only as far as a lookup can go, unless ``every``
         row's hash is asked for (an insert: the new blocks' keys): the lookup goes past the last
         block found only when that one has a cached child, so the next block is hashed first,
         and the rest only when that one is cached too."""
         if not len(known):
             known_hashes, candidates, gens = self._recent.recall(raw, extra_key)
-            known = self._table.unchanged(candidates, gens)
-        hashes, n = known_hashes, len(rows)
+            if len(candidates):
+                known = self._table.unchanged(candidates, gens)
+        table, hashes, n = self._table, known_hashes, len(rows)
         pages = self._walk(rows, hashes, known, extra_key)
-        if len(pages) == len(hashes) < n and (not len(pages) or self._table.nchild[pages[-1]]):
-            self._hash_to(rows, hashes, n if every else len(hashes) + 1, extra_key)
+        if len(pages) == len(hashes) < n and (not len(pages) or table.nchild[pages[-1]]):
+            hashes = self._hash_to(rows, hashes, n if every else len(hashes) + 1, extra_key)
+            if hashes[-1] in table.page_of or table.max_probe:  # it may be cached: the rest too
+                hashes = self._hash_to(rows, hashes, n, extra_key)
             pages = self._walk(rows, hashes, pages, extra_key)
-            if len(pages) == len(hashes) < n:
-                self._hash_to(rows, hashes, n, extra_key)
-                pages = self._walk(rows, hashes, pages, extra_key)
         if every:
-            self._hash_to(rows, hashes, n, extra_key)
+            hashes = self._hash_to(rows, hashes, n, extra_key)
         return hashes, pages
 
-    def _hash_to(self, rows: np.ndarray, hashes: list[int], upto: int, extra_key: Hashable) -> None:
-        """Extend ``hashes`` (those of the first rows of ``rows``) to the first ``upto`` rows."""
-        if len(hashes) < upto:
-            seed = hashes[-1] if hashes else key_seed(extra_key)
-            hashes += self._hasher.chain(rows[len(hashes) : upto], seed)
+    def _hash_to(
+        self, rows: np.ndarray, hashes: tuple[int, ...], upto: int, extra_key: Hashable
+    ) -> tuple[int, ...]:
+        """``hashes`` (those of the first rows of ``rows``) extended to the first ``upto`` rows."""
+        if len(hashes) >= upto:
+            return hashes
+        seed = hashes[-1] if hashes else key_seed(extra_key)
+        return hashes + tuple(self._hasher.chain(rows[len(hashes) : upto], seed))
 
     def _walk(
-        self, rows: np.ndarray, hashes: list[int], known: np.ndarray, extra_key: Hashable
+        self, rows: np.ndarray, hashes: tuple[int, ...], known: np.ndarray, extra_key: Hashable
     ) -> np.ndarray:
         """``known`` (pages holding the first rows, maybe none) followed by the cached blocks of
         the next rows, looked up by their hashes (``hashes[i]`` is row ``i``'s), up to the first
@@ -516,7 +526,7 @@ class BlockHashCacheManager(BaseCacheManager):
         return run
 
     def _walk_probing(
-        self, rows: np.ndarray, hashes: list[int], known: np.ndarray, extra_key: Hashable
+        self, rows: np.ndarray, hashes: tuple[int, ...], known: np.ndarray, extra_key: Hashable
     ) -> np.ndarray:
         """`_walk` once a collision has happened: every block tries each probe offset."""
         table = self._table
@@ -539,12 +549,12 @@ class BlockHashCacheManager(BaseCacheManager):
             parent = page
         return np.array(chain, dtype=np.int64)
 
-    def _keys(self, pages: np.ndarray, hashes: list[int]) -> tuple[int, ...]:
+    def _keys(self, pages: np.ndarray, hashes: tuple[int, ...]) -> tuple[int, ...]:
         """The keys of the chain ``pages`` whose blocks' hashes start ``hashes``: the hashes
         themselves while no collision has moved a key."""
         if self._table.max_probe:
             return tuple(self._table.key[pages].tolist())
-        return tuple(hashes if len(hashes) == len(pages) else hashes[: len(pages)])
+        return hashes if len(hashes) == len(pages) else hashes[: len(pages)]
 
     # ------------------------------------------------------------ insert
     def insert_prefix(
@@ -612,7 +622,8 @@ class BlockHashCacheManager(BaseCacheManager):
         check_same_length(len(slots), len(ids))
         table, ps, nb = self._table, self.page_size, len(rows)
         raw = rows.tobytes()
-        known, known_hashes = _NO_PAGES, []
+        known: np.ndarray = _NO_PAGES
+        known_hashes: tuple[int, ...] = ()
         if (
             held is not None
             and raw.startswith(held.handle.tokens)
@@ -620,9 +631,7 @@ class BlockHashCacheManager(BaseCacheManager):
         ):  # the handle's chain is cached (locked): only what follows it is hashed
             known = held.pages
             # Its keys are the hashes while no collision has moved a key.
-            known_hashes = (
-                table.hashes_of(known) if table.max_probe else list(held.handle.block_hashes)
-            )
+            known_hashes = table.hashes_of(known) if table.max_probe else held.handle.block_hashes
         hashes, found = self._find(rows, raw, extra_key, known, known_hashes, True)  # may raise
         m = len(found)
         new = slots[m * ps : nb * ps]

@@ -42,6 +42,8 @@ from .._validate import check_int_in, check_page_aligned
 __all__ = ["CachedBlock", "FreeQueue", "BlockTable", "same", "max_pages_for"]
 
 _MASK = (1 << 64) - 1
+#: A child count of 0 and of 1, as int64 bytes (what `BlockTable.evict` compares counts with).
+_LEAF, _ONE = np.int64(0).tobytes(), np.int64(1).tobytes()
 
 
 def same(a: np.ndarray, b: np.ndarray) -> bool:
@@ -303,7 +305,7 @@ class BlockTable:
         ``page_size`` consecutive slots of one page ``>= 0`` (the first a multiple of
         ``page_size``), below ``max_pages``, that holds no cached block and no other new block."""
         ps = self.page_size
-        pages = (slots[::ps] // ps if ps > 1 else slots).astype(np.int64)
+        pages = np.floor_divide(slots[::ps], ps, dtype=np.int64)
         if not len(pages):
             return pages, -1
         # Usually one comparison: the slot table's rows of these pages are the slots given. (A
@@ -359,10 +361,9 @@ class BlockTable:
         changed = np.flatnonzero(now != then)
         return pages[: changed[0]] if len(changed) else pages
 
-    def hashes_of(self, pages: np.ndarray) -> list[int]:
+    def hashes_of(self, pages: np.ndarray) -> tuple[int, ...]:
         """The chained hashes of the blocks on ``pages`` (each key less its probe offset)."""
-        hashes: list[int] = (self.key[pages] - self.probe[pages].astype(np.uint64)).tolist()
-        return hashes
+        return tuple((self.key[pages] - self.probe[pages].astype(np.uint64)).tolist())
 
     def namespace(self, page: int) -> Hashable:
         """The namespace of the chain through ``page`` (follows parents to its first block)."""
@@ -471,7 +472,10 @@ class BlockTable:
         """``ref += 1`` on every page of a chain (not empty, first block first); the blocks locked
         for the first time leave the free queue."""
         held = self.held(pages)
-        self.ref[pages] += 1
+        if held:
+            self.ref[pages] += 1
+        else:  # none is locked (the usual case): every count goes from 0 to 1
+            self.ref[pages] = 1
         if held < len(pages):
             self.free.remove(pages[held:])
             self.num_locked += len(pages) - held
@@ -479,8 +483,12 @@ class BlockTable:
     def release(self, pages: np.ndarray, tic: int) -> None:
         """``ref -= 1`` on every page of a chain (each locked); those left unlocked join the tail
         of the free queue, deepest first, used at ``tic``."""
-        self.ref[pages] -= 1
-        n = len(pages) - self.held(pages)
+        if self.ref[pages[0]] == 1:  # the first block's count is the largest: all go to 0
+            self.ref[pages] = 0
+            n = len(pages)
+        else:
+            self.ref[pages] -= 1
+            n = len(pages) - self.held(pages)
         if n:
             run = pages[: -n - 1 : -1]
             self.last[run] = tic
@@ -506,23 +514,23 @@ class BlockTable:
         pages, lo = self.free.head(n)
         parent, ref, nchild = self.parent, self.ref, self.nchild
         ups = parent[pages]
-        if same(ups[:-1], pages[1:]):  # usually one chain, deepest first: each one's parent next
-            inner = n - 1
+        # Usually the victims are one chain, deepest block first: each one's parent is the next
+        # victim, and each has one child, the victim before it, but the first, a leaf.
+        if same(ups[:-1], pages[1:]) and nchild[pages].tobytes() == _LEAF + _ONE * (n - 1):
             stay = ups[-1:]
         else:  # mark the victims (free: their counts are 0) to see whose parent is one
             ref[pages] = -1
             up_is_victim = ref[ups] == -1  # (a first block's parent -1 reads the spare row: 0)
             ref[pages] = 0
-            inner = int(np.count_nonzero(up_is_victim))
+            # The victims chaining from a victim are among its children: equal totals mean all.
+            if np.count_nonzero(up_is_victim) != int(nchild[pages].sum()):
+                victims = pages.tolist()
+                page = next(p for p in victims if nchild[p] != ups.tolist().count(p))
+                raise RuntimeError(
+                    f"internal error: free block {int(self.key[page]):#018x} would be evicted "
+                    f"before its {int(nchild[page])} children; nothing was evicted"
+                )
             stay = ups[~up_is_victim]
-        # The victims chaining from a victim are among its children: equal totals mean all.
-        if inner != int(nchild[pages].sum()):
-            victims = pages.tolist()
-            page = next(p for p in victims if nchild[p] != ups.tolist().count(p))
-            raise RuntimeError(
-                f"internal error: free block {int(self.key[page]):#018x} would be evicted before "
-                f"its {int(nchild[page])} children; nothing was evicted"
-            )
         self.gen[pages] = -1
         self.free.drop(pages, lo)
         page_of = self.page_of
