@@ -357,8 +357,9 @@ def check_page_aligned(slots: np.ndarray, page_size: int, name: str = "indices")
     if page_size == 1 or slots.shape[0] == 0:
         return
     rows = slots.reshape(-1, page_size)
-    first = rows[:, 0]
-    if (first % page_size).any() or not np.array_equal(rows, first[:, None] + np.arange(page_size)):
+    # Each row against its page's slots: a first slot that is no multiple of page_size fails too.
+    starts = rows[:, 0] // page_size * page_size
+    if np.count_nonzero(rows - starts[:, None] != np.arange(page_size, dtype=rows.dtype)):
         shown = slots[: 4 * page_size].tolist()
         raise ValueError(
             f"with page_size={page_size} every {page_size} {name} must be the consecutive slots of one page "

@@ -1,12 +1,14 @@
 """`BlockHashCacheManager`'s shortcuts for the usual case against the general code they skip.
 
-Eviction checks a head of the free queue that is one chain, deepest block first, with two byte
-comparisons (`block_evict.evict_blocks`); any other head goes through the general check. Locking
-a chain none of whose blocks is locked, and releasing one whose blocks are all locked once, write
-the counts instead of adding to them (`BlockTable.lock`, `BlockTable.release`). Here the same
-random histories run on two managers, one with the shortcuts and one forced onto the general
-code, and every answer and the whole state must agree after every step (invariants checked), so
-the two cannot drift apart. (The stateful tests also reach both sides of each branch.)
+The shortcuts: arrays compared as bytes before the element-wise test that says where they differ
+(`block_pool.same`: a chain's parents and tokens after a lookup, the head of the free queue, the
+victims of an eviction taken for one chain, deepest first, the slots of new blocks against the
+slot table); `BlockTable.held` reading a chain's two ends instead of counting its locked blocks;
+the walk by one dict probe a block instead of trying every probe offset; the memo of recent chains
+and the lazy hashing of a match instead of hashing and looking up every block. Here the same random
+histories run on two managers, one with the shortcuts and one forced onto the general code, and
+every answer and the whole state must agree after every step (invariants checked), so the two
+cannot drift apart. (The stateful tests also reach both sides of each branch.)
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import numpy as np
+import torch
 from conftest import observe
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcache import BlockHashCacheManager
-from kvcache.managers import block_evict
+from kvcache.managers import block_hash, block_pool
+from kvcache.managers.block_hash import RecentChains
 from kvcache.managers.block_pool import BlockTable
 
 PS = 2
@@ -37,45 +41,51 @@ STEPS = st.lists(
     ),
     max_size=40,
 )
-STREAMS = [np.array([1] * 2 + [s * 10 + i for i in range(16)], dtype=np.int64) for s in range(4)]
+STREAMS = [torch.tensor([1] * 2 + [s * 10 + i for i in range(16)]) for s in range(4)]
 
 
-def _general_lock(self: BlockTable, pages: np.ndarray) -> None:
-    held = self.held(pages)
-    self.ref[pages] += 1
-    if held < len(pages):
-        self.free.remove(pages[held:])
-        self.num_locked += len(pages) - held
+def _counted_held(self: BlockTable, pages: np.ndarray) -> int:
+    return int(np.count_nonzero(self.ref[pages]))
 
 
-def _general_release(
-    self: BlockTable, pages: np.ndarray, clock: int, chain: np.ndarray | None = None, new: int = 0
-) -> None:
-    self.ref[pages] -= 1
-    n = len(pages) - self.held(pages)
-    self.num_locked -= n
-    run = None
-    if chain is not None:
-        n += new
-        run = chain[::-1][:n]
-    elif n:
-        run = pages[::-1][:n]
-    if n:
-        self.last[run] = clock
-        self.free.push(run, n)
+def _every_hash(find: Any) -> Any:
+    def general(
+        self: Any, rows: Any, raw: Any, key: Any, known: Any, hashes: Any, every: Any
+    ) -> Any:
+        return find(self, rows, raw, key, known, hashes, True)  # every row hashed, memo or not
+
+    return general
 
 
 @contextmanager
 def general_code() -> Iterator[None]:
-    """Inside: `BlockTable.lock` and `release` without their shortcuts, and no head of the free
-    queue taken for one chain (its pattern never matches), so eviction checks it in general."""
-    saved = BlockTable.lock, BlockTable.release, block_evict.chain_children
-    BlockTable.lock, BlockTable.release = _general_lock, _general_release  # type: ignore[method-assign]
-    block_evict.chain_children = lambda n: b""
+    """Inside: no array is ever taken for equal by its bytes, `BlockTable.held` counts, every
+    walk tries every probe offset, the memo remembers nothing and every row is hashed."""
+    saved = (
+        block_pool.same,
+        block_hash.same,
+        BlockTable.held,
+        block_hash.BlockHashCacheManager._walk,
+        block_hash.BlockHashCacheManager._find,
+        RecentChains.recall,
+    )
+    manager = block_hash.BlockHashCacheManager
+    block_pool.same = block_hash.same = lambda a, b: False
+    BlockTable.held = _counted_held  # type: ignore[method-assign]
+    manager._walk = manager._walk_probing  # type: ignore[method-assign]
+    manager._find = _every_hash(saved[4])  # type: ignore[method-assign]
+    RecentChains.recall = lambda self, raw, key: ((), np.zeros(0, dtype=np.int64), b"")  # type: ignore[method-assign]
     try:
         yield
     finally:
-        BlockTable.lock, BlockTable.release, block_evict.chain_children = saved  # type: ignore[method-assign]
+        (
+            block_pool.same,
+            block_hash.same,
+            BlockTable.held,
+            manager._walk,
+            manager._find,
+            RecentChains.recall,
+        ) = saved  # type: ignore[method-assign]
 
 
 def _state(m: BlockHashCacheManager) -> Any:
@@ -108,10 +118,10 @@ def _step(m: BlockHashCacheManager, kind: str, stream: int, k: int, pool: list, 
         if k - have > len(pool):
             m.lock_handle(handle, unlock=True)
             return "full"
-        slots = np.zeros(k * PS, dtype=np.int32)  # the cached part's are not looked at
+        slots = torch.zeros(k * PS, dtype=torch.int32)  # the cached part's are not looked at
         for i in range(have, k):
             page = pool.pop()
-            slots[i * PS : (i + 1) * PS] = np.arange(page * PS, page * PS + PS)
+            slots[i * PS : (i + 1) * PS] = torch.arange(page * PS, page * PS + PS)
         res = m.insert_and_unlock(handle, ids, slots)
         return res.cached_len, res.handle.cached_len
     if kind == "lock":
@@ -122,6 +132,6 @@ def _step(m: BlockHashCacheManager, kind: str, stream: int, k: int, pool: list, 
         if held:
             m.lock_handle(held.pop(stream % len(held)), unlock=True)
         return len(held)
-    out = m.evict(min(k * PS, m.size_info.evictable_size), host=True)
+    out = m.evict(min(k * PS, m.size_info.evictable_size))
     pool.extend(sorted({s // PS for s in out.tolist()}))
     return out.tolist()

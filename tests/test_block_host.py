@@ -1,90 +1,84 @@
-"""`BlockHashCacheManager`'s own NumPy forms (`match_and_lock`, `insert_and_unlock`,
-`evict(host=True)`): the same answers and state as the tensor forms, the same refusals (nothing
-changed); the flow driving it with tensors; its fused calls deciding as the separate calls do.
-`evict(host=True)` is checked beside radix's in `tests/test_host_arrays.py`, which also checks
-the base class's fused calls (which this manager's own calls replace)."""
+"""`BlockHashCacheManager`'s own fused calls (`match_and_lock`, `insert_and_unlock`): tensors at
+the boundary, one form (a NumPy array is refused as `match_prefix` refuses it); bad input refused
+with the whole state unchanged (the LRU clock included) and the handle still locked; the flow
+driving it with tensors; and the same decisions as the separate public calls, for the handle a
+match returned and for an equal copy of it alike. (This file once checked NumPy forms of the
+fused calls and of ``evict``; they are gone, and their refusals are checked here on tensors.)"""
 
 from __future__ import annotations
 
-import operator
+import copy
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from conftest import observe
 from conftest import unchanged as watch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_host_arrays import OPS, drive_forms
+from test_host_arrays import OPS
 
-from kvcache import BaseCacheManager, BlockHashCacheManager, PageAllocator, RequestFlow
-
-
-def state(m: BlockHashCacheManager) -> Any:
-    return observe(m), m.free_queue(), m.clock, sorted(m.locked_handles().values())
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    ops=OPS, id_dtype=st.sampled_from([np.int64, np.int32, np.uint8]), ps=st.sampled_from([1, 2])
+from kvcache import (
+    BaseCacheManager,
+    BlockHashCacheHandle,
+    BlockHashCacheManager,
+    PageAllocator,
+    RequestFlow,
 )
-def test_numpy_and_tensor_forms_agree(ops: list, id_dtype: type, ps: int) -> None:
-    """Two managers, one driven with tensors and one with NumPy arrays, make identical decisions:
-    every answer and handle equal, the whole state (free queue, clock and locks included) equal
-    after every step, invariants checked."""
-    tm, hm = BlockHashCacheManager(page_size=ps), BlockHashCacheManager(page_size=ps)
-    drive_forms(tm, hm, ops, id_dtype, state, operator.eq)
 
 
 def _populated() -> tuple[BlockHashCacheManager, Any]:
     m = BlockHashCacheManager(page_size=2)
     m.insert_prefix(torch.arange(4), torch.arange(4, dtype=torch.int32))
-    handle, _ = m.match_and_lock(np.arange(2))
+    handle, _ = m.match_and_lock(torch.arange(2))
     return m, handle
 
 
 @pytest.mark.parametrize(
     ("bad", "exc", "match"),
     [
-        (np.array([1.0, 2.0]), TypeError, "input_ids must have an integer dtype, got float64"),
-        (np.array([True, False]), TypeError, "input_ids must have an integer dtype, got bool"),
-        (np.array([1, 2], dtype=np.uint32), TypeError, "integer dtype, got uint32"),
-        (np.array([[1, 2]]), ValueError, r"input_ids must be 1-D, got shape \(1, 2\)"),
-        ([1, 2], TypeError, "input_ids"),
+        (torch.tensor([1.0, 2.0]), TypeError, "input_ids must have an integer dtype"),
+        (torch.tensor([True, False]), TypeError, "input_ids must have an integer dtype"),
+        (torch.tensor([[1, 2]]), ValueError, r"input_ids must be 1-D, got shape \(1, 2\)"),
+        (np.array([1, 2]), TypeError, r"input_ids must be a torch\.Tensor, got ndarray"),
+        ([1, 2], TypeError, r"input_ids must be a torch\.Tensor, got list"),
     ],
 )
-def test_bad_numpy_ids_are_refused_changing_nothing(bad, exc, match):
+def test_bad_ids_are_refused_changing_nothing(bad, exc, match):
     m, handle = _populated()
-    before = state(m)
     with watch(m), pytest.raises(exc, match=match):
         m.match_and_lock(bad)
-    slots = np.arange(16, 16 + len(np.reshape(bad, -1)), dtype=np.int32)
+    slots = torch.arange(16, 18, dtype=torch.int32)  # every bad input holds two ids
     with watch(m), pytest.raises(exc, match=match):
         m.insert_and_unlock(handle, bad, slots)
-    assert state(m) == before
-    m.lock_handle(handle, unlock=True)
+    m.lock_handle(handle, unlock=True)  # still locked after the refusals: one unlock works
     assert m.size_info.protected_size == 0
 
 
-def test_bad_numpy_slots_are_refused_changing_nothing():
+def test_bad_slots_are_refused_changing_nothing():
     m, handle = _populated()
-    ids = np.arange(8)  # two pages cached, two new
-    good = np.concatenate([np.arange(4), np.arange(16, 20)]).astype(np.int32)
-    before = state(m)
+    ids = torch.arange(8)  # two pages cached, two new
+    good = torch.cat([torch.arange(4), torch.arange(16, 20)]).to(torch.int32)
     for bad, exc, match in [
-        (good.astype(np.int64), TypeError, "indices must have dtype int32, got int64"),
+        (good.long(), TypeError, "indices must have dtype torch.int32, got torch.int64"),
         (good[None, :], ValueError, r"indices must be 1-D, got shape \(1, "),
         (good[:-1], ValueError, r"len\(indices\)"),
-        (np.where(good == 16, -8, good).astype(np.int32), ValueError, "-8"),
-        (np.where(good == 18, 0, good).astype(np.int32), ValueError, "consecutive|page 0"),
-        (list(good), TypeError, "indices"),
+        (torch.where(good == 16, -8, good).to(torch.int32), ValueError, "-8"),
+        (torch.where(good == 18, 0, good).to(torch.int32), ValueError, "consecutive|page 0"),
+        (torch.tensor([0, 1, 2, 3, 2, 3, 4, 5], dtype=torch.int32), ValueError, "page 1"),
+        (good.numpy(), TypeError, r"indices must be a torch\.Tensor, got ndarray"),
     ]:
         with watch(m), pytest.raises(exc, match=match):
             m.insert_and_unlock(handle, ids, bad)
-        assert state(m) == before
     res = m.insert_and_unlock(handle, ids, good)
     assert res.cached_len == 4 and m.size_info.protected_size == 0
+    m.check_integrity()
+
+
+def test_evict_takes_no_host_form():
+    m, _ = _populated()
+    with watch(m), pytest.raises(TypeError, match="host"):
+        m.evict(2, host=True)  # type: ignore[call-arg]
 
 
 def test_the_flow_drives_it_with_tensors():
@@ -142,12 +136,23 @@ def decided(m: BlockHashCacheManager) -> Any:
     return blocks, m.free_queue(), m.size_info, sorted(m.locked_handles().values())
 
 
+def equal_copy(handle: Any, how: int) -> Any:
+    """``handle`` itself (``how == 0``), a copy of it, or a handle rebuilt from its fields: the
+    two last are equal to it and not it."""
+    if how == 0:
+        return handle
+    if how == 1:
+        return copy.copy(handle)
+    return BlockHashCacheHandle(handle.cached_len, handle.block_hashes, handle.tokens)
+
+
 @settings(max_examples=60, deadline=None)
-@given(ops=OPS, ps=st.sampled_from([1, 2]))
-def test_own_fused_calls_decide_as_the_separate_calls(ops: list, ps: int) -> None:
-    """The fused calls' shortcuts (the handle's chain as the insert's start, the new blocks
-    queued with the released ones in one run, no memo entry from the match) change nothing
-    the cache decides: same answers, blocks, locks and eviction order after every step."""
+@given(ops=OPS, ps=st.sampled_from([1, 2]), copies=st.lists(st.integers(0, 2), min_size=25))
+def test_own_fused_calls_decide_as_the_separate_calls(ops: list, ps: int, copies: list) -> None:
+    """The fused calls' shortcuts (the lock of the chain the match found, the released handle's
+    chain as the insert's start) change nothing the cache decides: same answers, blocks, locks
+    and eviction order after every step, whether the insert is handed the handle the match
+    returned or an equal copy of it."""
     fm, sm = BlockHashCacheManager(page_size=ps), SeparateCalls(page_size=ps)
     held: list[tuple[Any, Any, list[int]]] = []
     fresh = 0
@@ -167,14 +172,14 @@ def test_own_fused_calls_decide_as_the_separate_calls(ops: list, ps: int) -> Non
             slots = torch.tensor((prefix + new)[:n], dtype=torch.int32)
             relock = kind == "relock"
             ids = torch.tensor(seq, dtype=torch.int64)
-            fres = fm.insert_and_unlock(fh, ids, slots, relock=relock)
+            fres = fm.insert_and_unlock(equal_copy(fh, copies.pop()), ids, slots, relock=relock)
             sres = sm.insert_and_unlock(sh, ids, slots, relock=relock)
             assert fres.cached_len == sres.cached_len and fres.handle == sres.handle
             if relock:
                 held.append((fres.handle, sres.handle, seq))
         else:
             size = min(k * ps, fm.size_info.evictable_size)
-            assert fm.evict(size, host=True).tolist() == sm.evict(size, host=True).tolist()
+            assert fm.evict(size).tolist() == sm.evict(size).tolist()
         assert decided(fm) == decided(sm)
         fm.check_integrity()
         sm.check_integrity()

@@ -337,6 +337,29 @@ def test_default_hash_is_stable_across_processes():
     assert 0 <= h(ROOT_HASH_SEED, (-5,)) < 2**64
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    ps=st.sampled_from([1, 2, 16]),
+    blocks=st.integers(0, 6),
+    seed=st.integers(0, 2**64 - 1),
+    data=st.data(),
+)
+def test_whole_chain_hash_equals_the_block_by_block_hash(ps, blocks, seed, data):
+    """`ChainHasher.chain` (plain ints for one or two blocks, NumPy past that) gives exactly the
+    hashes of `default_block_hash` applied block after block, for any int64 tokens."""
+    from kvcache.managers.block_hash import ChainHasher
+
+    tokens = data.draw(
+        st.lists(st.integers(-(2**63), 2**63 - 1), min_size=blocks * ps, max_size=blocks * ps)
+    )
+    rows = np.array(tokens, dtype=np.int64).reshape(blocks, ps)
+    expected, parent = [], seed
+    for row in rows.tolist():
+        parent = default_block_hash(parent, tuple(row))
+        expected.append(parent)
+    assert ChainHasher(ps, None).chain(rows, seed) == expected
+
+
 # ------------------------------------------------------------ lock / unlock
 def test_lock_unlock_moves_sizes_and_nests():
     m = BlockHashCacheManager(page_size=2)
@@ -568,11 +591,9 @@ def test_check_integrity_catches(fn, match):
 def test_check_integrity_catches_duplicate_content():
     m = BlockHashCacheManager(page_size=1, hash_fn=lambda p, t: 0)
     m.insert_prefix(ids(4), torch.tensor([0], dtype=torch.int32))
-    t = m._table
-    # The same content under key 1, on page 1.
-    t.page_of[1] = 1
-    t.add(np.array([1]), [1], 1, [1], [1], np.array([[4]]), -1, m.clock, None)
-    t.max_probe = 1
+    # The same content again, on page 1: its hash 0 is taken, so it is filed under key 1.
+    m._table.add(np.array([1]), 1, np.array([[4]]), [0], -1, m.clock, None)
+    assert m.max_probe == 1
     with pytest.raises(RuntimeError, match="cached twice"):
         m.check_integrity()
 
@@ -987,13 +1008,23 @@ def test_agrees_with_a_vllm_style_stand_in_on_a_seeded_trace():
         flows[0].check_integrity()
 
 
-def test_handle_pages_are_read_only():
-    """A handle shares its pages with the manager's lock record: they cannot be changed."""
+def test_nothing_handed_out_shares_the_managers_state():
+    """A handle holds only immutable values (its length, keys and token bytes), and the slots
+    that match_prefix and handle_indices return are the caller's: writing into them, or trying
+    to change the handle, changes nothing in the manager."""
+    import dataclasses
+
     m = BlockHashCacheManager(page_size=2)
     m.insert_prefix(ids(1, 2, 3, 4), slots_of([0, 1], 2))
-    h, _ = m.match_prefix(ids(1, 2, 3, 4))
+    h, idx = m.match_prefix(ids(1, 2, 3, 4))
     m.lock_handle(h)
-    with pytest.raises(ValueError, match="read-only"):
-        h.pages[0] = 5
+    before = dump(m)
+    assert isinstance(h.block_hashes, tuple) and isinstance(h.tokens, bytes)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        h.cached_len = 2  # type: ignore[misc]
+    idx[0] = 99
+    m.handle_indices(h)[1] = 99
+    assert dump(m) == before
+    assert m.handle_indices(h).tolist() == [0, 1, 2, 3]
     m.lock_handle(h, unlock=True)
     m.check_integrity()

@@ -1,7 +1,9 @@
-"""The block-hash manager's memo of recent sequences (`block_lookup.RequestHashes`): a resent
-history, a sibling that shares only part of it, or an edited one must be decided exactly as a
-manager without memo decides it. The reference is the benchmark's vLLM stand-in, which hashes
-every block of every request with SHA-256 and remembers nothing across requests."""
+"""Conversations that resend their history, branch from an earlier turn or edit it, through the
+flow: the block-hash manager's insert takes the chain of the handle it releases as known and
+hashes only what comes after it, and must decide exactly as a manager that hashes every block of
+every request. The reference is the benchmark's vLLM stand-in, which hashes every block with
+SHA-256 and carries nothing from one request to the next. (This file once tested a memo of recent
+sequences the manager kept; the memo is gone, the decisions it had to keep are the same.)"""
 
 from __future__ import annotations
 

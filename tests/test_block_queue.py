@@ -1,4 +1,4 @@
-"""`block_queue.FreeQueue` (the block-hash manager's free queue, a log with lazy removal) against a
+"""`block_pool.FreeQueue` (the block-hash manager's free queue, a log with lazy removal) against a
 plain list: the same pages in the same order after every step, through pushes that move queued
 pages, removals, reads of the head and the compactions and growth they trigger."""
 
@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache.managers.block_queue import FreeQueue
+from kvcache.managers.block_pool import FreeQueue
 
 PAGES = 40
 

@@ -281,11 +281,10 @@ def test_default_fused_calls_refuse_bad_slots_changing_nothing(name):
 
 
 @pytest.mark.parametrize(
+    # Leaves in LRU order: all of one stamp here. (Block hash's evict has no NumPy form any more:
+    # `tests/test_block_host.py`.)
     ("make", "order"),
-    [
-        (RadixCacheManager, sorted),  # leaves in LRU order: all of one stamp here
-        (lambda: BlockHashCacheManager(page_size=1), list),  # the free queue: last block first
-    ],
+    [(RadixCacheManager, sorted)],
 )
 def test_evict_host_keyword(make: Callable[[], BaseCacheManager], order: Callable) -> None:
     m = make()

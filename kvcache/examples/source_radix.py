@@ -61,7 +61,8 @@ class SourceNode:
 
     @property
     def parent(self) -> SourceNode:
-        assert self._parent is not None
+        if self._parent is None:  # the source asserts; an assert vanishes under python -O
+            raise RuntimeError("the root has no parent")
         return self._parent
 
     @property

@@ -23,7 +23,7 @@ Our own code, written from vLLM's published design (``vllm/v1/core``: ``kv_cache
 It speaks this package's `BaseCacheManager` API so that the same `RequestFlow` drives both. A
 request is recognised at insert by its tokens (its first block, then an exact comparison of the
 whole remembered prefix), which is what carrying ``block_hashes`` on a request object amounts to.
-Converting the API's tensors (token ids to a list; pages to slots) and finding the request's
+Converting the API's tensors (token ids to a list; pages to a slot tensor) and finding the request's
 record are timed separately in ``boundary_seconds``: vLLM's own manager receives lists and a
 request object and returns block ids.
 

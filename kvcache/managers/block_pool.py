@@ -1,35 +1,79 @@
-"""The state of `BlockHashCacheManager`: a table of cached blocks indexed by page, its records for
-callers (`CachedBlock`) and its handles (`BlockHashCacheHandle`).
+"""The block table of `BlockHashCacheManager`: every cached block, one row per page, and the free
+queue of the blocks nobody holds, in eviction order (vLLM's ``BlockPool`` and
+``FreeKVCacheBlockQueue``).
 
-A block is cached on exactly one page, so the table keeps every per-block field in a NumPy array
-indexed by page id (vLLM keeps one ``KVCacheBlock`` object per page; here it is one row of each
-array). Locking, releasing and refreshing a chain are then a few array operations on the
-chain's page ids, whatever its length, and so is queueing it: the free queue (`block_queue`)
-keeps a chain's run of pages as one entry. The only per-block Python work left is the key index
-(``dict`` operations driven by ``map``/``zip``, in C).
+A block is cached on exactly one page, so every per-block field is a NumPy array indexed by page id
+(vLLM keeps one ``KVCacheBlock`` object per page; here it is one row of each array). Locking,
+releasing and refreshing a chain are then a few array operations on the chain's page ids, whatever
+its length; the only per-block Python work left is the key index (``dict`` operations driven by
+``map``/``zip``, in C).
+
+The free queue is a *log*: an array of pages to which each call appends its run with one slice
+assignment, instead of one linked-list operation per page as in vLLM. Leaving the queue is lazy:
+every page records the position of its live entry in the log (``where``, ``-1`` when it is not
+queued), so locking a chain only writes ``-1`` for its pages, and a page moved to the tail simply
+records its new position; an entry counts only while ``where`` still points at it. Reading the
+head compares a window of the log with ``where`` in one pass. When the log is full its live entries
+are copied to the front (the array grown when they fill half of it), so memory stays within a
+constant factor of the most pages ever queued and each entry is copied ``O(1)`` times (amortised).
+The order is exactly that of a queue in which a page is removed when locked and appended (in run
+order) when queued or moved.
+
+Eviction rule. vLLM evicts any free block (an orphaned child just lingers, unmatchable). Here the
+cache's content must stay exact (`cached_indices`, `check_integrity`, the page accounting of
+`RequestFlow`), so a block is evicted only when no cached block chains from it. The free queue keeps
+**every free block after all of its cached descendants**, so its head is always a leaf and eviction
+pops from the head, like vLLM. The order holds because a descendant's ref count never exceeds its
+ancestor's (a handle locks a whole chain from its first block), an unlock releases a chain deepest
+block first, and an insert or a match moves a chain's free blocks to the tail deepest first (new
+blocks are appended deepest first too), which also keeps the queue in least-recently-used order;
+locking and evicting only remove blocks. `BlockTable.check` verifies the order, and eviction
+re-checks that every victim's children are victims too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterator, Sequence
-from dataclasses import dataclass, field
-from itertools import count
 
 import numpy as np
 
-from .base import BaseCacheHandle
-from .block_queue import FreeQueue
+from .._validate import check_int_in, check_page_aligned
 
-__all__ = ["CachedBlock", "BlockHashCacheHandle", "BlockTable", "new_handle", "next_serial"]
+__all__ = ["CachedBlock", "FreeQueue", "BlockTable", "same", "max_pages_for"]
 
 _MASK = (1 << 64) - 1
-#: Every insert call that adds blocks takes a number no other call (of any manager) has, and
-#: writes it on their pages: equal numbers on a page prove it still holds the same block.
-next_serial = count(1).__next__
+#: A child count of 0 and of 1, as int64 bytes (what `BlockTable.evict` compares counts with).
+_LEAF, _ONE = np.int64(0).tobytes(), np.int64(1).tobytes()
+
+
+def same(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two arrays of one dtype hold the same values: compared as bytes, the cheapest test
+    for a few hundred values (a ufunc and its reduction cost several times as much)."""
+    return a.tobytes() == b.tobytes()
+
+
+def row_bytes(page_size: int) -> int:
+    """Bytes a `BlockTable` keeps per page id: its tokens (int64) and slots (int32), its key, six
+    int64 fields and its free-queue position."""
+    return 12 * page_size + 64
+
+
+#: The block table a manager grows to by default, at most: 4 GiB, some 17 million pages of 16
+#: tokens (268 million slots) or 57 million of one, past any pool a GPU holds.
+DEFAULT_TABLE_BYTES = 4 << 30
+
+
+def max_pages_for(max_pages: object, page_size: int) -> int:
+    """``max_pages`` checked (an integer in ``[1, 2**31 // page_size]``: int32 slots), or for
+    ``None`` as many pages as `DEFAULT_TABLE_BYTES` of block table holds."""
+    top = (1 << 31) // page_size
+    if max_pages is None:
+        return min(DEFAULT_TABLE_BYTES // row_bytes(page_size), top)
+    return check_int_in(max_pages, "max_pages", 1, top)
 
 
 class CachedBlock:
-    """A copy of one cached full block's state, taken when `BlockHashCacheManager.blocks` or
+    """A copy of one cached block's state, taken when `BlockHashCacheManager.blocks` or
     `get_block` was called: ``page_size`` tokens whose K/V fill page ``page``.
 
     ``block_hash`` is its key in the manager's table: its chained hash ``base`` plus ``probe``
@@ -91,88 +135,121 @@ class CachedBlock:
         )
 
 
-@dataclass(frozen=True)
-class BlockHashCacheHandle(BaseCacheHandle):
-    """The matched prefix is the chain of blocks ``block_hashes`` (``cached_len // page_size`` of them).
+class FreeQueue:
+    """Pages in eviction order (head first), as a log with lazy removal (the module docstring).
 
-    A handle names the *content* it was made for: ``tokens`` (int64 bytes of the ids it was made
-    from, by `match_prefix` or `insert_and_match`; the chain's are the first ``cached_len``) are
-    compared with what the keys hold whenever
-    the handle is used after an eviction. If its blocks are evicted the handle can no longer be
-    locked (``RuntimeError``), even when other tokens have since been cached under the same keys
-    (a hash collision); if the same tokens are cached again, the handle names the new blocks.
-    Equality and hashing use ``cached_len`` and ``block_hashes`` only: equal handles are the
-    same claim.
+    ``where`` (int64, one entry per page id plus a spare ``-1`` at the end, grown by `reserve`) is
+    the position of each queued page's entry in ``log``, ``-1`` for a page not queued; the entries
+    of ``log[lo:hi]`` whose position ``where`` names are the queue; ``size`` counts them.
     """
 
-    block_hashes: tuple[int, ...]
-    tokens: bytes = field(default=b"", compare=False, repr=False)
-    #: The pages of the chain when the handle was made (int64), and the manager's (token, epoch,
-    #: ``block_hashes`` object) then: a handle made since the last eviction needs no re-check.
-    pages: np.ndarray | None = field(default=None, compare=False, repr=False)
-    stamp: tuple[object, int, object] | None = field(default=None, compare=False, repr=False)
-    #: The serials of ``pages`` then (int64 bytes; ``None``: not recorded), which the fused
-    #: insert of a locked handle carries to its memo entry instead of reading them again.
-    serials: bytes | None = field(default=None, compare=False, repr=False)
+    def __init__(self) -> None:
+        self.log = np.full(256, -1, dtype=np.int64)
+        self.pos = np.arange(256, dtype=np.int64)  # ``pos[i] == i``: compared with ``where``
+        self.where = np.full(1, -1, dtype=np.int64)
+        self.lo = self.hi = 0
+        self.size = 0
 
-    def __hash__(self) -> int:
-        # Equal handles have equal lengths and last keys, so those two suffice (a chained key
-        # names its whole prefix: different chains rarely share one, and ``==`` still compares
-        # every key). O(1): a handle is a dict key on every lock and unlock, and hashing a whole
-        # chain's tuple costs a microsecond per 50 blocks.
-        hashes = self.block_hashes
-        return hash((self.cached_len, hashes[-1] if hashes else None))
+    def __len__(self) -> int:
+        return self.size
 
+    def reserve(self, size: int) -> None:
+        """Room for page ids below ``size``; the spare entry stays last."""
+        old = len(self.where) - 1
+        if size > old:
+            where = np.full(size + 1, -1, dtype=np.int64)
+            where[:old] = self.where[:old]
+            self.where = where
 
-def new_handle(
-    cached_len: int,
-    block_hashes: tuple[int, ...],
-    tokens: bytes,
-    pages: np.ndarray,
-    stamp: tuple[object, int, object],
-    serials: bytes | None = None,
-) -> BlockHashCacheHandle:
-    """``BlockHashCacheHandle(cached_len, block_hashes, tokens, pages, stamp, serials)``, made the way
-    unpickling makes one (fields written straight into the new object): a frozen dataclass's
-    ``__init__`` sets each field through ``object.__setattr__``, which costs a few microseconds
-    on every match and insert. The manager passes values that are already checked."""
-    handle: BlockHashCacheHandle = object.__new__(BlockHashCacheHandle)
-    handle.__dict__.update(
-        cached_len=cached_len,
-        block_hashes=block_hashes,
-        tokens=tokens,
-        pages=pages,
-        stamp=stamp,
-        serials=serials,
-    )
-    return handle
+    def push(self, pages: np.ndarray, new: int) -> None:
+        """Append ``pages`` (int64, in queue order, none twice) at the tail; ``new`` of them were
+        not queued (the others move from where they were)."""
+        if self.hi + len(pages) > len(self.log):
+            self._compact(len(pages))
+        hi, end = self.hi, self.hi + len(pages)
+        self.log[hi:end] = pages
+        self.where[pages] = self.pos[hi:end]
+        self.hi = end
+        self.size += new
 
+    def remove(self, pages: np.ndarray) -> None:
+        """Take ``pages`` (int64, every one queued, none twice) out of the queue."""
+        self.where[pages] = -1
+        self.size -= len(pages)
 
-#: The slots of the spare row: no page's, and no block of page -1 (which a negative index
-#: reads there) has them, so that `block_insert.new_pages` compares slots without a range check.
-_NO_SLOT = np.iinfo(np.int32).min
+    def head(self, n: int) -> tuple[np.ndarray, int]:
+        """The first ``n`` queued pages (``0 < n <= size``), and where the head moves once they
+        are gone (for `drop`). Nothing changes here.
 
-#: Columns of `BlockTable.meta`.
-PARENT, REF, NCHILD, LAST, PROBE, GEN = range(6)
+        The window of the log looked at grows until it holds ``n`` live entries: usually the first
+        ``n`` entries are all live, and one comparison says so."""
+        lo, log, where, pos = self.lo, self.log, self.where, self.pos
+        span = n
+        while True:
+            end = min(lo + span, self.hi)
+            window = log[lo:end]
+            if span == n and same(where[window], pos[lo:end]):
+                return window, end
+            found = (where[window] == pos[lo:end]).nonzero()[0]
+            if len(found) >= n:
+                return window[found[:n]], lo + int(found[n - 1]) + 1
+            if end == self.hi:
+                raise RuntimeError(
+                    f"internal error: the free queue holds {len(found)} pages, not {n}"
+                )
+            span = 4 * span + 16
+
+    def drop(self, pages: np.ndarray, lo: int) -> None:
+        """Remove the head ``pages`` that `head` returned with ``lo``."""
+        self.remove(pages)
+        self.lo = lo
+
+    def pages(self) -> np.ndarray:
+        """Every queued page, head first (int64)."""
+        window = self.log[self.lo : self.hi]
+        out: np.ndarray = window[self.where[window] == self.pos[self.lo : self.hi]]
+        return out
+
+    def _compact(self, room: int) -> None:
+        """Move the live entries to the front, with room for ``room`` more (the log grown when
+        they would fill more than half of it)."""
+        live = self.pages()
+        size = len(live) + room
+        if 2 * size > len(self.log):
+            cap = max(2 * size, 2 * len(self.log))
+            self.log = np.full(cap, -1, dtype=np.int64)
+            self.pos = np.arange(cap, dtype=np.int64)
+        self.log[: len(live)] = live
+        self.where[live] = self.pos[: len(live)]
+        self.lo, self.hi = 0, len(live)
 
 
 class BlockTable:
     """Every cached block, one row per page, plus the key index and the free queue.
 
-    Arrays (indexed by page, grown on demand, with one spare row at index ``-1`` that stands for
-    "no page" so that a parent of ``-1`` can be used as an index): ``tok`` (tokens,
-    ``(capacity + 1, page_size)`` int64), ``key`` (the block's key, uint64), ``slots`` (each
-    page's slots, int32) and ``meta`` (int64), whose columns are viewed as ``parent`` (the parent
-    block's page, ``-1`` for a first block), ``ref`` (lock count), ``nchild`` (cached children),
-    ``last`` (last use), ``probe`` (collision offset) and ``gen`` (the serial of the insert that
-    cached it, ``-1`` when the page holds no block). ``page_of`` maps key -> page in insertion
-    order (a parent before its children); ``free`` (a `FreeQueue`) holds the pages whose ``ref``
-    is 0, head = next to evict; ``ns`` the namespace of each first block whose namespace is not ``None``.
+    Arrays, indexed by page and grown on demand, each with one spare row at index ``-1`` that
+    stands for "no page" (so that the parent ``-1`` of a first block can be used as an index):
 
-    Memory: one row per page id up to the largest one ever cached (`block_insert.row_bytes` a
-    page), like vLLM's block pool, which holds a block object for every page there is; page ids
-    from ``max_pages`` on are refused (`block_insert.new_pages`), so that one stray slot cannot
-    make the table grow past what the machine holds.
+    - ``tok``: the block's tokens, ``(capacity + 1, page_size)`` int64;
+    - ``slots``: the page's slots, int32, the same shape (a ``take`` of rows costs a quarter of
+      computing them; the spare row holds those of page ``capacity``);
+    - ``key``: the block's key, uint64 (its hash plus ``probe``, the collision offset);
+    - ``parent``: the parent block's page, ``-1`` for a first block;
+    - ``ref``: how many locks hold the block (0 on a page that holds no block);
+    - ``nchild``: how many cached blocks chain from it; ``last``: when it was last used;
+    - ``gen``: the block's generation, a number `add` gives each chain it caches and never gives
+      again, ``-1`` for a page that holds no block: an unchanged generation proves that a page
+      still holds the very block it held, whatever happened in between.
+
+    ``page_of`` maps key -> page in insertion order (a parent before its children); ``free`` (a
+    `FreeQueue`) holds the pages whose ``ref`` is 0, head = next to evict; ``ns`` the namespace of
+    each first block whose namespace is not ``None``; ``num_locked`` counts the pages whose
+    ``ref`` is not 0; ``max_probe`` is the largest probe ever used.
+
+    Memory: one row per page id up to the largest one ever cached (`row_bytes` a page), like vLLM's
+    block pool, which holds a block object for every page there is; page ids from ``max_pages`` on
+    are refused (`new_pages`), so that one stray slot cannot make the table grow past what the
+    machine holds.
     """
 
     def __init__(self, page_size: int, max_pages: int) -> None:
@@ -180,35 +257,27 @@ class BlockTable:
         self.max_pages = max_pages
         self.capacity = 0
         self.tok = np.zeros((1, page_size), dtype=np.int64)
-        self._row = np.dtype((np.void, 8 * page_size))
-        self._slot_row = np.dtype((np.void, 4 * page_size))
+        self.slots = np.arange(page_size, dtype=np.int32).reshape(1, page_size)
         self.key = np.zeros(1, dtype=np.uint64)
-        self.slots: np.ndarray = np.full((1, page_size), _NO_SLOT, dtype=np.int32)  # spare row
-        self.meta = np.array([[-1, 0, 0, 0, 0, -1]], dtype=np.int64)
-        self._views()
+        self.parent = np.full(1, -1, dtype=np.int64)
+        self.ref = np.zeros(1, dtype=np.int64)
+        self.nchild = np.zeros(1, dtype=np.int64)
+        self.last = np.zeros(1, dtype=np.int64)
+        self.probe = np.zeros(1, dtype=np.int64)
+        self.gen = np.full(1, -1, dtype=np.int64)
+        self.next_gen = 0
         self.page_of: dict[int, int] = {}
         self.free = FreeQueue()
         self.ns: dict[int, Hashable] = {}
-        self.num_locked = 0  # pages whose ref > 0
-        self.max_probe = 0  # the largest probe ever used
-
-    def _views(self) -> None:
-        # Each page's tokens (slots) as one item: rows are written (read) through these as 1-D
-        # fancy indexing, which costs less than that of 2-D rows.
-        self._tok_rows = self.tok.view(self._row).reshape(-1)
-        self.slot_rows = self.slots.view(self._slot_row).reshape(-1)
-        meta = self.meta
-        self.parent, self.ref, self.nchild = meta[:, PARENT], meta[:, REF], meta[:, NCHILD]
-        self.last, self.probe, self.gen = meta[:, LAST], meta[:, PROBE], meta[:, GEN]
+        self.num_locked = 0
+        self.max_probe = 0
 
     def reserve(self, top: int) -> None:
-        """Make room for page ids up to ``top`` (inclusive)."""
+        """Rows for page ids up to ``top`` (inclusive; below ``max_pages``)."""
         if top < self.capacity:
             return
-        # Never past max_pages (``top`` is below it), so that a page id at or past it is always
-        # outside the table, where `block_insert.new_pages` checks it.
-        old, size = self.capacity, max(top + 1, min(max(2 * self.capacity, 64), self.max_pages))
-        ps = self.page_size
+        old = self.capacity
+        size = max(top + 1, min(max(2 * old, 64), self.max_pages))
 
         def grown(a: np.ndarray) -> np.ndarray:
             out = np.empty((size + 1, *a.shape[1:]), dtype=a.dtype)
@@ -216,140 +285,85 @@ class BlockTable:
             out[old:] = a[-1]  # the spare row's values: no block
             return out
 
-        self.tok, self.key, self.meta = grown(self.tok), grown(self.key), grown(self.meta)
-        slots = np.arange((size + 1) * ps, dtype=np.int32).reshape(size + 1, ps)
-        slots[-1] = _NO_SLOT
-        self.slots = slots
+        self.tok, self.key, self.parent = grown(self.tok), grown(self.key), grown(self.parent)
+        self.ref, self.nchild, self.last = grown(self.ref), grown(self.nchild), grown(self.last)
+        self.probe, self.gen = grown(self.probe), grown(self.gen)
+        self.slots = np.arange((size + 1) * self.page_size, dtype=np.int32).reshape(size + 1, -1)
         self.capacity = size
         self.free.reserve(size)
-        self._views()
 
-    def holds(self, pages: np.ndarray) -> np.ndarray:
-        """Which of ``pages`` (``>= 0``) hold a cached block (bool array)."""
-        if len(pages) and pages.max() < self.capacity:
-            held: np.ndarray = self.gen[pages] >= 0
-            return held
-        inside = pages < self.capacity
-        out = np.zeros(len(pages), dtype=bool)
-        out[inside] = self.gen[pages[inside]] >= 0
-        return out
+    # ------------------------------------------------------------ reading
+    def slots_of(self, pages: np.ndarray) -> np.ndarray:
+        """The slots of ``pages`` (int64, cached), page after page: 1-D int32."""
+        return self.slots.take(pages, axis=0).reshape(-1)
 
-    # ------------------------------------------------------------ changes
-    def add(
-        self,
-        pages: np.ndarray,
-        listed: list[int],
-        top: int,
-        keys: Sequence[int] | np.ndarray,
-        probes: list[int] | None,
-        rows: np.ndarray,
-        parent: int,
-        tic: int,
-        extra_key: Hashable,
-        queue: bool = True,
-    ) -> int:
-        """Cache a chain: ``rows[i]`` (int64 tokens) under ``keys[i]`` (already filed in
-        ``page_of``; a list or a ``uint64`` array) on ``pages[i]`` (int64, unused, none twice;
-        ``listed`` the same as a list, ``top`` the largest), the first chaining from page
-        ``parent`` (``-1``: none). The new blocks are free, used at ``tic``, and join the free
-        queue deepest first (not ``queue``: the caller's `release` queues them and marks their
-        use, at ``tic``). Returns their serial."""
-        if top >= self.capacity:
-            self.reserve(top)
-        if rows.flags.c_contiguous:
-            self._tok_rows[pages] = rows.view(self._row).reshape(-1)
-        else:
-            self.tok[pages] = rows
-        self.key[pages] = keys
-        serial = next_serial()
-        # Column by column: a 1-D fancy write costs a third of a row write of the 2-D ``meta``.
-        # A page that holds no block has ref 0 (only free blocks are evicted) and, until a
-        # collision has happened, probe 0.
-        self.gen[pages] = serial
-        if queue:
-            self.last[pages] = tic
-        nchild, first = self.nchild, listed[0]
-        if len(listed) > 1:
-            above = pages[:-1]
-            self.parent[pages[1:]] = above
-            nchild[above] = 1
-        self.parent[first] = parent
-        nchild[listed[-1]] = 0
-        if probes is not None:
-            self.probe[pages] = probes
-        elif self.max_probe:
-            self.probe[pages] = 0
-        if parent >= 0:
-            nchild[parent] = nchild.item(parent) + 1
-        elif extra_key is not None:
-            self.ns[first] = extra_key
-        if queue:
-            self.free.push(pages[::-1], len(listed))
-        return serial
+    def new_pages(self, slots: np.ndarray) -> tuple[np.ndarray, int]:
+        """The pages of new blocks whose slots are ``slots`` (int32, whole blocks), as int64, and
+        the largest (``-1``: none).
 
-    # Along a chain (root first) ref counts never grow (a lock covers a whole chain from its
-    # first block), so a chain's free blocks are a suffix of it: its first block's count says
+        ``ValueError`` naming the slots or the page unless each block's slots are the
+        ``page_size`` consecutive slots of one page ``>= 0`` (the first a multiple of
+        ``page_size``), below ``max_pages``, that holds no cached block and no other new block."""
+        ps = self.page_size
+        pages = np.floor_divide(slots[::ps], ps, dtype=np.int64)
+        if not len(pages):
+            return pages, -1
+        # Usually one comparison: the slot table's rows of these pages are the slots given. (A
+        # negative page reads a row from the end, whose slots are not negative; a page past the
+        # table raises.) Otherwise the checks that name the fault.
+        try:
+            fits = same(self.slots.take(pages, axis=0), slots)
+        except IndexError:
+            fits = False
+        if not fits:
+            if int(slots.min()) < 0:
+                raise ValueError(f"indices must be >= 0, got {int(slots.min())}")
+            check_page_aligned(slots, ps)
+        top = int(pages.max())
+        if top >= self.max_pages:
+            raise ValueError(
+                f"indices: page {top} (slots {top * ps}..{(top + 1) * ps - 1}) is past this "
+                f"manager's max_pages={self.max_pages}: its block table keeps "
+                f"{row_bytes(ps)} bytes for every page id up to the largest cached, so pass "
+                "max_pages (the pool's page count) to cache pages past it"
+            )
+        inside = pages if top < self.capacity else pages[pages < self.capacity]
+        if len(inside) and self.gen[inside].max() >= 0:  # one holds a block (-1: none)
+            page = int(inside[(self.gen[inside] >= 0).argmax()])
+            raise ValueError(
+                f"page {page} (slots {page * ps}..{(page + 1) * ps - 1}) already holds cached "
+                f"block {int(self.key[page]):#018x}; a page can be cached once"
+            )
+        listed = pages.tolist()
+        if len(set(listed)) != len(listed):
+            dup = next(p for p in listed if listed.count(p) > 1)
+            raise ValueError(f"page {dup} appears in more than one new block of this insert")
+        return pages, top
+
+    # Along a chain (first block first) ref counts never grow, as a lock covers a whole chain from
+    # its first block: a chain's free blocks are a suffix of it. Its first block's count says
     # whether any is held, its last one's whether all are, else ``count_nonzero`` finds where.
     def held(self, pages: np.ndarray) -> int:
         """How many blocks of the chain ``pages`` (not empty) are locked: a prefix of it."""
         ref = self.ref
-        if not ref.item(pages.item(0)):  # item(): plain ints, no NumPy scalars
+        if not ref[pages[0]]:
             return 0
-        if ref.item(pages.item(-1)):
+        if ref[pages[-1]]:
             return len(pages)
         return int(np.count_nonzero(ref[pages]))
 
-    def lock(self, pages: np.ndarray) -> None:
-        """``ref += 1`` on every page of a chain (non-empty, root end first, so the first page's
-        count is the largest); those locked for the first time leave the queue."""
-        ref = self.ref
-        if not ref.item(pages.item(0)):  # none is locked: every count goes from 0 to 1
-            ref[pages] = 1  # (a plain write costs half of ``+= 1``)
-            self.free.remove(pages)
-            self.num_locked += len(pages)
-            return
-        held = self.held(pages)
-        ref[pages] += 1
-        if held < len(pages):
-            self.free.remove(pages[held:])
-            self.num_locked += len(pages) - held
+    def unchanged(self, pages: np.ndarray, gens: bytes) -> np.ndarray:
+        """The longest prefix of ``pages`` whose generations are still ``gens`` (their int64
+        bytes, read when they were remembered): the pages that still hold those very blocks."""
+        now, then = self.gen[pages], np.frombuffer(gens, dtype=np.int64)
+        if same(now, then):
+            return pages
+        changed = np.flatnonzero(now != then)
+        return pages[: changed[0]] if len(changed) else pages
 
-    def release(
-        self, pages: np.ndarray, clock: int, chain: np.ndarray | None = None, new: int = 0
-    ) -> None:
-        """``ref -= 1`` on every page of a chain (each locked); those left unlocked join the
-        queue's tail, deepest first, used at ``clock``. ``chain``: ``pages`` followed by ``new``
-        blocks that `add` left out of the queue: they join first, deepest first, in the same
-        run, used at ``clock`` too."""
-        ref = self.ref
-        if ref.item(pages.item(0)) == 1:  # the first block's count is the largest: all are 1
-            ref[pages] = 0
-            n = len(pages)
-        else:
-            ref[pages] -= 1
-            n = len(pages) - self.held(pages)
-        self.num_locked -= n
-        if chain is not None:
-            n += new
-            run = chain[::-1] if n == len(chain) else chain[::-1][:n]  # usually all of it
-        elif n:
-            run = pages[::-1][:n]
-        if n:
-            self.last[run] = clock
-            self.free.push(run, n)
-
-    def use(self, pages: np.ndarray, tic: int) -> None:
-        """Mark a chain used at ``tic``: its free blocks move to the queue's tail, deepest first."""
-        held = self.held(pages) if len(pages) else 0
-        if held < len(pages):
-            idle = pages[: held - 1 if held else None : -1]
-            self.last[idle] = tic
-            self.free.push(idle, 0)
-
-    # ------------------------------------------------------------ reading
-    def keys_of(self, pages: np.ndarray) -> list[int]:
-        out: list[int] = self.key[pages].tolist()
-        return out
+    def hashes_of(self, pages: np.ndarray) -> tuple[int, ...]:
+        """The chained hashes of the blocks on ``pages`` (each key less its probe offset)."""
+        return tuple((self.key[pages] - self.probe[pages].astype(np.uint64)).tolist())
 
     def namespace(self, page: int) -> Hashable:
         """The namespace of the chain through ``page`` (follows parents to its first block)."""
@@ -357,6 +371,14 @@ class BlockTable:
         while parent[page] >= 0:
             page = int(parent[page])
         return self.ns.get(page)
+
+    def prefix_tokens(self, page: int) -> list[int]:
+        """The tokens of the whole prefix ending with the block on ``page``, first block first."""
+        chain = [page]
+        while self.parent[chain[-1]] >= 0:
+            chain.append(int(self.parent[chain[-1]]))
+        tokens: list[int] = self.tok[chain[::-1]].reshape(-1).tolist()
+        return tokens
 
     def snapshot(self, page: int, extra_key: Hashable = None) -> CachedBlock:
         key, probe, up = int(self.key[page]), int(self.probe[page]), int(self.parent[page])
@@ -381,3 +403,225 @@ class BlockTable:
             ns = self.ns.get(page) if up < 0 else spaces.get(up, self.namespace(page))
             spaces[page] = ns
             yield self.snapshot(page, ns)
+
+    # ------------------------------------------------------------ changes
+    def add(
+        self,
+        pages: np.ndarray,
+        top: int,
+        rows: np.ndarray,
+        hashes: Sequence[int],
+        parent: int,
+        tic: int,
+        extra_key: Hashable,
+    ) -> None:
+        """Cache a chain: ``rows[i]`` (int64 tokens) with hash ``hashes[i]`` on ``pages[i]``
+        (checked by `new_pages`; ``top`` the largest), the first chaining from page ``parent``
+        (``-1``: none, then the chain is in namespace ``extra_key``). The new blocks are free,
+        used at ``tic``, and join the tail of the free queue deepest first. Nothing raises.
+
+        Each block is filed under its hash, or, when a cached block or an earlier new one holds
+        that key (a collision), under the next free key (``hash + 1``, ...; its ``probe``)."""
+        self.reserve(top)
+        listed: list[int] = pages.tolist()
+        page_of = self.page_of
+        before = len(page_of)
+        filed = page_of.keys().isdisjoint(hashes)
+        if filed:
+            page_of.update(zip(hashes, listed))  # noqa: B905  (equal lengths)
+            if len(page_of) != before + len(listed):  # two new blocks share a hash: undo
+                for h in hashes:
+                    page_of.pop(h, None)  # every one was a new key
+                filed = False
+        if filed:
+            self.key[pages] = hashes
+            if self.max_probe:  # else no page ever had a probe
+                self.probe[pages] = 0
+        else:
+            self._file_probing(pages, listed, hashes)
+        self.tok[pages] = rows
+        self.parent[pages[1:]] = pages[:-1]
+        self.parent[listed[0]] = parent
+        self.nchild[pages] = 1
+        self.nchild[listed[-1]] = 0
+        self.last[pages] = tic
+        self.gen[pages] = self.next_gen
+        self.next_gen += 1
+        if parent >= 0:
+            self.nchild[parent] += 1
+        elif extra_key is not None:
+            self.ns[listed[0]] = extra_key
+        self.free.push(pages[::-1], len(listed))
+
+    def _file_probing(self, pages: np.ndarray, listed: list[int], hashes: Sequence[int]) -> None:
+        page_of = self.page_of
+        keys, probes = [], []
+        for h, page in zip(hashes, listed, strict=True):
+            key, probe = h, 0
+            while key in page_of:
+                probe += 1
+                key = (h + probe) & _MASK
+            page_of[key] = page
+            keys.append(key)
+            probes.append(probe)
+        self.key[pages] = keys
+        self.probe[pages] = probes
+        self.max_probe = max(self.max_probe, *probes)
+
+    def lock(self, pages: np.ndarray) -> None:
+        """``ref += 1`` on every page of a chain (not empty, first block first); the blocks locked
+        for the first time leave the free queue."""
+        held = self.held(pages)
+        if held:
+            self.ref[pages] += 1
+        else:  # none is locked (the usual case): every count goes from 0 to 1
+            self.ref[pages] = 1
+        if held < len(pages):
+            self.free.remove(pages[held:])
+            self.num_locked += len(pages) - held
+
+    def release(self, pages: np.ndarray, tic: int) -> None:
+        """``ref -= 1`` on every page of a chain (each locked); those left unlocked join the tail
+        of the free queue, deepest first, used at ``tic``."""
+        if self.ref[pages[0]] == 1:  # the first block's count is the largest: all go to 0
+            self.ref[pages] = 0
+            n = len(pages)
+        else:
+            self.ref[pages] -= 1
+            n = len(pages) - self.held(pages)
+        if n:
+            run = pages[: -n - 1 : -1]
+            self.last[run] = tic
+            self.free.push(run, n)
+            self.num_locked -= n
+
+    def use(self, pages: np.ndarray, tic: int) -> None:
+        """Mark a chain used at ``tic``: its free blocks move to the tail of the queue, deepest
+        first (its locked ones are not queued)."""
+        n = len(pages) - self.held(pages) if len(pages) else 0
+        if n:
+            run = pages[: -n - 1 : -1]
+            self.last[run] = tic
+            self.free.push(run, 0)
+
+    def evict(self, n: int) -> np.ndarray:
+        """Evict the ``n`` blocks at the head of the free queue (``0 < n <= free.size``) and
+        return their pages, in queue order (read-only, valid until the queue changes): out of the
+        queue, the key index and the table; their parents that stay lose a child.
+
+        ``RuntimeError``, changing nothing, if a victim still has a child that is not a victim
+        (the queue's order rules it out; this is the check that it held)."""
+        pages, lo = self.free.head(n)
+        parent, ref, nchild = self.parent, self.ref, self.nchild
+        ups = parent[pages]
+        # Usually the victims are one chain, deepest block first: each one's parent is the next
+        # victim, and each has one child, the victim before it, but the first, a leaf.
+        if same(ups[:-1], pages[1:]) and nchild[pages].tobytes() == _LEAF + _ONE * (n - 1):
+            stay = ups[-1:]
+        else:  # mark the victims (free: their counts are 0) to see whose parent is one
+            ref[pages] = -1
+            up_is_victim = ref[ups] == -1  # (a first block's parent -1 reads the spare row: 0)
+            ref[pages] = 0
+            # The victims chaining from a victim are among its children: equal totals mean all.
+            if np.count_nonzero(up_is_victim) != int(nchild[pages].sum()):
+                victims = pages.tolist()
+                page = next(p for p in victims if nchild[p] != ups.tolist().count(p))
+                raise RuntimeError(
+                    f"internal error: free block {int(self.key[page]):#018x} would be evicted "
+                    f"before its {int(nchild[page])} children; nothing was evicted"
+                )
+            stay = ups[~up_is_victim]
+        self.gen[pages] = -1
+        self.free.drop(pages, lo)
+        page_of = self.page_of
+        for key in self.key[pages].tolist():
+            del page_of[key]
+        if self.ns:
+            for page in pages[ups == -1].tolist():
+                self.ns.pop(page, None)
+        for up in stay.tolist():  # parents that stay (-1: none)
+            if up >= 0:
+                nchild[up] -= 1
+        return pages
+
+    # ------------------------------------------------------------ integrity
+    def check(self) -> None:
+        """``RuntimeError`` on the first fault of the table's own bookkeeping: the key index
+        against the rows, the parents, the child counts, the free queue (its pages, its order:
+        least recently used first, a block before its parent), the lock counts along chains
+        and ``num_locked``."""
+        cached = set(np.flatnonzero(self.gen[: self.capacity] >= 0).tolist())
+        listed = list(self.page_of.values())
+        if set(listed) != cached or len(listed) != len(cached):
+            raise RuntimeError(f"{len(listed)} pages recorded for {len(cached)} blocks")
+        if self.tok.shape[1] != self.page_size:
+            raise RuntimeError(f"tokens stored {self.tok.shape[1]} a block, not {self.page_size}")
+        children = dict.fromkeys(cached, 0)
+        for key, page in self.page_of.items():
+            up = int(self.parent[page])
+            if int(self.key[page]) != key:
+                raise RuntimeError(f"block {key:#018x}: filed under the wrong key")
+            if up >= 0 and up not in cached:
+                raise RuntimeError(f"block {key:#018x}: parent on page {up} is not cached")
+            if not 0 <= self.probe[page] <= self.max_probe:
+                raise RuntimeError(
+                    f"block {key:#018x}: probe {int(self.probe[page])} outside "
+                    f"[0, {self.max_probe}]"
+                )
+            if up >= 0:
+                children[up] += 1
+                if self.ref[up] < self.ref[page]:
+                    raise RuntimeError(
+                        f"block {key:#018x}: ref_count {int(self.ref[page])} exceeds its "
+                        f"parent's {int(self.ref[up])}"
+                    )
+        for page, n in children.items():
+            if self.nchild[page] != n:
+                raise RuntimeError(
+                    f"block {int(self.key[page]):#018x}: records {int(self.nchild[page])} "
+                    f"children, has {n}"
+                )
+        for page in self.ns:
+            if page not in cached or self.parent[page] >= 0:
+                raise RuntimeError(f"namespace recorded for page {page}, not a cached first block")
+        self._check_queue(cached)
+
+    def _check_queue(self, cached: set[int]) -> None:
+        free = self.free
+        queue: list[int] = free.pages().tolist()
+        marked = int(np.count_nonzero(free.where >= 0))
+        if not len(queue) == len(set(queue)) == marked == free.size:
+            raise RuntimeError(
+                f"free queue: {len(queue)} pages listed ({len(set(queue))} distinct), "
+                f"{marked} marked queued, {free.size} counted"
+            )
+        extra = [p for p in queue if p not in cached]
+        if extra:
+            raise RuntimeError(
+                f"free queue holds {len(extra)} pages that are not cached: {extra[:4]}"
+            )
+        queued = set(queue)
+        locked = 0
+        for page in cached:
+            ref = int(self.ref[page])
+            if ref < 0:
+                raise RuntimeError(f"block {int(self.key[page]):#018x}: negative ref_count {ref}")
+            if (ref == 0) != (page in queued):
+                where = "in" if page in queued else "not in"
+                raise RuntimeError(
+                    f"block {int(self.key[page]):#018x}: ref_count {ref} but {where} the free queue"
+                )
+            locked += ref > 0
+        if locked != self.num_locked:
+            raise RuntimeError(f"recorded {self.num_locked} locked blocks, counted {locked}")
+        uses = self.last[queue]
+        if len(queue) > 1 and (uses[1:] < uses[:-1]).any():
+            page = queue[int((uses[1:] < uses[:-1]).argmax()) + 1]
+            raise RuntimeError(f"free queue out of LRU order at page {page}")
+        position = {p: i for i, p in enumerate(queue)}
+        for i, page in enumerate(queue):
+            if position.get(int(self.parent[page]), i) < i:
+                raise RuntimeError(
+                    f"block on page {page} is queued after its parent: the parent would be "
+                    "evicted first"
+                )
