@@ -10,7 +10,9 @@
 shape with the translation under each ``@@ N``; ``=`` means "the same as the English" (a name,
 a formula). It refuses a file whose numbers do not match the catalog's entries, clears the
 fuzzy flag of what it fills, and escapes a translation that would start a list (``1. ``,
-``- ``): Sphinx would parse such a msgstr as a list and silently keep the English.
+``- ``): Sphinx would parse such a msgstr as a list and silently keep the English. It also
+spaces ``**`` where a CJK character meets a role or code span, which CommonMark would not
+read as bold.
 tests/test_zh_edition.py checks the result (code spans, roles, math, terminology).
 """
 
@@ -38,6 +40,16 @@ def escape_block_start(text: str) -> str:
         return f"\\{m.group(6)}{m.group(7)}"
 
     return LIST_START.sub(repl, text, count=1)
+
+
+#: `**` next to a CJK character on one side and punctuation (a role's backtick, a brace) on the
+#: other is not a delimiter in CommonMark, and renders as two asterisks: a space makes it one.
+_OPEN_BOLD = re.compile(r"([\u4e00-\u9fff])(\*\*)(?=[{`])")
+_CLOSE_BOLD = re.compile(r"(?<=`)(\*\*)([\u4e00-\u9fff])")
+
+
+def space_bold(text: str) -> str:
+    return _CLOSE_BOLD.sub(r"\1 \2", _OPEN_BOLD.sub(r"\1 \2", text))
 
 
 def load(page: str):
@@ -109,7 +121,7 @@ def fill(page: str, path: Path) -> int:
             text = message.id
         elif not message.id.startswith("\n"):  # display math keeps its line breaks
             text = " ".join(text.split("\n")) if "\n" in text else text
-            text = escape_block_start(text)
+            text = space_bold(escape_block_start(text))
         message.string = text
         message.flags.discard("fuzzy")
         message.previous_id = ()
