@@ -238,6 +238,9 @@ def _language_switch(app, pagename, templatename, context, doctree) -> None:
 _PREFIX = re.compile(r"^(\s*(?:(?:#{1,6}|[-*+]|\d+[.)]|>)\s+)*)")
 _FENCE_TITLE = re.compile(r"^(\s*(?::{3,}|`{3,})\{[\w:-]+\}\s+)(.+)$")
 _FENCE = re.compile(r"^\s*(`{3,}|:{3,})")
+_HEADING = re.compile(r"^(\s*#{1,6}\s+)")
+#: A line that ends the paragraph above it (CommonMark: only a list starting at 1 interrupts).
+_INTERRUPTS = re.compile(r"^\s*(?:#{1,6}|[-*+]|1[.)]|>)\s")
 
 
 def _messages(catalog: gettext.NullTranslations) -> dict[str, str]:
@@ -248,11 +251,12 @@ def _messages(catalog: gettext.NullTranslations) -> dict[str, str]:
 def translate_markdown(source: str, messages: dict[str, str]) -> str:
     """A markdown cell with every block whose English is a catalog entry replaced by its
     translation: paragraphs (their lines joined as Sphinx joins them), headings, list items,
-    admonition titles, table cells and display math; code fences left as they are."""
+    admonition titles and bodies, table cells and display math; code blocks left as they are."""
     lines = source.split("\n")
     out: list[str] = []
     i = 0
     in_code: str | None = None
+    directives: list[str] = []  # the fences of the directives (admonitions) now open
     while i < len(lines):
         line = lines[i]
         fence = _FENCE.match(line)
@@ -266,16 +270,23 @@ def translate_markdown(source: str, messages: dict[str, str]) -> str:
                 in_code = None
             i += 1
             continue
-        if fence and "{" not in line:  # a plain code block: nothing to translate inside
-            in_code = fence.group(1)
+        if fence and fence.group(1)[0] == "`" and "`" in line[fence.end() :]:
+            fence = None  # a backtick in the info string: not a fence (CommonMark), a paragraph
+        if fence and "{" in line:  # a directive opens: its body is Markdown
+            directives.append(fence.group(1))
+            titled = _FENCE_TITLE.match(line)
+            if titled:
+                title = titled.group(2).strip()
+                line = titled.group(1) + messages.get(title, title)
             out.append(line)
             i += 1
             continue
-        titled = _FENCE_TITLE.match(line)
-        if titled:
-            out.append(
-                titled.group(1) + messages.get(titled.group(2).strip(), titled.group(2))
-            )
+        if fence:
+            if directives and line.strip() == directives[-1]:  # ... and closes
+                directives.pop()
+            else:  # a plain code block: nothing to translate inside
+                in_code = fence.group(1)
+            out.append(line)
             i += 1
             continue
         if line.strip() == "$$":
@@ -297,28 +308,34 @@ def translate_markdown(source: str, messages: dict[str, str]) -> str:
             )
             i += 1
             continue
-        prefix = _PREFIX.match(line).group(1)
-        text = line[len(prefix) :].strip()
-        best: tuple[int, str] | None = None
-        for j in range(i, min(len(lines), i + 80)):
-            if j > i:
-                nxt = lines[j]
-                if (
-                    not nxt.strip()
-                    or _PREFIX.match(nxt).group(1).strip()
-                    or _FENCE.match(nxt)
-                ):
-                    break
-                text += " " + nxt.strip()
-            if text in messages:
-                best = (j, text)
-        if best is None:
+        heading = _HEADING.match(line)
+        prefixes = [heading.group(1)] if heading else []
+        prefixes += [
+            m.group(0) for m in [_PREFIX.match(line)] if m.group(0) not in prefixes
+        ]
+        done = False
+        for (
+            prefix
+        ) in prefixes:  # "### 1. Title": the heading's marker only, then every marker
+            text = line[len(prefix) :].strip()
+            best: tuple[int, str] | None = None
+            for j in range(i, min(len(lines), i + 80)):
+                if j > i:
+                    nxt = lines[j]
+                    if not nxt.strip() or _INTERRUPTS.match(nxt) or _FENCE.match(nxt):
+                        break
+                    text += " " + nxt.strip()
+                if text in messages:
+                    best = (j, text)
+            if best is not None:
+                j, text = best
+                out.append(prefix + messages[text])
+                i = j + 1
+                done = True
+                break
+        if not done:
             out.append(line)
             i += 1
-            continue
-        j, text = best
-        out.append(prefix + messages[text])
-        i = j + 1
     return "\n".join(out)
 
 
