@@ -73,13 +73,18 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 # --------------------------------------------------------------------------- the book
-# The English site, then the Chinese edition into _build/html/zh from the same sources and
-# locale/'s catalogs (scripts/zh_book.py; both with warnings as errors).
+# The English site, and at the same time (Sphinx reads on one core) the Chinese edition into
+# _build/html/zh from the same sources and locale/'s catalogs (scripts/zh_book.py; its log is
+# printed after the English one). Both with warnings as errors; either failing fails the target.
 book: setup
 	$(PY) scripts/check_notebooks.py
 	rm -rf _build/html _build/.doctrees
-	$(VENV)/bin/jupyter-book build . --builder html --warningiserror --keep-going
-	$(PY) scripts/zh_book.py html
+	@mkdir -p _build; rc=0; \
+	$(PY) scripts/zh_book.py html > _build/zh-book.log 2>&1 & zh=$$!; \
+	echo "building the Chinese edition in the background (log: _build/zh-book.log)"; \
+	$(VENV)/bin/jupyter-book build . --builder html --warningiserror --keep-going || rc=$$?; \
+	wait $$zh || { rc=1; echo "the Chinese edition failed:"; }; \
+	cat _build/zh-book.log; exit $$rc
 
 # After an English edit: extract every page's text (gettext builder) and update the catalogs
 # (sphinx-intl): a changed paragraph becomes fuzzy, a new one empty, and tests/test_zh_edition.py

@@ -98,6 +98,22 @@ def _configure(app, config) -> None:
         "dict": str(userdict),
     }
     _mainland_theme_strings(config.language)
+    config.html_title = _site_title(config)
+
+
+def _site_title(config) -> str:
+    """The site's title (the sidebar's heading, every tab's title) as the landing page's
+    catalog translates it: it is the landing page's title too."""
+    from babel.messages.pofile import read_po
+
+    po = LOCALE / config.language / "LC_MESSAGES" / (config.root_doc + ".po")
+    if not po.exists():
+        return config.html_title
+    with po.open("rb") as f:
+        message = read_po(f).get(config.html_title)
+    return (
+        message.string if message is not None and message.string else config.html_title
+    )
 
 
 def _mainland_theme_strings(language: str) -> None:
