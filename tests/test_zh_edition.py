@@ -408,6 +408,24 @@ def test_toc_captions_and_landing_note_are_chinese():
 
 
 @needs_zh
+def test_figure_captions_are_chinese():
+    """The captions the cells' figures carry (kvcache.viz writes them; the catalogs hold them,
+    book/_ext/zh_edition.py swaps them in) read in Chinese on the zh pages."""
+    caption = re.compile(r"<figcaption\b[^>]*>(.*?)</figcaption>", re.S)
+    found, english = 0, []
+    for page in toc_html():
+        for inner in caption.findall((ZH / page).read_text(encoding="utf-8")):
+            text = re.sub(r"<[^>]+>", "", inner)
+            if not re.search(r"[A-Za-z]{3}", text):
+                continue
+            found += 1
+            if not re.search(r"[\u4e00-\u9fff]", text):
+                english.append(f"{page}: {text[:70]!r}")
+    assert found >= 50, f"expected the chapters' figure captions, found {found}"
+    assert not english, f"figure captions left in English: {english}"
+
+
+@needs_zh
 def test_download_gives_a_chinese_notebook():
     bad = []
     for page in toc_html():
