@@ -403,8 +403,10 @@ def test_toc_captions_and_landing_note_are_chinese():
     english = [c for c in captions if c in parts]
     assert not english, f"toc captions left in English on the zh site: {english}"
     assert "kv-edition-note" in html and "保持英文" in html, "the landing note is missing"
-    title = re.search(r"<title>(.*?)</title>", html, re.S).group(1)
-    assert "KV 缓存管理" in title, f"the site's title is not Chinese: {title!r}"
+    page = (ZH / "book" / "03_request_life.html").read_text(encoding="utf-8")
+    title = re.search(r"<title>(.*?)</title>", page, re.S).group(1)
+    logo = re.search(r'logo__title">(.*?)<', page, re.S).group(1)
+    assert "KV 缓存管理" in title and "KV 缓存管理" in logo, f"site title not Chinese: {title!r}"
 
 
 @needs_zh

@@ -426,7 +426,8 @@ def _write_zh_notebooks(app, exception) -> None:
 
 
 def setup(app):
-    app.connect("config-inited", _configure)
+    # after sphinx-external-toc (priority 900) has set root_doc from the toc
+    app.connect("config-inited", _configure, priority=950)
     app.connect("doctree-read", _keep_out_of_catalogs)
     # before the toc collector (priority 500) reads the captions for the sidebar
     app.connect("doctree-read", _translate_toc_captions, priority=400)
