@@ -181,3 +181,170 @@ def test_chapters_use_only_public_names():
         x for f in broken.values() for x in f
     )
     assert not stale, f"these chapters use only public names now; drop them from the list: {stale}"
+
+
+# ------------------------------------------------------------ the apparatus (issue 28)
+# Each rule below lists the chapters that do not keep it yet; a chapter leaves its list when it
+# does, and an entry that keeps the rule fails as stale, so the lists only shrink.
+
+
+def _toc_order() -> list[str]:
+    """The numbered chapters in the toc's order."""
+    toc = yaml.safe_load((REPO / "_toc.yml").read_text())
+    return [
+        Path(ch["file"]).name
+        for part in toc["parts"]
+        if part.get("numbered")
+        for ch in part["chapters"]
+    ]
+
+
+def _check_rule(rule: str, broken: dict[str, str], waived: set[str]) -> None:
+    unexpected = {n: why for n, why in broken.items() if n not in waived}
+    stale = sorted(waived - set(broken))
+    assert not unexpected, f"{rule}:\n" + "\n".join(f"{n}: {w}" for n, w in unexpected.items())
+    assert not stale, f"{rule}: these chapters keep the rule now; take them off its list: {stale}"
+
+
+#: Chapters without a "Before you start" admonition (prerequisites) among their first cells.
+NO_PREREQUISITES_YET = {
+    "04_integrity", "09_naive_manager", "10_radix_tree", "11_lock_evict", "12_workloads",
+    "12b_block_hash", "13_tiny_model", "14_scheduling", "15_explorer", "16_isolation",
+    "17_routing", "18_host_tier",
+}  # fmt: skip
+
+
+def test_every_chapter_says_what_it_needs_first():
+    """A "Before you start" admonition among the first four markdown cells names the chapters
+    (``{chapter}`` roles) or the background a reader needs, so the path has no hidden step."""
+    broken = {}
+    for name in _toc_order():
+        md = ["".join(c["source"]) for c in _cells(name) if c["cell_type"] == "markdown"][:4]
+        block = re.search(r"```\{admonition\} Before you start\n(.*?)```", "\n".join(md), re.S)
+        if not block or len(block.group(1).split()) < 4:
+            broken[name] = "no 'Before you start' admonition with its prerequisites"
+    _check_rule("prerequisites", broken, NO_PREREQUISITES_YET)
+
+
+#: Chapters without their 2-4 numbered exercises in the book's form yet.
+NO_EXERCISES_YET = {
+    "04_integrity", "09_naive_manager", "10_radix_tree", "11_lock_evict", "12_workloads",
+    "12b_block_hash", "13_tiny_model", "14_scheduling", "15_explorer", "16_isolation",
+    "17_routing", "18_host_tier",
+}  # fmt: skip
+
+
+def _exercise_problems(cells: list[dict]) -> str | None:
+    """Why the chapter's ``## Exercises`` section is not in the book's form (None: it is).
+
+    The form: 2-4 ``### Exercise N: title`` subsections numbered 1, 2, ...; in each, a code
+    exercise gives the reader a visible stub that raises ``NotImplementedError`` and keeps its
+    solution in a later cell tagged ``hide-input`` (never the answer hidden in the reader's own
+    cell); a written exercise's answer sits in a ``dropdown`` admonition."""
+    start = next(
+        (i for i, c in enumerate(cells) if c["cell_type"] == "markdown"
+         and re.search(r"^## Exercises\s*$", "".join(c["source"]), re.M)),
+        None,
+    )  # fmt: skip
+    if start is None:
+        return "no '## Exercises' section"
+    section, numbers = [], []
+    for c in cells[start:]:
+        src = "".join(c["source"])
+        if c is not cells[start] and c["cell_type"] == "markdown" and re.search(r"^## ", src, re.M):
+            break
+        section.append(c)
+        numbers += [int(n) for n in re.findall(r"^### Exercise (\d+)\b", src, re.M)]
+    if not 2 <= len(numbers) <= 4 or numbers != list(range(1, len(numbers) + 1)):
+        return f"exercises numbered {numbers} (want 2-4, numbered 1, 2, ...)"
+    stub_seen = False
+    for c in section:
+        if c["cell_type"] == "markdown" and re.search(r"^### Exercise", "".join(c["source"]), re.M):
+            stub_seen = False
+        if c["cell_type"] != "code":
+            continue
+        src, tags = "".join(c["source"]), set(c["metadata"].get("tags", []))
+        hidden = bool(tags & {"hide-input", "hide-cell"})
+        if "raise NotImplementedError" in src:
+            if hidden:
+                return "a stub the reader must fill in is hidden"
+            stub_seen = True
+        elif hidden and not stub_seen:
+            return "a hidden cell answers an exercise that gives the reader no stub"
+    return None
+
+
+def test_every_chapter_ends_with_numbered_exercises():
+    broken = {
+        name: why for name in _toc_order() if (why := _exercise_problems(_cells(name))) is not None
+    }
+    _check_rule("exercises", broken, NO_EXERCISES_YET)
+
+
+#: Chapters from the block-hash chapter on without a "Where real servers differ" box yet.
+NO_SERVER_BOX_YET = {
+    "12b_block_hash", "13_tiny_model", "14_scheduling", "15_explorer", "16_isolation",
+    "17_routing", "18_host_tier",
+}  # fmt: skip
+# A file of a real server's code, and the version or commit it was read at.
+_CITED_FILE = re.compile(r"[\w./-]+\.(?:py|cc|cpp|cu|h|rs)\b")
+_CITED_VERSION = re.compile(r"\bv?\d+\.\d+(?:\.\d+)?\b|\b[0-9a-f]{7,40}\b")
+
+
+def test_chapters_past_the_source_say_where_real_servers_differ():
+    """From the block-hash chapter on, a "Where real servers differ" admonition lists where the
+    package departs from SGLang, vLLM or mini-sglang, citing the file and version checked."""
+    order = _toc_order()
+    broken = {}
+    for name in order[order.index("12b_block_hash") :]:
+        md = "\n".join("".join(c["source"]) for c in _cells(name) if c["cell_type"] == "markdown")
+        box = re.search(r"```\{admonition\} Where real servers differ\n(.*?)\n```", md, re.S)
+        if not box:
+            broken[name] = "no 'Where real servers differ' admonition"
+        elif not (_CITED_FILE.search(box.group(1)) and _CITED_VERSION.search(box.group(1))):
+            broken[name] = "its 'Where real servers differ' box cites no file and version"
+    _check_rule("where real servers differ", broken, NO_SERVER_BOX_YET)
+
+
+#: Chapters whose code still edits ``sys.path`` or imports from ``benchmarks/``.
+READS_BENCHMARKS_YET = {"11_lock_evict", "12b_block_hash"}
+
+
+def test_no_chapter_reaches_outside_the_package():
+    """A learner's copy of a cell works wherever the package is installed: no cell edits
+    ``sys.path`` or imports from the repository's ``benchmarks/`` (drivers a chapter needs live
+    in the package)."""
+    broken = {}
+    for name in _toc_order():
+        for i, c in enumerate(_cells(name)):
+            src = "".join(c["source"])
+            if c["cell_type"] == "code" and re.search(r"sys\.path|\bbenchmarks\b", src):
+                broken[name] = f"cell {i} edits sys.path or imports from benchmarks/"
+                break
+    _check_rule("no reach outside the package", broken, READS_BENCHMARKS_YET)
+
+
+def test_the_exercise_rule_catches_what_it_should():
+    def md(s: str) -> dict:
+        return {"cell_type": "markdown", "source": [s], "metadata": {}}
+
+    def code(s: str, *tags: str) -> dict:
+        return {"cell_type": "code", "source": [s], "metadata": {"tags": list(tags)}}
+
+    good = [
+        md("## Exercises\n\n### Exercise 1: count\nHow many?"),
+        md("```{admonition} Answer\n:class: dropdown\nSix.\n```"),
+        md("### Exercise 2: write it"),
+        code("def f():\n    raise NotImplementedError"),
+        code("check(f)"),
+        code("def f():\n    return 1", "hide-input"),
+        md("## Summary"),
+    ]
+    assert _exercise_problems(good) is None
+    hidden_answer = [*good[:3], code("answer = 17", "hide-input"), good[-1]]
+    assert "no stub" in _exercise_problems(hidden_answer)
+    hidden_stub = [*good[:3], code("raise NotImplementedError", "hide-input"), good[-1]]
+    assert "is hidden" in _exercise_problems(hidden_stub)
+    assert "numbered [1]" in _exercise_problems([good[0], good[-1]])
+    assert "numbered [1, 3]" in _exercise_problems([good[0], md("### Exercise 3: x"), good[-1]])
+    assert _exercise_problems([md("## Summary")]) == "no '## Exercises' section"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -156,3 +158,24 @@ def test_request_steps_refuse_bad_events():
 def test_svg_is_the_same_on_every_call():
     fig = draw_tp_heads()
     assert fig._repr_svg_() == fig._repr_svg_()
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.text(alphabet="$\\^_{}ab1 ", min_size=1, max_size=12))
+def test_request_step_details_are_drawn_as_written(detail):
+    """An event detail holding ``$...$``, ``\\`` or ``^`` is text, not mathtext: the diagram
+    renders (matplotlib raised on unbalanced ``$`` before) and shows it verbatim."""
+    _flow, events = _one_request_events()
+    events = [dataclasses.replace(e, detail=detail) if e.step == 3 else e for e in events]
+    fig = draw_request_steps(events)
+    assert detail in fig.labels()
+    assert fig._repr_svg_().startswith("<")  # drawn to the end
+
+
+@pytest.mark.parametrize("kind", ['tree" onload="x', "Tree", "", "a b", 3, "-x"])
+def test_figure_kind_must_be_a_css_name(kind):
+    from kvcache.viz.figure import figure_html
+
+    with pytest.raises(ValueError, match="kind must be a CSS class name"):
+        figure_html("<p>x</p>", "caption", kind)
+    assert 'class="kv-figure kv-step-2"' in figure_html("<p>x</p>", "c", "step-2")

@@ -379,6 +379,20 @@ def test_no_reach_into_private_attributes_of_other_modules():
     _check_rule("private_attributes", found)
 
 
+def test_no_check_vanishes_under_python_O():
+    """``python -O`` strips ``assert`` statements and makes ``__debug__`` false: the package
+    has neither, so every check a caller can trigger runs the same with and without ``-O``
+    (which `make test` also shows by running the misuse tests under ``-O``)."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Assert) or (
+                isinstance(node, ast.Name) and node.id == "__debug__"
+            ):
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+    assert not found, f"assert or __debug__ in the package (raise an error instead): {found}"
+
+
 def test_import_kvcache_loads_nothing_heavy():
     code = (
         "import sys, kvcache\n"

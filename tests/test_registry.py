@@ -82,6 +82,8 @@ def test_a_name_must_be_a_str(bad):
         Registry("thing").register(bad)
     with pytest.raises(TypeError, match="must be a str"):
         Registry(bad)
+    with pytest.raises(TypeError, match=f"got {type(bad).__name__}"):
+        SUPPORTED_CACHE_MANAGER.assert_supported(bad)  # not "'NoneType' object is not iterable"
 
 
 def test_register_files_and_returns_the_item():

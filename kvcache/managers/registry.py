@@ -88,8 +88,23 @@ class Registry(Generic[T]):
         return list(self._items)
 
     def assert_supported(self, names: str | Iterable[str]) -> None:
-        """`RegistryError` naming the first of ``names`` (one name or several) not registered."""
-        for name in [names] if isinstance(names, str) else list(names):
+        """`RegistryError` naming the first of ``names`` (one name or several) not registered;
+        ``TypeError`` naming what was given when ``names`` is neither a ``str`` nor an iterable
+        of them."""
+        if isinstance(names, str):
+            self[names]
+            return
+        given: object = names  # a caller may pass anything: checked here
+        try:
+            if isinstance(given, (bytes, bytearray)):  # iterable, but of ints
+                raise TypeError
+            listed = list(names)
+        except TypeError:
+            raise TypeError(
+                f"names must be a str or an iterable of str, got {type(names).__name__}: "
+                f"{names!r:.60}"
+            ) from None
+        for name in listed:
             self[name]
 
     def __repr__(self) -> str:

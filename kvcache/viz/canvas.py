@@ -59,6 +59,7 @@ def put_text(
 ) -> Text:
     kw.setdefault("ha", "center")
     kw.setdefault("va", "center")
+    kw.setdefault("parse_math", False)  # text is drawn as written: "$5" is not mathtext
     return ax.text(x, y, s, fontsize=size, color=color, family=FONT, **kw)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -23,11 +24,20 @@ from .text import one_line
 
 __all__ = ["figure_html", "captioned", "CaptionedPlot", "tree_caption", "look_for"]
 
+_CSS_NAME = re.compile(r"[a-z][a-z0-9-]*")
+
 
 def figure_html(body: str, caption: str, kind: str = "tree") -> str:
     """``<figure class="kv-figure kv-{kind}">``: ``body`` (HTML, inserted as is) in a
     ``<div class="kv-figure-body">``, then ``caption`` (plain text, escaped) as its
-    ``<figcaption>``. The website numbers these figures per page ("Figure 3")."""
+    ``<figcaption>``. The website numbers these figures per page ("Figure 3").
+
+    ``kind`` names a CSS class: lower-case letters, digits and ``-``, starting with a letter
+    (``ValueError`` naming it otherwise, so nothing unescaped reaches the attribute)."""
+    if not isinstance(kind, str) or not _CSS_NAME.fullmatch(kind):
+        raise ValueError(
+            f"kind must be a CSS class name ([a-z][a-z0-9-]*, as 'tree' or 'plot'), got {kind!r}"
+        )
     text = html.escape(one_line(caption)) if caption else ""
     cap = f'<figcaption class="kv-caption">{text}</figcaption>' if text else ""
     return (
