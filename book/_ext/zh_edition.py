@@ -20,6 +20,9 @@ and Jupyter Book 1 do not do by themselves:
 - the captions of the figures the cells draw (prose, but outputs, which Sphinx does not
   extract): ``scripts/zh_book.py`` adds them to the page's catalog, and they are translated
   in the zh pages' HTML;
+- glued values (``{glue:text}``) in translated paragraphs: Sphinx parses a translation as a
+  document of its own, where myst-nb finds no glue data; the lookup falls back to the page's
+  notebook;
 - the notebook behind a Chinese page's download button has Chinese markdown cells, made at
   build time from the English notebook and the page's catalog (the notebooks are not
   committed twice).
@@ -102,6 +105,54 @@ def _configure(app, config) -> None:
     }
     _mainland_theme_strings(config.language)
     config.html_title = _site_title(config)
+    _glue_in_translations()
+
+
+def _glue_in_translations() -> None:
+    """Let a translated paragraph paste glued values ({glue:text}`key`) like the English one.
+
+    Sphinx parses each translation as a document of its own, which lacks the notebook renderer
+    where myst-nb looks glue data up, so the role would warn "No key ... found". Here the
+    lookup falls back to the page's notebook: its outputs hold the glued values (the same ones
+    the English page pastes)."""
+    import nbformat
+    from myst_nb.core.variables import VariableOutput
+    from myst_nb.ext.glue import directives, extract_glue_data_cell, roles, utils
+
+    original = getattr(
+        utils.retrieve_glue_data, "__wrapped__", utils.retrieve_glue_data
+    )
+    glued: dict[tuple[Path, float], dict] = {}
+
+    def retrieve(document, key):
+        env = getattr(document.settings, "env", None)
+        if "nb_renderer" in document or env is None or not env.docname:
+            return original(document, key)
+        path = Path(env.doc2path(env.docname))
+        if path.suffix != ".ipynb":
+            return original(document, key)
+        stamp = (path, path.stat().st_mtime)
+        if stamp not in glued:
+            notebook = nbformat.read(path, as_version=4)
+            glued[stamp] = {
+                name: output
+                for cell in notebook.cells
+                if cell.cell_type == "code"
+                for name, output in extract_glue_data_cell(cell)
+            }
+        found = glued[stamp].get(key)
+        if found is None:
+            return original(document, key)
+        return VariableOutput(
+            data=found["data"],
+            metadata=found.get("metadata", {}),
+            nb_renderer=None,
+            vtype="glue",
+        )
+
+    retrieve.__wrapped__ = original
+    for module in (utils, roles, directives):
+        module.retrieve_glue_data = retrieve
 
 
 def _site_title(config) -> str:
