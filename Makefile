@@ -1,5 +1,6 @@
 # kvcache: the package and its executable book.
-#   make book     build the website into _build/html (warnings are errors)
+#   make book     build the website into _build/html, its Chinese edition into _build/html/zh
+#   make catalogs after an English edit: extract the text and update locale/'s catalogs
 #   make test     build the book, lint, run every test and re-execute every chapter (nbval)
 #   make refresh  re-execute every chapter in place (after changing the package)
 #   make lab      open the chapters in JupyterLab (the venv's python3 kernel, live widgets)
@@ -40,17 +41,20 @@ NBVAL_FLAGS := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_san
 .PHONY: help setup system-deps book test refresh clean distclean gpu-record
 
 help:
-	@sed -n '2,10p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '2,11p' Makefile | sed 's/^# \{0,1\}//'
 
 # --------------------------------------------------------------------------- set-up
 setup: system-deps $(STAMP)
 
 # graphviz's `dot` draws the radix trees, in the one font they name ("DejaVu Sans", which the
-# website also serves: book/_static/fonts); Chromium runs the website tests (tests/test_site*.py).
+# website also serves: book/_static/fonts); Chromium runs the website tests (tests/test_site*.py),
+# which lay out the Chinese edition's pages with a CJK font (WenQuanYi Micro Hei, 4 MB) as a
+# reader's browser would with its own.
 system-deps:
 	@missing=""; \
 	command -v dot >/dev/null 2>&1 || missing="$$missing graphviz"; \
 	[ -n "$$(fc-list ':family=DejaVu Sans' family 2>/dev/null)" ] || missing="$$missing fonts-dejavu-core fontconfig"; \
+	[ -n "$$(fc-list ':lang=zh-cn' family 2>/dev/null)" ] || missing="$$missing fonts-wqy-microhei"; \
 	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
 	$(PYTHON) -c 'import ensurepip, venv' >/dev/null 2>&1 || missing="$$missing python3-venv"; \
 	if [ -n "$$missing" ]; then \
@@ -67,10 +71,25 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 # --------------------------------------------------------------------------- the book
+# The English site, and at the same time (Sphinx reads on one core) the Chinese edition into
+# _build/html/zh from the same sources and locale/'s catalogs (scripts/zh_book.py; its log is
+# printed after the English one). Both with warnings as errors; either failing fails the target.
 book: setup
 	$(PY) scripts/check_notebooks.py
 	rm -rf _build/html _build/.doctrees
-	$(VENV)/bin/jupyter-book build . --builder html --warningiserror --keep-going
+	@mkdir -p _build; rc=0; \
+	$(PY) scripts/zh_book.py html > _build/zh-book.log 2>&1 & zh=$$!; \
+	echo "building the Chinese edition in the background (log: _build/zh-book.log)"; \
+	$(VENV)/bin/jupyter-book build . --builder html --warningiserror --keep-going || rc=$$?; \
+	wait $$zh || { rc=1; echo "the Chinese edition failed:"; }; \
+	cat _build/zh-book.log; exit $$rc
+
+# After an English edit: extract every page's text (gettext builder) and update the catalogs
+# (sphinx-intl): a changed paragraph becomes fuzzy, a new one empty, and tests/test_zh_edition.py
+# fails until each is translated (scripts/zh_translate.py dump/fill, or any PO editor).
+.PHONY: catalogs
+catalogs: setup
+	$(PY) scripts/zh_book.py catalogs
 
 refresh: setup
 	@if [ -z "$(NOTEBOOKS)" ]; then echo "no chapters in book/ yet"; fi

@@ -5,7 +5,8 @@ The toc numbers the chapters (``numbered`` in _toc.yml), so prose never types a 
 ``{chapter}`Chapter <08_page_size>``` starts a sentence. The target is a document name, relative
 to the page (like ``{doc}``). The number is the one the toc gave the page, so inserting or
 moving a chapter renumbers every reference. A target that is not a numbered page is a warning
-(the book builds with warnings as errors).
+(the book builds with warnings as errors). In the Chinese edition (``language`` zh_CN) the link
+reads 第 8 章“标题”, whatever word the role gives.
 """
 
 from __future__ import annotations
@@ -54,8 +55,14 @@ def _resolve(app, doctree, fromdocname: str) -> None:
             internal=True,
             refuri=app.builder.get_relative_uri(fromdocname, target),
         )
-        ref += nodes.Text(f"{node['word']} {'.'.join(map(str, number))}, ")
-        ref += nodes.emphasis(text=env.titles[target].astext())
+        label = ".".join(map(str, number))
+        if (app.config.language or "").startswith(
+            "zh"
+        ):  # the Chinese edition: 第 8 章“标题”
+            ref += nodes.Text(f"第 {label} 章“{env.titles[target].astext()}”")
+        else:
+            ref += nodes.Text(f"{node['word']} {label}, ")
+            ref += nodes.emphasis(text=env.titles[target].astext())
         node.replace_self(ref)
 
 

@@ -55,9 +55,13 @@ def _link_figures(app, pagename, templatename, context, doctree) -> None:
         if not target.exists():
             target.write_text(text, encoding="utf-8")
         href = context["pathto"]("_images/" + name, 1)
+        if (app.config.language or "").startswith("zh"):  # the Chinese edition
+            title, text = "单独打开这幅图，原始尺寸", "原图"
+        else:
+            title, text = "this figure on its own, at full size", "full size"
         return (
             f'<a class="kv-full" href="{href}" target="_blank" '
-            'title="this figure on its own, at full size">full size&#x2009;&#x2197;</a>'
+            f'title="{title}">{text}&#x2009;&#x2197;</a>'
         )
 
     def replace(m: re.Match) -> str:

@@ -45,6 +45,13 @@ def _copy_widget_fonts(app, exception) -> None:
     for folder in {page.parent for page in out.rglob("*.html")}:
         if "_static" in folder.parts:
             continue
+        # another site built inside this one (the Chinese edition in zh/, built at the same
+        # time by `make book`) copies its own fonts
+        nested = folder.relative_to(out).parents
+        if any((out / p / "_static").is_dir() for p in nested if p != Path(".")) or (
+            folder != out and (folder / "_static").is_dir()
+        ):
+            continue
         target = folder / "@jupyter-widgets"
         target.mkdir(exist_ok=True)
         for font in _WIDGET_FONTS.glob("*.woff2"):

@@ -10,7 +10,8 @@ var Scorer = {
   score: (result) => {
     const [docname, title, anchor, descr, score, filename] = result;
     const query = new URLSearchParams(window.location.search).get("q") || "";
-    const words = query.toLowerCase().split(/\s+/).filter((w) => w.length > 2);
+    // a Chinese word (驱逐, 基数树) counts however short; an English one from three letters
+    const words = query.toLowerCase().split(/\s+/).filter((w) => w.length > 2 || /[\u4e00-\u9fff]/.test(w));
     const plain = (title || "").replace(/<[^>]*>/g, "").toLowerCase();
     const section = plain.includes(" > ") ? plain.split(" > ").pop() : plain;
     if (words.length && words.every((w) => section.includes(w))) return score + (anchor ? 120 : 130);
