@@ -428,14 +428,36 @@ FIGURE_PROBE = r"""
 """
 
 
+# The answer cells of a page, in order, as [cell, is_old_form]: a solution (a cell tagged
+# hide-input after a cell that raises NotImplementedError, the exercise's stub) or an older
+# "# Your answer" cell.
+ANSWER_CELLS = r"""
+const ANSWER_CELLS = main => {
+  const found = [];
+  let stub = false;
+  for (const cell of main.querySelectorAll('div.cell')) {
+    const text = (cell.querySelector('.cell_input') || {}).textContent || '';
+    if (/#\s*Your (answer|prediction)/i.test(text)) found.push([cell, true]);
+    else if (/raise NotImplementedError/.test(text)) stub = true;
+    else if (stub && cell.classList.contains('tag_hide-input')) {
+      found.push([cell, false]);
+      stub = false;
+    }
+  }
+  return found;
+};
+"""
+
 # Runs in the page (at DESKTOP_WIDTH) after the figure probe: what a reader would find rough.
 #  overflow: code blocks (cell inputs, outputs, markdown code) and display equations wider
 #            than their box, i.e. that scroll sideways or are cut off;
 #  streams:  cells whose output is split into several stream boxes;
 #  markers:  internal markers (nbval's comments, linter pragmas) in the page's text, shown or
 #            folded away;
-#  answers:  each reader's answer cell (a "# Your answer" comment) and the output of the check
-#            after it: whether either is visible before any click;
+#  answers:  each answer a reader should try before seeing: a solution cell (tagged hide-input)
+#            after an exercise's stub (``raise NotImplementedError``), or an older answer cell
+#            (a "# Your answer" comment) and the output of the check after it: whether either
+#            is visible before any click;
 #  sidebar:  the sidebar's links to chapter pages and their text;
 #  figures:  every picture with its <figure>, caption, number and (trees) full-size link.
 LAYOUT_PROBE = r"""
@@ -445,10 +467,9 @@ LAYOUT_PROBE = r"""
   const shown = el => !!el && el.getClientRects().length > 0 &&
                       el.getBoundingClientRect().height > 0 && el.checkVisibility();
   const answers = [];
-  for (const cell of main.querySelectorAll('div.cell')) {
+  for (const [cell, old] of ANSWER_CELLS(main)) {
     const input = cell.querySelector('.cell_input');
-    if (!input || !/#\s*Your (answer|prediction)/i.test(input.textContent)) continue;
-    let check = cell.nextElementSibling;
+    let check = old ? cell.nextElementSibling : null;
     while (check && !(check.matches('div.cell') && check.querySelector('.cell_output'))) {
       check = check.matches('div.cell') ? null : check.nextElementSibling;
     }
@@ -517,6 +538,8 @@ LAYOUT_PROBE = r"""
   return {overflow, streams, markers, answers, sidebar, figures};
 })()
 """
+# The answer-cell finder, defined inside the probe.
+LAYOUT_PROBE = LAYOUT_PROBE.replace("(() => {", "(() => {" + ANSWER_CELLS, 1)
 
 
 class Visit:
@@ -836,25 +859,28 @@ def test_sidebar_numbers_the_chapters(browser):
 @needs_site
 def test_revealing_an_answer_shows_it(browser):
     """The fold is a real toggle: one click on its summary shows the answer cell."""
-    tab = browser.open_tab((HTML / "book" / "10_radix_tree.html").as_uri(), DESKTOP_WIDTH)
+    tab = browser.open_tab((HTML / "book" / "05_layouts.html").as_uri(), DESKTOP_WIDTH)
+    find = ANSWER_CELLS + "const [cell] = ANSWER_CELLS(document)[0] || [null];"
     try:
-        box = tab.eval("""(() => {
-            const cell = [...document.querySelectorAll('div.cell')].find(c =>
-                /#\\s*Your answer/.test((c.querySelector('.cell_input') || {}).textContent || ''));
-            const summary = cell && cell.querySelector('details summary');
+        box = tab.eval(
+            "(() => {"
+            + find
+            + """const summary = cell && cell.querySelector('details summary');
             if (!summary) return null;
             summary.scrollIntoView({block: 'center'});
             const r = summary.getBoundingClientRect();
             return [r.x + r.width / 2, r.y + r.height / 2];
-        })()""")
-        assert box, "no folded answer cell on the radix tree chapter"
+        })()"""
+        )
+        assert box, "no folded answer cell on the layouts chapter"
         tab.click(*box)
-        shown = tab.eval("""(() => {
-            const cell = [...document.querySelectorAll('div.cell')].find(c =>
-                /#\\s*Your answer/.test((c.querySelector('.cell_input') || {}).textContent || ''));
-            const pre = cell.querySelector('.cell_input pre');
+        shown = tab.eval(
+            "(() => {"
+            + find
+            + """const pre = cell.querySelector('.cell_input pre');
             return pre.checkVisibility() && pre.getBoundingClientRect().height > 0;
-        })()""")
+        })()"""
+        )
         assert shown, "clicking the fold's summary did not show the answer cell"
     finally:
         tab.close()
