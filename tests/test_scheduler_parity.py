@@ -115,9 +115,7 @@ def vllm_check_stop(output, max_tokens, min_tokens, eos, stop_ids, ignore_eos):
     ignore_eos=st.booleans(),
     page_size=st.sampled_from([1, 2]),
 )
-def test_stop_conditions_follow_vllm_check_stop(
-    stream, data, eos, stop_ids, ignore_eos, page_size
-):
+def test_stop_conditions_follow_vllm_check_stop(stream, data, eos, stop_ids, ignore_eos, page_size):
     """Every request stops at the first token after which vLLM's ``check_stop`` stops it, with
     the same reason; the stopping token is part of the output; a stopped request is cached
     exactly as one that ran out its length: its prompt and output (less the last token, never
@@ -365,3 +363,15 @@ def test_in_batch_prefix_caching_computes_a_shared_prefix_once():
     assert computed(None) - computed(32) == 32  # the shared prefix, computed once less
     with pytest.raises(ValueError, match="lpm"):
         Scheduler(flow_of("radix", 8), policy="fcfs", in_batch_prefix=32)
+
+
+def test_stop_conditions_cut_a_stream():
+    """`StopConditions.cut` is the output a request emitting ``stream`` ends with."""
+    rule = StopConditions.make(5, min_tokens=2, stop_token_ids=[4], eos_token_id=9)
+    assert rule.cut([9, 4, 1, 9, 2]) == [9, 4]  # eos ignored below min_tokens, then stop id
+    assert rule.cut([1, 1, 1, 1, 1]) == [1, 1, 1, 1, 1] and rule.reason([1] * 5) == "length"
+    assert StopConditions.make(3, eos_token_id=9, ignore_eos=True).cut([9, 9, 9]) == [9, 9, 9]
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        StopConditions.make(3, stop_token_ids=[-1])
+    with pytest.raises(ValueError, match="fewer than"):
+        rule.cut([1])

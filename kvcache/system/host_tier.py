@@ -539,13 +539,24 @@ class TieredCacheManager(BaseCacheManager):
         except ValueError:
             return None
 
-    def _to_disk(self, key: Hashable, tokens: list[int], page: int) -> None:
-        """Write host page ``page`` (the last page of prefix ``tokens``) to disk, if its
-        namespace can be named there and it is not there already."""
+    def _to_disk(
+        self, key: Hashable, tokens: list[int], page: int | None, device_page: int = -1
+    ) -> None:
+        """Write host page ``page`` (or, when it is ``None``, device page ``device_page``), the
+        last page of prefix ``tokens``, to disk, if its namespace can be named there and it is
+        not there already."""
         digests = self._digests(key, np.asarray(tokens, dtype=np.int64))
-        if not digests or self.disk is None:
+        if not digests or self.disk is None or self.disk.contains(digests[-1]):
             return
-        staged = self.host.read(torch.tensor([page], dtype=torch.int64))[0]
+        if page is not None:
+            staged = self.host.read(torch.tensor([page], dtype=torch.int64))[0]
+        else:
+            pool, dp = self.kv_cache, device_page
+            kv = [
+                torch.stack([pool.k_cache(i)[dp], pool.v_cache(i)[dp]])
+                for i in range(pool.num_layers)
+            ]
+            staged = torch.stack(kv, dim=1).to("cpu")
         if self.disk.put(digests[-1], staged):
             self.stats.disk_saved_pages += 1
 
@@ -796,6 +807,7 @@ class TieredCacheManager(BaseCacheManager):
         undo = _HostUndo()
         copies: list[tuple[HostNode, int, int]] = []  # node, device page, host page
         cut: HostNode | None = None
+        j = len(keys)
         try:
             try:
                 for j in range(first, len(keys)):
@@ -810,6 +822,8 @@ class TieredCacheManager(BaseCacheManager):
                             self.stats.dropped_pages += len(keys) - j
                         break
                     copies.append((node, int(slots[(j - first) * ps]) // ps, hp))
+                else:
+                    j = len(keys)
                 if copies:
                     self.host.save(
                         self.kv_cache,
@@ -826,7 +840,14 @@ class TieredCacheManager(BaseCacheManager):
                 self._written[hp] = True
             self.stats.saved_pages += len(copies)
             if cut is not None:
-                lost = [self._host_drop(key, n) for n in self.index.subtree_pages(cut)]
+                below = self.index.subtree_pages(cut)
+                if self.disk is not None and copy:  # what the host cannot hold goes to disk
+                    for n in below:
+                        self._to_disk(key, n.tokens(), n.page)
+                    for i in range(j, len(keys)):
+                        dp = int(slots[(i - first) * ps]) // ps
+                        self._to_disk(key, tokens[: (i + 1) * ps].tolist(), None, dp)
+                lost = [self._host_drop(key, n) for n in below]
                 self._free_host(lost)
                 self.stats.lost_pages += len(lost)
         finally:
