@@ -310,10 +310,15 @@ class Router:
         *,
         at: float | None = None,
         extra_key: Hashable = None,
+        priority: int = 0,
+        min_tokens: int = 0,
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
     ) -> int:
         """Route a request arriving at simulated time ``at`` (default: now, never earlier) and
         queue it there; returns its router id (`placement` maps it to ``(replica, sid)``).
-        ``extra_key``: its namespace, for the routing and on the replica.
+        ``extra_key``: its namespace, for the routing and on the replica; ``priority``,
+        ``min_tokens``, ``stop_token_ids``, ``ignore_eos``: as `Scheduler.submit` takes them.
 
         The events due by ``at`` reach the mirrors first. A request the chosen replica refuses
         (`Scheduler.submit`'s errors, or anything it raises) changes nothing here: those events
@@ -326,8 +331,16 @@ class Router:
             r, reason, predicted = self.route(prompt, extra_key)
             sched = self.replicas[r]
             was_idle = sched.idle
-            # validates; raises before queueing
-            sid = sched.submit(prompt, max_new_tokens, forced, extra_key=extra_key)
+            sid = sched.submit(  # validates; raises before queueing
+                prompt,
+                max_new_tokens,
+                forced,
+                extra_key=extra_key,
+                priority=priority,
+                min_tokens=min_tokens,
+                stop_token_ids=stop_token_ids,
+                ignore_eos=ignore_eos,
+            )
         except BaseException:
             self._undeliver(delivered)
             raise
