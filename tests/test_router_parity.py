@@ -130,3 +130,41 @@ def test_removal_refused_changes_nothing() -> None:
         router.add_replica(Scheduler(router.replicas[0].flow))
     drain(router)
     assert router.output(big) == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+def test_a_removal_that_fails_part_way_loses_nothing(exc) -> None:
+    """Every call the removal makes into the flows and the schedulers (a withdrawal's abort, a
+    resubmission) fails in turn: the requests moved so far stay moved, the rest stay on the
+    replica, out of routing; removing it again moves them, and every request ends whole."""
+    from faults import Faults
+
+    n = 1
+    while True:
+        router = Router([replica(), replica(), replica()], policy="round_robin")
+        want = {}
+        for i in range(6):
+            out = torch.arange(4) + 10 * i
+            want[router.submit(torch.tensor([1, 2, 3, i]), 4, out)] = out.tolist()
+        for _ in range(3):
+            router.step()
+        faults = Faults(n, exc)
+        for s in router.replicas:
+            faults.patch(s.flow, "flow", ["abort"])
+            faults.patch(s, "sched", ["submit", "withdraw"])
+        try:
+            router.remove_replica(0)
+        except (RuntimeError, KeyboardInterrupt) as e:
+            assert faults.is_mine(e), repr(e)
+            faults.fail_at = None
+            router.check_integrity()
+            assert not router.healthy[0]
+            router.remove_replica(0)  # moves the rest
+        router.check_integrity()
+        assert router.replicas[0].idle
+        drain(router)
+        assert {rid: router.output(rid) for rid in want} == want
+        if faults.raised is None:
+            break
+        n += 1
+    assert n > 3

@@ -249,6 +249,8 @@ class Router:
         self._reasons = {"prefix": 0, "load": 0, "room": 0}
         self._flight_sum = 0
         self._moved: set[tuple[int, int]] = set()  # (replica, sid) withdrawn and routed again
+        #: Requests a removal withdrew and has not routed again yet (it was interrupted).
+        self.orphans: dict[int, SchedRequest] = {}
         self._carried: dict[int, list[int]] = {}  # router id -> tokens emitted before a move
 
     # ------------------------------------------------------------------ state
@@ -370,14 +372,19 @@ class Router:
         emitted (see the module docstring); its mirror and its events in flight are dropped.
         Returns the router ids moved, oldest first.
 
-        Refused, changing nothing: ``ValueError`` for a replica that is not a healthy one, or
-        when a request to move would not fit some other healthy replica's pool;
-        ``RuntimeError`` when it has requests and no other healthy replica is left. A failure
-        part way (a withdrawal or a submit raising) leaves the requests moved so far moved and
-        the rest where they were, the replica out of routing."""
+        Refused, changing nothing: ``ValueError`` for a replica that is neither a healthy one
+        nor one whose removal was interrupted, or when a request to move would not fit some
+        other healthy replica's pool; ``RuntimeError`` when it has requests and no other
+        healthy replica is left. A failure part way (a withdrawal or a submit raising) leaves
+        the requests moved so far moved and the rest where they were, on the replica, which is
+        out of routing and stepping, or withdrawn and not yet routed again (`orphans`):
+        calling `remove_replica` again moves them all."""
         r = as_int(r, "r")
-        if not 0 <= r < self.num_replicas or not self.healthy[r]:
+        if not 0 <= r < self.num_replicas:
+            raise ValueError(f"replica {r} is not a replica of this router")
+        if not self.healthy[r] and self.replicas[r].idle and not self.orphans:
             raise ValueError(f"replica {r} is not a healthy replica of this router")
+        self._rehome()
         sched = self.replicas[r]
         live = sorted((self._rid_of[(r, s.sid)], s.sid) for s in sched.running + sched.waiting)
         others = [i for i, ok in enumerate(self.healthy) if ok and i != r]
@@ -395,11 +402,15 @@ class Router:
         for rid, sid in live:
             s = sched.withdraw(sid)
             if s.status == "withdrawn":  # else it had stopped already: it ends here, finished
-                self._moved.add((r, sid))
-                self._carried[rid] = self._carried.get(rid, []) + s.output
+                self.orphans[rid] = s
                 self._resubmit(rid, s)
             moved.append(rid)
         return moved
+
+    def _rehome(self) -> None:
+        """Route again the requests an interrupted removal withdrew and could not place."""
+        for rid, s in sorted(self.orphans.items()):
+            self._resubmit(rid, s)
 
     def _resubmit(self, rid: int, s: SchedRequest) -> None:
         """Route what ``s`` (withdrawn) has not emitted as a new request of router id ``rid``."""
@@ -422,6 +433,9 @@ class Router:
         if was_idle and sched.clock < self.now:
             sched.clock = self.now
         sched.requests[sid].arrival_time = s.arrival_time
+        self._moved.add(self.placement[rid])
+        self._carried[rid] = self._carried.get(rid, []) + s.output
+        del self.orphans[rid]
         self.placement[rid] = (dest, sid)
         self._rid_of[(dest, sid)] = rid
         self._reasons[reason] += 1
@@ -475,7 +489,7 @@ class Router:
         A step that raises changes nothing here (the scheduler's own promise); when the replica's
         event source raises after its step, the step stands and those events are taken with
         its next step (or by `sync`)."""
-        busy = [i for i, s in enumerate(self.replicas) if not s.idle]
+        busy = [i for i, s in enumerate(self.replicas) if not s.idle and self.healthy[i]]
         if not busy:
             raise RuntimeError("no replica has a request waiting or running")
         r = min(busy, key=lambda i: (self.replicas[i].clock, i))
@@ -547,7 +561,7 @@ class Router:
             self._check_fits(i, len(job.prompt), max(1, len(job.output)))
         i = 0
         while True:
-            busy = [s.clock for s in self.replicas if not s.idle]
+            busy = [s.clock for i, s in enumerate(self.replicas) if self.healthy[i] and not s.idle]
             if i < len(jobs) and (not busy or times[i] <= min(busy)):
                 job = jobs[i]
                 out = job.output if len(job.output) else torch.zeros(1, dtype=torch.int64)
@@ -629,8 +643,12 @@ class Router:
             moved = {sid for rr, sid in self._moved if rr == r}
             if mine & moved or any(s.requests[sid].status != "withdrawn" for sid in moved):
                 raise RuntimeError(f"replica {r}: a moved request is still placed there")
-            if not self.healthy[r] and (not s.idle or self.mirrors[r].cached_tokens):
-                raise RuntimeError(f"removed replica {r} holds requests or a mirror")
+            for sid in mine:
+                rid = self._rid_of[(r, sid)]
+                if (s.requests[sid].status == "withdrawn") != (rid in self.orphans):
+                    raise RuntimeError(f"request {rid} is withdrawn and no orphan, or the reverse")
+            if not self.healthy[r] and self.mirrors[r].cached_tokens:
+                raise RuntimeError(f"removed replica {r} still has a mirror")
             if set(s.requests) != mine | moved:
                 raise RuntimeError(
                     f"replica {r} holds requests {sorted(set(s.requests) ^ mine)} the router "
