@@ -44,6 +44,7 @@ __all__ = [
     "in_batch_deprioritized",
 ]
 
+#: The orders in which a `Scheduler` tries its waiting requests (see this module's docstring).
 ADMISSION_POLICIES = ("fcfs", "lpm", "dfs_weight", "priority")
 #: The policies that match every waiting request against the cache.
 CACHE_AWARE = ("lpm", "dfs_weight")

@@ -126,6 +126,7 @@ from .stop import StopConditions
 
 __all__ = ["Scheduler", "VICTIM_POLICIES"]
 
+#: Which running request a `Scheduler` preempts when decode runs out of pages (module docstring).
 VICTIM_POLICIES = ("newest", "fewest_decoded", "priority")
 
 
