@@ -168,3 +168,30 @@ def test_a_removal_that_fails_part_way_loses_nothing(exc) -> None:
             break
         n += 1
     assert n > 3
+
+
+def test_misuse_is_refused_and_changes_nothing(tmp_path) -> None:
+    from kvcache import DiskKVStore, KVCacheLayout, MHAKVCache
+
+    router = Router([replica(), replica()])
+    rid = router.submit(ids(1, 2, 3), 2, ids(0, 0))
+    with pytest.raises(ValueError, match="rid"):
+        router.output(rid + 1)
+    with pytest.raises(TypeError, match="extra_key"):
+        router.route(ids(1, 2), extra_key=[1])
+    with pytest.raises(ValueError, match="replica 5"):
+        router.remove_replica(5)
+    sched = router.replicas[router.placement[rid][0]]
+    with pytest.raises(RuntimeError, match="not waiting or running"):
+        sched.withdraw(99)
+    with pytest.raises(TypeError, match="chunked_prefill"):
+        Scheduler(sched.flow, chunked_prefill="no")
+    with pytest.raises(TypeError, match="reset_running_requests"):
+        sched.reset_prefix_cache(reset_running_requests=1)
+    assert router.loads() == [1, 0] or router.loads() == [0, 1]
+    pool = MHAKVCache(1, 1, 2, 4, torch.float32, KVCacheLayout.LayerFirst, "cpu", 2)
+    store = DiskKVStore(tmp_path, pool, "m")
+    with pytest.raises(TypeError, match="digest"):
+        store.get("abc")
+    with pytest.raises(ValueError, match="model_id"):
+        DiskKVStore(tmp_path, pool, "")

@@ -139,7 +139,9 @@ class DiskKVStore:
         return out
 
     def path(self, digest: bytes) -> Path:
-        """The file of the page named ``digest``."""
+        """The file of the page named ``digest`` (32 bytes, from `prefix_digests`)."""
+        if not isinstance(digest, bytes) or len(digest) != 32:
+            raise TypeError(f"digest must be 32 bytes from prefix_digests, got {digest!r:.40}")
         name = digest.hex()
         return self.directory / name[:2] / (name + _SUFFIX)
 

@@ -362,7 +362,10 @@ class Router:
 
     def output(self, rid: int) -> list[int]:
         """Every token request ``rid`` has emitted, across the replicas it ran on."""
-        r, sid = self.placement[as_int(rid, "rid")]
+        rid = as_int(rid, "rid")
+        if not 0 <= rid < len(self.placement):
+            raise ValueError(f"rid must be in [0, {len(self.placement)}), got {rid}")
+        r, sid = self.placement[rid]
         return self._carried.get(rid, []) + self.replicas[r].requests[sid].output
 
     # ------------------------------------------------------------------ membership
