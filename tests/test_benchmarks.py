@@ -81,3 +81,19 @@ def test_tier_router_benchmark_runs():
     )
     assert set(out) == {"tier-write_back", "tier-write_through", "router"}
     assert all(r["baseline_s"] > 0 and r["current_s"] > 0 for r in out.values())
+
+
+def test_issue_30_benchmarks_run(tmp_path):
+    """The policy, tier and disk benchmarks of issue 30 run (smoke sizes) and compare what they
+    say they compare."""
+    import disk_tier
+    import host_policies
+    import scheduler_policies
+
+    runs = scheduler_policies.main(["--quick"])
+    assert {p for _, p in runs} == set(scheduler_policies.POLICIES)
+    tiers = host_policies.main(["--quick"])
+    inclusive, exclusive = tiers["write_back_inclusive", 1024][1], tiers["write_back", 1024][1]
+    assert inclusive.saved_pages < exclusive.saved_pages  # a load keeps the host copy
+    disk = disk_tier.main(["--quick", "--dir", str(tmp_path)])
+    assert all(rate > 0 for rate in disk.values())

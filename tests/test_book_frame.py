@@ -228,7 +228,6 @@ def test_every_chapter_says_what_it_needs_first():
 #: Chapters without their 2-4 numbered exercises in the book's form yet.
 NO_EXERCISES_YET = {
     "04_integrity", "09_naive_manager", "10_radix_tree", "11_lock_evict", "14_scheduling",
-    "17_routing", "18_host_tier",
 }  # fmt: skip
 
 
@@ -280,9 +279,7 @@ def test_every_chapter_ends_with_numbered_exercises():
 
 
 #: Chapters from the block-hash chapter on without a "Where real servers differ" box yet.
-NO_SERVER_BOX_YET = {
-    "14_scheduling", "17_routing", "18_host_tier",
-}  # fmt: skip
+NO_SERVER_BOX_YET: set[str] = set()
 # A file of a real server's code, and the version or commit it was read at.
 _CITED_FILE = re.compile(r"[\w./-]+\.(?:py|cc|cpp|cu|h|rs)\b")
 _CITED_VERSION = re.compile(r"\bv?\d+\.\d+(?:\.\d+)?\b|\b[0-9a-f]{7,40}\b")

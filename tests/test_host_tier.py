@@ -17,13 +17,25 @@ After every step:
 - every page of either tier holds exactly the K/V written for its prefix.
 A begin with nothing else running reuses exactly the longest inserted whole-page prefix when the
 host is roomy: whatever the device evicted comes back.
+
+The policies of issue 30 run the same machine: inclusive write-back (SGLang's ``load_back``
+keeps the host copy), selective write-through (a page reaches the host after
+``write_through_threshold`` hits; one evicted before is dropped), and the disk tier under a
+cramped host (the host's LRU writes its pages to files that come back on a match). For all of
+them, after every step: the tier's events replayed into a `TieredPrefixMirror` equal both tiers
+page for page; a begin with nothing else running reuses exactly what `peek_prefix` promised
+(unless a file was corrupted since: then no more); every page file holds the K/V of its prefix,
+and a corrupted one is never served (the K/V check of every reused token would catch it).
 """
 
 from __future__ import annotations
 
 import functools
+import shutil
+import tempfile
 from collections.abc import Hashable
 from itertools import product
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,6 +45,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvcache import (
+    DiskKVStore,
     Engine,
     KVCacheLayout,
     MHAKVCache,
@@ -42,6 +55,7 @@ from kvcache import (
     Request,
     RequestFlow,
     Scheduler,
+    TieredPrefixMirror,
     TinyLlama,
     TinyLlamaConfig,
 )
@@ -111,6 +125,7 @@ class TierMachine(RuleBasedStateMachine):
     host_pages = ROOMY
     page_size = 1
     layout = KVCacheLayout.LayerFirst
+    disk = False
 
     @initialize()
     def setup(self) -> None:
@@ -120,12 +135,22 @@ class TierMachine(RuleBasedStateMachine):
         )
         alloc = PageAllocator(DEVICE_PAGES, ps)
         manager = RadixCacheManager(page_size=ps, events=True)
+        self.dir = Path(tempfile.mkdtemp(prefix="kvdisk")) if self.disk else None
+        store = None if self.dir is None else DiskKVStore(self.dir, self.pool, "m", fsync=False)
         self.tier = TieredCacheManager(
-            manager, self.pool, alloc, self.host_pages, policy=self.policy
+            manager, self.pool, alloc, self.host_pages, policy=self.policy, disk=store, events=True
         )
         self.flow = RequestFlow(self.tier, alloc)
         self.ref: set[Prefix] = set()
         self.running: list[tuple[Request, Hashable]] = []
+        self.mirror = TieredPrefixMirror(ps)
+        self.corrupted = False
+
+    @property
+    def lossless(self) -> bool:
+        """Nothing the tiers were given may be lost: a host that never fills, and a policy that
+        never drops an evicted page."""
+        return self.host_pages == ROOMY and self.policy != "write_through_selective"
 
     def _pages_of(self, key: Hashable, tokens: list[int]) -> list[Prefix]:
         ps = self.page_size
@@ -163,15 +188,18 @@ class TierMachine(RuleBasedStateMachine):
     def _begin(self, prompt: list[int], key: Hashable, hold: bool) -> None:
         alone = not self.running
         expect = self._longest_in_ref(key, prompt)
+        promised = self.tier.peek_prefix(ids(*prompt), key)
         try:
             req = self.flow.begin(ids(*prompt), extra_key=key)
         except RuntimeError:  # out of pages while others hold theirs
             assert not alone
             return
         got = req.reused_len
-        assert got <= expect
-        if alone and self.host_pages == ROOMY:
+        assert got <= expect and got <= promised
+        if alone and self.lossless:
             assert got == expect, (got, expect)
+        if alone and not self.corrupted:
+            assert got == promised, (got, promised)  # every tier's pages came back
         # The reused K/V (some of it back from host) are those written for these tokens.
         for i in range(got):
             s = int(req.indices[i])
@@ -208,8 +236,29 @@ class TierMachine(RuleBasedStateMachine):
     @rule()
     def reset(self) -> None:
         self.flow.reset_prefix_cache()
-        self.ref.clear()
         assert not self.tier.host_prefixes() and self.tier.host_size == 0
+        store = self.tier.disk  # a reset forgets both tiers; the files on disk stay
+        self.ref = {
+            (key, pre)
+            for key, pre in self.ref
+            if store is not None and store.contains(store.prefix_digests(key, list(pre))[-1])
+        }
+
+    @precondition(lambda self: self.dir is not None)
+    @rule(pick=st.integers(0, 99), cut=st.booleans())
+    def corrupt(self, pick: int, cut: bool) -> None:
+        """A page file is torn (cut short) or flipped on disk: it must never be served."""
+        files = sorted(self.dir.glob("*/*.page"))
+        if not files:
+            return
+        path = files[pick % len(files)]
+        data = bytearray(path.read_bytes())
+        if cut:
+            data = data[: len(data) // 2]
+        else:
+            data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+        self.corrupted = True
 
     @rule()
     def refused_evict(self) -> None:
@@ -219,12 +268,18 @@ class TierMachine(RuleBasedStateMachine):
         assert self._state() == before
 
     def teardown(self) -> None:
+        if getattr(self, "dir", None) is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
         if hasattr(self, "tier"):  # what the run exercised (shown by --hypothesis-show-statistics)
             st_ = self.tier.stats
             event("loaded from host" if st_.loaded_pages else "no load")
             event("host LRU evicted" if st_.host_evicted_pages else "host LRU idle")
             if st_.lost_pages:
                 event("pages lost for want of host room")
+            if st_.disk_loaded_pages:
+                event("loaded from disk")
+            if self.tier.disk is not None and self.tier.disk.stats.rejected_pages:
+                event("a corrupted page file refused")
 
     def _state(self) -> object:
         return (
@@ -246,8 +301,20 @@ class TierMachine(RuleBasedStateMachine):
             assert not dev.keys() & host.keys()
         assert len(host) <= self.host_pages
         assert dev.keys() | host.keys() <= self.ref
-        if self.host_pages == ROOMY:
+        if self.lossless:
             assert dev.keys() | host.keys() == self.ref  # nothing lost
+        # The events, replayed outside, give both tiers page for page (host slots for host).
+        self.mirror.apply(self.tier.take_tier_events())
+        ps = self.page_size
+        assert {k: s[0] // ps for k, s in self.mirror.pages("device").items()} == dev
+        assert {k: s[0] // ps for k, s in self.mirror.pages("host").items()} == host
+        if self.dir is not None:  # every file holds its prefix's K/V, or is refused
+            store = self.tier.disk
+            for key, pre in self.ref:
+                digest = store.prefix_digests(key, list(pre))[-1]
+                page = store.get(digest) if store.contains(digest) else None
+                if page is not None:
+                    assert torch.equal(page[:, :, :, 0, 0], expected_page(key, pre, ps))
         ps = self.page_size
         for (key, pre), page in dev.items():
             k = self.pool.k_cache(0)[page, :, 0, 0]
@@ -265,17 +332,36 @@ SETTINGS = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-for _policy in ("write_back", "write_through"):
-    for _host in (ROOMY, 3):
-        for _ps, _layout in ((1, KVCacheLayout.LayerFirst), (2, KVCacheLayout.PageFirst)):
-            _name = f"{_policy}_host{_host}_ps{_ps}"
-            _machine = type(
-                f"Tier_{_name}",
-                (TierMachine,),
-                {"policy": _policy, "host_pages": _host, "page_size": _ps, "layout": _layout},
-            )
-            _machine.TestCase.settings = SETTINGS
-            globals()[f"TestTier_{_name}"] = _machine.TestCase
+# The policies of issue 30 and the disk tier: fewer examples each, the same rules.
+NEW_SETTINGS = settings(SETTINGS, max_examples=15 if __debug__ else 4)
+_VARIANTS = [
+    (policy, host, ps, layout, False, SETTINGS)
+    for policy in ("write_back", "write_through")
+    for host in (ROOMY, 3)
+    for ps, layout in ((1, KVCacheLayout.LayerFirst), (2, KVCacheLayout.PageFirst))
+] + [
+    ("write_back_inclusive", ROOMY, 1, KVCacheLayout.LayerFirst, False, NEW_SETTINGS),
+    ("write_back_inclusive", 3, 2, KVCacheLayout.PageFirst, False, NEW_SETTINGS),
+    ("write_through_selective", ROOMY, 2, KVCacheLayout.LayerFirst, False, NEW_SETTINGS),
+    ("write_through_selective", 3, 1, KVCacheLayout.PageFirst, False, NEW_SETTINGS),
+    ("write_back", 3, 1, KVCacheLayout.LayerFirst, True, NEW_SETTINGS),
+    ("write_back_inclusive", 3, 2, KVCacheLayout.PageFirst, True, NEW_SETTINGS),
+]
+for _policy, _host, _ps, _layout, _disk, _settings in _VARIANTS:
+    _name = f"{_policy}_host{_host}_ps{_ps}" + ("_disk" if _disk else "")
+    _machine = type(
+        f"Tier_{_name}",
+        (TierMachine,),
+        {
+            "policy": _policy,
+            "host_pages": _host,
+            "page_size": _ps,
+            "layout": _layout,
+            "disk": _disk,
+        },
+    )
+    _machine.TestCase.settings = _settings
+    globals()[f"TestTier_{_name}"] = _machine.TestCase
 
 
 # ------------------------------------------------------------------ the model

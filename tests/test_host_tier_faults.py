@@ -17,6 +17,10 @@ After the step that failed:
 then the step runs again without a fault and the script goes on: a request alone reuses exactly
 the longest prefix either tier should hold, and reads back the K/V written for it.
 
+The same for issue 30's policies (inclusive write-back, selective write-through) and the disk
+tier (faults in the `DiskKVStore` too: a page write or read that raises), where a reset keeps
+what the disk holds.
+
 Also here: the four failures of issue 27 (item 2) one by one, `check_integrity` catching what it
 used to miss, the flow and the engine refusing a tier built on other parts, and the tier's
 events feeding a router.
@@ -37,6 +41,7 @@ from hypothesis import strategies as st
 from test_host_tier import DIM, HEADS, LAYERS, code, expected_page, write_kv
 
 from kvcache import (
+    DiskKVStore,
     Engine,
     KVCacheLayout,
     MHAKVCache,
@@ -72,6 +77,7 @@ PARTS: dict[str, tuple[str, ...]] = {
     ),
     "allocator": ("allocate_slots", "free_slots", "allocate", "free"),
     "host": ("read", "write", "save", "restore"),
+    "disk": ("put", "get", "contains", "run_length", "prefix_digests"),
 }
 
 
@@ -122,18 +128,25 @@ class Faults:
 class Env:
     """A flow on a tier over a 4-page device pool, with the reference of what it should hold."""
 
-    def __init__(self, policy: str, ps: int, host_pages: int = ROOMY) -> None:
-        self.ps, self.roomy = ps, host_pages == ROOMY
+    def __init__(
+        self, policy: str, ps: int, host_pages: int = ROOMY, disk: Path | None = None
+    ) -> None:
+        self.ps = ps
+        # nothing the tiers were given may be lost: a host that never fills, a policy that
+        # never drops a page
+        self.roomy = host_pages == ROOMY and policy != "write_through_selective"
         self.pool = MHAKVCache(
             HEADS, LAYERS, DIM, DEVICE_PAGES, torch.float32, KVCacheLayout.LayerFirst, "cpu", ps
         )
         self.alloc = PageAllocator(DEVICE_PAGES, ps)
+        store = None if disk is None else DiskKVStore(disk, self.pool, "m", fsync=False)
         self.tier = TieredCacheManager(
             RadixCacheManager(page_size=ps, events=True),
             self.pool,
             self.alloc,
             host_pages,
             policy=policy,
+            disk=store,
         )
         self.flow = RequestFlow(self.tier, self.alloc)
         self.ref: set[Prefix] = set()
@@ -181,7 +194,12 @@ class Env:
         cached = self.tier.cached_indices()
         self.tier.reset()
         self.alloc.free_slots(cached)
-        self.ref.clear()
+        disk = self.tier.disk  # the files on disk outlive a reset
+        self.ref = {
+            (k, pre)
+            for k, pre in self.ref
+            if disk is not None and disk.contains(disk.prefix_digests(k, list(pre))[-1])
+        }
 
     # ------------------------------------------------------------ what must hold
     def tiers(self) -> tuple[set[Prefix], set[Prefix]]:
@@ -238,12 +256,22 @@ def script(ps: int) -> list[tuple[str, tuple[Any, ...]]]:
 
 
 def run_script(
-    policy: str, ps: int, part: str, exc: type[BaseException], n: int, host_pages: int
+    policy: str,
+    ps: int,
+    part: str,
+    exc: type[BaseException],
+    n: int,
+    host_pages: int,
+    disk: Path | None = None,
 ) -> bool:
     """The script with the ``n``-th call into ``part`` failing; whether the fault fired."""
-    env = Env(policy, ps, host_pages)
+    if disk is not None:
+        for f in disk.glob("*/*"):
+            f.unlink()
+    env = Env(policy, ps, host_pages, disk)
     faults = Faults(exc, n)
-    target = {"manager": env.tier.manager, "allocator": env.alloc, "host": env.tier.host}[part]
+    parts = {"manager": env.tier.manager, "allocator": env.alloc, "host": env.tier.host}
+    target = env.tier.disk if part == "disk" else parts[part]
     faults.patch(target, PARTS[part])
     for step, args in script(ps):
         dev, host = env.tiers()
@@ -273,7 +301,7 @@ def run_script(
 
 
 @pytest.mark.parametrize("exc", [Injected, Interrupt], ids=["RuntimeError", "KeyboardInterrupt"])
-@pytest.mark.parametrize("part", list(PARTS))
+@pytest.mark.parametrize("part", [p for p in PARTS if p != "disk"])
 @pytest.mark.parametrize("host_pages", [ROOMY, CRAMPED], ids=["roomy", "cramped"])
 @pytest.mark.parametrize("ps", [1, 16])
 @pytest.mark.parametrize("policy", ["write_back", "write_through"])
@@ -286,6 +314,35 @@ def test_every_call_is_all_or_nothing(
         n += 1
     if host_pages == ROOMY:  # (a full write-through host holds no prefix to load)
         assert n > 1, f"the script made no call into the {part}"
+
+
+@pytest.mark.parametrize("part", [*PARTS])
+@pytest.mark.parametrize(
+    "policy,host_pages,disk",
+    [
+        ("write_back_inclusive", ROOMY, False),
+        ("write_through_selective", ROOMY, False),
+        ("write_through_selective", CRAMPED, False),
+        ("write_back", CRAMPED, True),
+        ("write_back_inclusive", CRAMPED, True),
+    ],
+    ids=["inclusive", "selective", "selective-cramped", "disk", "inclusive-disk"],
+)
+def test_every_call_of_the_new_tiers_is_all_or_nothing(
+    policy: str, host_pages: int, disk: bool, part: str, tmp_path: Path
+) -> None:
+    """Issue 30's policies and the disk tier, every N the script reaches (RuntimeError and
+    KeyboardInterrupt alternating with N)."""
+    if part == "disk" and not disk:
+        pytest.skip("no disk tier")
+    n = 1
+    while run_script(
+        policy, 1, part, Injected if n % 2 else Interrupt, n, host_pages, tmp_path if disk else None
+    ):
+        n += 1
+    # (selective write-through copies only pages hit twice: the script may load nothing)
+    quiet = host_pages == CRAMPED or (policy == "write_through_selective" and part != "manager")
+    assert n > 1 or quiet, f"the script made no call into the {part}"
 
 
 # ------------------------------------------------------------------ issue 27, item 2

@@ -12,27 +12,54 @@ cached + held = the pool), every running request's K/V read back equal to what i
 stored (so a slot shared through the cache holds the same prefix for everyone), outputs as
 forced and never past ``max_new_tokens``, a poisoned request never finished, and that, when it
 drains, every request ends (finished, aborted or failed) within a bound.
+
+Issue 30's scheduler features run in the same machine: every admission policy (FCFS, LPM with
+and without in-batch prefix caching, DFS-weight, priority), chunked prefill on and off, request
+priorities, stop conditions (the scheduler's eos, stop tokens, ``min_tokens``, ``ignore_eos``:
+a finished request's output is exactly the forced stream cut where vLLM's ``check_stop`` cuts
+it, and no output ever goes past that point), and ``reset_prefix_cache(reset_running_requests=
+True)``, with or without a fault injected into it.
+
+`ServingMachine`, below, is the whole serving system under the same kind of steps: a `Router`
+over two replicas, each a `Scheduler` running the tiny model (`model_runner`) on a
+`TieredCacheManager` whose host is small and whose disk tier (a `DiskKVStore`) both replicas
+share; requests with priorities, namespaces and stop tokens; aborts, a runner that fails, page
+files corrupted on disk, replicas removed with requests in flight and brought back. After
+every step: every part's integrity (router, schedulers, flows, both tiers), and every finished
+request's output, across the replicas it ran on, equal to a greedy decode of its prompt by the
+model without any cache, cut by its stop conditions: so no page was ever served whose K/V were
+not its prefix's (a corrupted file among them).
 """
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from faults import Faults
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvcache.kernels.store as store_module
 from kvcache import (
+    DiskKVStore,
+    Engine,
     KVCacheLayout,
     MHAKVCache,
     PageAllocator,
     RadixCacheManager,
     Request,
     RequestFlow,
+    Router,
     Scheduler,
+    TieredCacheManager,
+    TinyLlama,
+    TinyLlamaConfig,
+    model_runner,
 )
 
 MOD = 1 << 20  # codes stay exact in float32
@@ -75,6 +102,26 @@ class HashRunner:
 
 
 SYSTEMS = [[7] * 9, [3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]]
+EOS = 3  # the scheduler's end-of-sequence token, when the machine has one
+POLICIES = {  # the admission policies, as Scheduler arguments
+    "fcfs": {"policy": "fcfs"},
+    "lpm": {"policy": "lpm"},
+    "lpm_in_batch": {"policy": "lpm", "in_batch_prefix": 2},
+    "dfs_weight": {"policy": "dfs_weight"},
+    "priority": {"policy": "priority"},
+}
+
+
+def check_stop_cut(stream, max_new, min_tokens, eos, stops, ignore_eos):
+    """The output vLLM's ``check_stop`` leaves a request that would emit ``stream``."""
+    out = []
+    for t in stream[:max_new]:
+        out.append(t)
+        if len(out) < min_tokens:
+            continue
+        if (not ignore_eos and t == eos) or t in stops or len(out) >= max_new:
+            break
+    return out
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -83,11 +130,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         page_size=st.sampled_from([1, 2, 4]),
         budget=st.sampled_from([1, 3, 16]),
         max_batch=st.sampled_from([1, 3, 5]),
-        policy=st.sampled_from(["fcfs", "lpm"]),
-        victim=st.sampled_from(["newest", "fewest_decoded"]),
+        policy=st.sampled_from(sorted(POLICIES)),
+        victim=st.sampled_from(["newest", "fewest_decoded", "priority"]),
         bound=st.sampled_from([1, 4, 50]),
+        chunked=st.booleans(),
+        eos=st.sampled_from([None, EOS]),
     )
-    def setup(self, num_pages, page_size, budget, max_batch, policy, victim, bound):
+    def setup(self, num_pages, page_size, budget, max_batch, policy, victim, bound, chunked, eos):
         # The torch store (bit-identical to Triton's, checked in test_store_cache): under
         # TRITON_INTERPRET=1 each store takes ~40 ms of interpreter, most of this test's time.
         self.interpret, store_module.TRITON_INTERPRET = store_module.TRITON_INTERPRET, False
@@ -106,13 +155,18 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.flow,
             token_budget=budget,
             max_batch=max_batch,
-            policy=policy,
             victim=victim,
             starvation_bound=bound,
             lpm_queue_limit=3,
+            chunked_prefill=chunked,
+            eos_token_id=eos,
             runner=self.faults.wrap(self.runner, "runner"),
+            **POLICIES[policy],
         )
         self.capacity = num_pages * page_size
+        self.budget = None if chunked else budget
+        self.eos = eos
+        self.cut: dict[int, list[int]] = {}  # what a finished request must have emitted
         self.forced: dict[int, tuple[list[int], int]] = {}
         self.status: dict[int, str] = {}
         self.poisoned: set[int] = set()
@@ -129,22 +183,37 @@ class SchedulerMachine(RuleBasedStateMachine):
         tail=st.lists(st.integers(0, 9), max_size=6),
         new=st.integers(1, 6),
         seed=st.integers(0, 99),
+        priority=st.integers(0, 2),
+        stops=st.sets(st.integers(0, 9), max_size=2),
+        min_tokens=st.integers(0, 6),
+        ignore_eos=st.booleans(),
     )
-    def submit(self, system, tail, new, seed):
+    def submit(self, system, tail, new, seed, priority, stops, min_tokens, ignore_eos):
         prompt = (SYSTEMS[system] if system < len(SYSTEMS) else []) + tail
         if not prompt:
             prompt = [seed % 10]
         forced = [(seed + i) % 10 for i in range(new)]
-        fits = len(prompt) + new - 1 <= self.capacity
+        min_tokens = min(min_tokens, new)
+        longest = len(prompt) + new - 1
+        fits = longest <= self.capacity and (self.budget is None or longest <= self.budget)
         waiting_before = len(self.sched.waiting)
         try:
-            sid = self.sched.submit(torch.tensor(prompt), new, forced=torch.tensor(forced))
+            sid = self.sched.submit(
+                torch.tensor(prompt),
+                new,
+                forced=torch.tensor(forced),
+                priority=priority,
+                min_tokens=min_tokens,
+                stop_token_ids=stops,
+                ignore_eos=ignore_eos,
+            )
         except ValueError:
             assert not fits
             assert len(self.sched.waiting) == waiting_before
             return
         assert fits
         self.forced[sid] = (forced, new)
+        self.cut[sid] = check_stop_cut(forced, new, min_tokens, self.eos, stops, ignore_eos)
         self.status[sid] = "waiting"
 
     @rule(system=st.integers(0, len(SYSTEMS)), at=st.integers(0, 6), new=st.integers(1, 4))
@@ -152,10 +221,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         """A request whose prompt the runner can never run: it must end failed (or aborted)."""
         prompt = (SYSTEMS[system] if system < len(SYSTEMS) else []) + [1, 2, 3]
         prompt.insert(min(at, len(prompt)), POISON)
-        if len(prompt) + new - 1 > self.capacity:
+        longest = len(prompt) + new - 1
+        if longest > self.capacity or (self.budget is not None and longest > self.budget):
             return
         sid = self.sched.submit(torch.tensor(prompt), new, forced=torch.tensor([4] * new))
         self.forced[sid] = ([4] * new, new)
+        self.cut[sid] = check_stop_cut([4] * new, new, 0, self.eos, (), False)
         self.status[sid] = "waiting"
         self.poisoned.add(sid)
 
@@ -163,7 +234,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def burst(self, system, new):
         """Three requests behind one system prompt at once: they share it, and crowd the pool."""
         for i in range(3):
-            self.submit(system, [i], new, i)
+            self.submit(system, [i], new, i, i, set(), 0, False)
 
     @rule()
     def step(self):
@@ -214,6 +285,21 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sched.abort(sid)
         self.status[sid] = "aborted"
 
+    @rule(fail=st.integers(0, 4))
+    def reset_with_running_requests(self, fail):
+        """vLLM's ``reset_prefix_cache(reset_running_requests=True)``; with ``fail``, the
+        ``fail``-th flow call it makes raises: the preemptions made stand, nothing is lost."""
+        if fail:
+            self.arm(fail, RuntimeError)
+        try:
+            self.sched.reset_prefix_cache(reset_running_requests=True)
+        except RuntimeError as e:
+            assert self.faults.is_mine(e), repr(e)
+        else:
+            assert not self.sched.running and not self.flow.manager.size_info.total_size
+        finally:
+            self.disarm()
+
     @precondition(lambda self: self.status)
     @rule()
     def drain(self):
@@ -251,9 +337,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert s.status != "failed" or s.error is not None
         for sid, (forced, new) in self.forced.items():
             out = self.sched.requests[sid].output
-            assert out == forced[: len(out)] and len(out) <= new
+            assert out == forced[: len(out)] and len(out) <= len(self.cut[sid]) <= new
             if self.status[sid] == "finished":
-                assert len(out) == new
+                assert out == self.cut[sid]
         assert {s.sid for s in self.sched.waiting} == {
             i for i, s in self.status.items() if s == "waiting"
         }
@@ -287,3 +373,211 @@ SchedulerMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestSchedulerMachine = SchedulerMachine.TestCase
+
+
+# ---------------------------------------------------------------------------- the whole system
+MODEL = TinyLlama(TinyLlamaConfig(hidden_size=32, intermediate_size=64, seed=3))
+SERVE_PS, SERVE_PAGES, SERVE_HOST = 2, 8, 3
+PREFIXES = [[72, 105, 33, 9, 8, 7], [5, 5, 6, 6], [200, 100]]
+
+
+_STREAMS: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+
+def _greedy_stream(prompt: tuple[int, ...], n: int) -> list[int]:
+    """The model's greedy tokens after ``prompt``, computed without any cache."""
+    key, memo = (prompt, n), _STREAMS
+    if key not in memo:
+        seq, out = torch.tensor(prompt), []
+        for _ in range(n):
+            t = int(MODEL.reference_logits(seq)[-1].argmax())
+            out.append(t)
+            seq = torch.cat([seq, torch.tensor([t])])
+        memo[key] = out
+    return memo[key]
+
+
+# Tokens the model emits often: stop tokens and the eos that actually fire.
+_COMMON = sorted({t for p in PREFIXES for t in _greedy_stream(tuple(p), 6)})
+SERVE_EOS = _COMMON[0]
+
+
+class ServingMachine(RuleBasedStateMachine):
+    @initialize(
+        policy=st.sampled_from(sorted(POLICIES)),
+        tier_policy=st.sampled_from(["write_back", "write_back_inclusive", "write_through"]),
+        chunked=st.booleans(),
+    )
+    def setup(self, policy, tier_policy, chunked):
+        self.interpret, store_module.TRITON_INTERPRET = store_module.TRITON_INTERPRET, False
+        self.dir = Path(tempfile.mkdtemp(prefix="kvserve"))  # one disk tier, both replicas
+        self.faults = Faults()
+        self.tiers = []
+        replicas = []
+        for _ in range(2):
+            pool = MODEL.new_kv_cache(SERVE_PAGES, SERVE_PS)
+            alloc = PageAllocator(SERVE_PAGES, SERVE_PS)
+            tier = TieredCacheManager(
+                RadixCacheManager(page_size=SERVE_PS, events=True),
+                pool,
+                alloc,
+                SERVE_HOST,
+                policy=tier_policy,
+                disk=DiskKVStore(self.dir, pool, "tiny-llama-3", fsync=False),
+                events=True,
+            )
+            engine = Engine(MODEL, pool, tier, alloc)
+            runner = self.faults.wrap(model_runner(engine), "runner")
+            replicas.append(
+                Scheduler(
+                    engine.flow,
+                    token_budget=16,
+                    max_batch=3,
+                    chunked_prefill=chunked,
+                    eos_token_id=SERVE_EOS,
+                    runner=runner,
+                    **POLICIES[policy],
+                )
+            )
+            self.tiers.append(tier)
+        self.router = Router(replicas)
+        self.want: dict[int, tuple[tuple[int, ...], object]] = {}  # rid -> (prompt, stop rule)
+        self.aborted: set[int] = set()
+
+    @rule(
+        prefix=st.integers(0, len(PREFIXES) - 1),
+        tail=st.lists(st.integers(0, 255), max_size=3),
+        new=st.integers(1, 5),
+        priority=st.integers(0, 2),
+        stop=st.sampled_from([None, *_COMMON[1:4]]),
+        min_tokens=st.integers(0, 2),
+        ignore_eos=st.booleans(),
+        key=st.sampled_from([None, "t"]),
+    )
+    def submit(self, prefix, tail, new, priority, stop, min_tokens, ignore_eos, key):
+        prompt = tuple(PREFIXES[prefix] + tail)
+        stops = () if stop is None else (stop,)
+        rid = self.router.submit(
+            torch.tensor(prompt),
+            new,
+            extra_key=key,
+            priority=priority,
+            min_tokens=min(min_tokens, new),
+            stop_token_ids=stops,
+            ignore_eos=ignore_eos,
+        )
+        rule = (new, min(min_tokens, new), SERVE_EOS, set(stops), ignore_eos)
+        self.want[rid] = (prompt, rule)
+
+    @precondition(lambda self: self.want)
+    @rule(pick=st.integers(0, 99), new=st.integers(1, 5))
+    def again(self, pick, new):
+        """An earlier prompt comes back (a chat's next turn): its prefix may be on the device,
+        the host, the disk, or on the other replica."""
+        prompt, _ = self.want[sorted(self.want)[pick % len(self.want)]]
+        rid = self.router.submit(torch.tensor(prompt), new)
+        self.want[rid] = (prompt, (new, 0, SERVE_EOS, set(), False))
+
+    def _busy(self):
+        return any(not s.idle for s in self.router.replicas)
+
+    @rule(n=st.integers(1, 8), fail=st.booleans())
+    def step(self, n, fail):
+        """``n`` steps; with ``fail`` the model raises in the first (that step is undone, its
+        requests blamed and retried)."""
+        for i in range(n):
+            if not self._busy():
+                return
+            if fail and i == 0:
+                self.faults.fail_at, self.faults.exc = self.faults.calls + 1, RuntimeError
+            try:
+                self.router.step()
+            except RuntimeError as e:
+                assert self.faults.is_mine(e), repr(e)
+            finally:
+                self.faults.fail_at = None
+
+    @rule(pick=st.integers(0, 99))
+    def abort(self, pick):
+        live = [
+            rid
+            for rid, (r, sid) in enumerate(self.router.placement)
+            if self.router.replicas[r].requests[sid].status in ("waiting", "running")
+        ]
+        if live:
+            rid = live[pick % len(live)]
+            r, sid = self.router.placement[rid]
+            self.router.replicas[r].abort(sid)
+            self.aborted.add(rid)
+
+    @rule(r=st.integers(0, 1))
+    def remove_or_restore(self, r):
+        """A replica fails (its requests move to the other) or comes back."""
+        if self.router.healthy[r]:
+            if sum(self.router.healthy) > 1:
+                self.router.remove_replica(r)
+        else:
+            self.router.add_replica(self.router.replicas[r])
+
+    @rule(pick=st.integers(0, 99))
+    def corrupt_a_page_file(self, pick):
+        files = sorted(self.dir.glob("*/*.page"))
+        if files:
+            path = files[pick % len(files)]
+            data = bytearray(path.read_bytes())
+            data[-1 - pick % 8] ^= 0x40
+            path.write_bytes(bytes(data))
+
+    @invariant()
+    def every_part_is_whole_and_every_answer_right(self):
+        if not hasattr(self, "router"):
+            return
+        self.router.check_integrity()
+        for tier in self.tiers:
+            tier.check_integrity()
+        for rid, (prompt, (new, lo, eos, stops, ignore)) in self.want.items():
+            r, sid = self.router.placement[rid]
+            s = self.router.replicas[r].requests[sid]
+            out = self.router.output(rid)
+            want = check_stop_cut(_greedy_stream(prompt, new), new, lo, eos, stops, ignore)
+            assert out == want[: len(out)], (rid, out, want)
+            if s.status == "finished":
+                assert out == want
+            if rid not in self.aborted:
+                assert s.status in ("waiting", "running", "finished", "failed")
+
+    @rule()
+    def drain(self):
+        """Every request ends: run to the end."""
+        for _ in range(400):
+            if not self._busy():
+                break
+            self.router.step()
+        assert not self._busy()
+
+    def teardown(self):
+        if hasattr(self, "interpret"):
+            store_module.TRITON_INTERPRET = self.interpret
+            shutil.rmtree(self.dir, ignore_errors=True)
+        if hasattr(self, "router"):  # what the run exercised (--hypothesis-show-statistics)
+            stats = [t.stats for t in self.tiers]
+            disks = [t.disk.stats for t in self.tiers]
+            reasons = {s.finish_reason for sched in self.router.replicas for s in sched.done}
+            event("loaded from disk" if any(x.disk_loaded_pages for x in stats) else "no disk load")
+            event("loaded from host" if any(x.loaded_pages for x in stats) else "no host load")
+            if any(d.rejected_pages for d in disks):
+                event("a corrupted page file refused")
+            if self.router._moved:
+                event("requests moved off a removed replica")
+            for reason in sorted(r for r in reasons if r):
+                event(f"stopped by {reason}")
+
+
+ServingMachine.TestCase.settings = settings(
+    max_examples=20,
+    stateful_step_count=45,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestServingMachine = ServingMachine.TestCase

@@ -1,6 +1,6 @@
 """`Scheduler`: many requests at once on one `RequestFlow`: continuous batching over a paged pool.
 
-Each :meth:`Scheduler.step` builds one batch, in this order (as vLLM's and SGLang's do):
+Each :meth:`Scheduler.step` builds one batch, in this order:
 
 1. **decode**: every running request whose prompt is computed runs its last sampled token
    (``flow.extend``). When the pool cannot give those tokens pages, a running request is
@@ -9,30 +9,60 @@ Each :meth:`Scheduler.step` builds one batch, in this order (as vLLM's and SGLan
    readmission from whatever of it the cache still holds.
 2. **chunked prefill**: running requests still prefilling get the next chunk of their prompt,
    within the step's token budget; the computed part is cached after every chunk, so another
-   request can reuse a prefix that is still being computed.
+   request can reuse a prefix that is still being computed. With ``chunked_prefill=False`` a
+   prompt runs whole in one step or waits (vLLM's ``enable_chunked_prefill=False``).
 3. **admission** (only in a step without preemption, as vLLM does): waiting requests, in policy
    order, start (``flow.begin``: match, lock, allocate) while the batch size, the token budget
    and the pool allow.
 
-Victim policy. ``"newest"`` (default) preempts the request admitted last, as vLLM's scheduler
-does with FCFS (``self.running.pop()``; with priorities, the lowest priority, latest arrival):
-the oldest request is never the victim while others run, so it always progresses.
-``"fewest_decoded"`` follows SGLang's ``retract_decode``: fewest output tokens first (ties: the
-longest prompt), losing the least decode work. Both recompute on readmission; nothing is swapped.
+This is vLLM V1's order (``vllm/v1/core/sched/scheduler.py``, ``schedule``: its RUNNING
+requests first, then its WAITING ones, in one batch; checked at commit ``00024d31``). SGLang
+(``scheduler.py``, ``get_next_batch_to_run``: "Run prefill first if possible") and mini-sglang
+(``scheduler/scheduler.py``, ``_schedule_next_batch``, at ``7d9dfc21`` and ``20fcd7f3``) run a
+prefill batch whenever one can be formed and decode only otherwise; SGLang mixes decode into a
+prefill batch only with ``--enable-mixed-chunk``.
 
-Admission policy. ``"fcfs"``: arrival order, stop at the first request that does not fit (no
-overtaking). ``"lpm"``: longest cached prefix first (SGLang's LPM), so requests that share a
-prefix run while it is cached; like SGLang it falls back to FCFS when more than
-``lpm_queue_limit`` (128) requests wait, as matching every one each step would cost too much.
-A request that has waited ``starvation_bound`` steps goes first whatever the policy, and while it
-does not fit nobody overtakes it, so no request waits for ever.
+When a request's prefill completes (its last prompt token runs and it samples its first token),
+its whole computed prompt is cached at once (``flow.cache``), as mini-sglang's
+``cache_req(req, finished=False)`` after a prefill batch (``scheduler.py``, at ``20fcd7f3``), so
+a request arriving with the same prompt while the first decodes reuses all of it.
+
+A request stops when one of its `StopConditions` holds (end-of-sequence, a stop token,
+``min_tokens``, ``ignore_eos``, ``max_new_tokens``); a stopped request is finished and cached
+exactly as one that reached its length.
+
+Victim policy. ``"newest"`` (default) preempts the request admitted last, as vLLM's FCFS
+(``self.running.pop()``): the oldest request is never the victim while others run.
+``"priority"`` (the default under the ``"priority"`` policy) preempts the lowest priority,
+latest arrival, as vLLM's ``policy="priority"``. ``"fewest_decoded"`` follows SGLang's
+``retract_decode``: fewest output tokens first (ties: the longest prompt). All recompute on
+readmission; nothing is swapped.
+
+Admission policy: one of `ADMISSION_POLICIES` (``"fcfs"``, ``"lpm"`` with optional in-batch
+prefix caching, ``"dfs_weight"``, ``"priority"``; `kvcache.serving.admission` says what each
+does and where it comes from); ordering only looks at the cache, it never moves a page between
+tiers. FCFS stops at the first request that does not fit. A request that has waited
+``starvation_bound`` steps goes first whatever the policy, and while it does not fit nobody
+overtakes it: the bound stops overtaking, it does not bound the wait (a request still waits
+for pages to free up).
+
+Admission reserves no pages for the output a request will decode (as vLLM): decode pages are
+found later, by preemption if need be. mini-sglang reserves the whole remaining output at
+admission (``PrefillAdder``) and never preempts; SGLang reserves an estimate
+(``new_token_ratio``) and retracts, without inserting a retracted request's KV into its tree;
+ours caches a victim's computed pages, for its readmission.
+
+`reset_prefix_cache` forgets the cache; with ``reset_running_requests=True`` it first preempts
+every running request (freeing its pages, caching nothing), as vLLM's
+``Scheduler.reset_prefix_cache`` does.
 
 A request's state is kept once: its `SchedRequest.status`. ::
 
-    waiting --admitted--> running --last token--> finished
+    waiting --admitted--> running --stopped--> finished
        ^                     |
        +---preempted, or-----+          waiting or running --abort--> aborted
            its step failed               blamed for a second failed step --> failed
+                                         waiting or running --withdraw--> withdrawn
 
 The scheduler's queues are the lanes of one structure, kept by status (``waiting`` in queue
 order, ``running`` in admission order, ``done`` in the order they ended); one method,
@@ -64,8 +94,8 @@ has succeeded.
   ``SchedRequest.error``, and the others go on. ``KeyboardInterrupt`` and other errors that are
   not an ``Exception`` undo the step the same way but blame nobody.
 
-So every request ends finished, aborted or failed, none is stuck, no request emits more than
-``max_new_tokens`` tokens, and no page is lost. What a runner can check it checks at `submit`:
+So every request ends finished, aborted, failed or withdrawn, none is stuck, no request emits
+more than ``max_new_tokens`` tokens, and no page is lost. What a runner can check it checks at `submit`:
 a runner that declares ``vocab_size`` (`model_runner` does) has every prompt and forced token
 checked against it there, so a request the model could not run never reaches a batch.
 """
@@ -73,7 +103,7 @@ checked against it there, so a request the model could not run never reaches a b
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -81,180 +111,23 @@ import torch
 
 from .._validate import as_int, check_positive_int, check_size, token_ids
 from ..managers.cache_events import check_extra_key
+from .admission import (
+    ADMISSION_POLICIES,
+    CACHE_AWARE,
+    cached_prefix_len,
+    dfs_weight_order,
+    in_batch_deprioritized,
+)
 from .cost_model import LLAMA3_8B_H100, CostModel, ServeReport, percentile
-from .engine import Engine
 from .request_flow import Request, RequestFlow
+from .runner import Runner, check_runner, checked_logits, next_token
+from .sched_records import LANES, SchedRequest, StepRecord
+from .stop import StopConditions
 
-__all__ = [
-    "Scheduler",
-    "SchedRequest",
-    "StepRecord",
-    "Runner",
-    "ModelRunner",
-    "model_runner",
-    "ADMISSION_POLICIES",
-    "VICTIM_POLICIES",
-    "LANES",
-]
+__all__ = ["Scheduler", "VICTIM_POLICIES"]
 
-ADMISSION_POLICIES = ("fcfs", "lpm")
-VICTIM_POLICIES = ("newest", "fewest_decoded")
-
-#: Every status a request can have, and the scheduler's lane that holds a request in it.
-LANES = {
-    "waiting": "waiting",
-    "running": "running",
-    "finished": "done",
-    "aborted": "done",
-    "failed": "done",
-}
-
-#: Runs a batch: ``(request, q_len)`` items, each running ``input_ids[num_computed:+q_len]``;
-#: returns logits ``(B, vocab)`` of each item's last token run, or ``None`` (no model). A runner
-#: may declare ``vocab_size`` (an int): `Scheduler.submit` then refuses token ids outside it.
-Runner = Callable[[Sequence[tuple[Request, int]]], torch.Tensor | None]
-
-
-# ---------------------------------------------------------------------------- the records
-@dataclass(eq=False)  # identity: a lane holds each request once
-class SchedRequest:
-    """A request as the scheduler sees it; ``status`` (see `LANES`) is where it is.
-
-    ``output`` holds the tokens emitted so far; the flow's request (``flow_req``, while
-    running) holds ``prompt + output[:-1]`` once decoding, the last emitted token being the
-    next one to run. ``extra_key``: the namespace it matches and is cached in. ``failures``:
-    failed steps it was blamed for since it last computed past ``fail_point`` (the length it
-    was computing up to when last blamed); ``error``: the last error a step met on it (kept
-    once it has ended, e.g. the one that made it ``"failed"``).
-    """
-
-    sid: int
-    prompt: torch.Tensor
-    max_new_tokens: int
-    forced: list[int] | None
-    arrival_step: int
-    arrival_time: float
-    status: str = "waiting"
-    output: list[int] = field(default_factory=list)
-    flow_req: Request | None = None
-    enqueued_step: int = 0
-    admitted_at: int = -1
-    preemptions: int = 0
-    high_water: int = 0
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    max_wait: int = 0
-    extra_key: Hashable = None
-    failures: int = 0
-    fail_point: int = 0
-    error: BaseException | None = None
-
-    @property
-    def req(self) -> Request:
-        """The flow's request while running; ``RuntimeError`` otherwise."""
-        if self.flow_req is None:
-            raise RuntimeError(f"request {self.sid} is {self.status}, not running")
-        return self.flow_req
-
-    @property
-    def complete(self) -> bool:
-        """Whether it has emitted all its ``max_new_tokens`` tokens."""
-        return len(self.output) == self.max_new_tokens
-
-    def tokens(self) -> torch.Tensor:
-        """What (re)admission runs: the prompt and every token emitted so far."""
-        if not self.output:
-            return self.prompt
-        return torch.cat([self.prompt, torch.tensor(self.output, dtype=torch.int64)])
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """What one step did. ``prefill``: ``(sid, tokens)`` chunks; the rest are sids."""
-
-    step: int
-    time: float
-    prefill: tuple[tuple[int, int], ...]
-    decode: tuple[int, ...]
-    admitted: tuple[int, ...]
-    preempted: tuple[int, ...]
-    finished: tuple[int, ...]
-    waiting: int
-    pages_held: int
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.prefill) + len(self.decode)
-
-
-# ---------------------------------------------------------------------------- runners
-class ModelRunner:
-    """The `Runner` of an `Engine`: its model runs each item's tokens on its pool (real K/V).
-
-    Item ``(req, q)`` runs ``req.input_ids[num_computed:num_computed + q]`` at slots
-    ``req.indices[num_computed:num_computed + q]``, attending over
-    ``req.indices[:num_computed + q]``; returns logits ``(len(items), vocab)`` of each item's
-    last token. ``vocab_size`` is the model's, so that `Scheduler.submit` refuses a token the
-    model could not run.
-    """
-
-    def __init__(self, engine: Engine) -> None:
-        if not isinstance(engine, Engine):
-            raise TypeError(f"engine must be an Engine, got {type(engine).__name__}")
-        self.engine = engine
-        self.vocab_size = engine.model.config.vocab_size
-
-    def __call__(self, items: Sequence[tuple[Request, int]]) -> torch.Tensor:
-        e = self.engine
-        ids = torch.cat([r.input_ids[r.num_computed : r.num_computed + q] for r, q in items])
-        slots = [r.indices[: r.num_computed + q] for r, q in items]
-        logits: torch.Tensor = e.model(
-            ids, slots, [q for _, q in items], e.kv_cache, last_only=True
-        )
-        return logits
-
-
-def model_runner(engine: Engine) -> ModelRunner:
-    """A `Runner` for an `Engine`: its model runs each item's tokens on its pool (real K/V)."""
-    return ModelRunner(engine)
-
-
-def check_runner(runner: object) -> tuple[Runner | None, int | None]:
-    """``runner`` (callable or ``None``) and the vocabulary it declares (``vocab_size``, or
-    ``None``); ``TypeError``/``ValueError`` naming what is wrong otherwise."""
-    if runner is None:
-        return None, None
-    if not callable(runner):
-        raise TypeError(f"runner must be callable or None, got {type(runner).__name__}")
-    vocab = getattr(runner, "vocab_size", None)
-    return runner, None if vocab is None else check_positive_int(vocab, "runner.vocab_size")
-
-
-def checked_logits(
-    logits: object, items: Sequence[tuple[SchedRequest, int]]
-) -> torch.Tensor | None:
-    """A runner's answer for ``items``: logits ``(len(items), vocab)``, or ``None`` when no item
-    samples a token it was not given (``forced``); ``RuntimeError`` otherwise."""
-    if logits is None:
-        for s, q in items:
-            if s.forced is None and s.req.num_computed + q == len(s.req):
-                raise RuntimeError(f"the runner returned no logits to sample request {s.sid}")
-        return None
-    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or len(logits) != len(items):
-        got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
-        raise RuntimeError(
-            f"the runner must return logits of shape ({len(items)}, vocab) or None, got {got}"
-        )
-    return logits
-
-
-def next_token(s: SchedRequest, logits: torch.Tensor | None, row: int) -> int:
-    """The token ``s`` emits now: its next forced one, else the argmax of ``logits[row]``."""
-    if s.forced is not None:
-        return s.forced[len(s.output)]
-    if logits is None:  # `checked_logits` refuses this first
-        raise RuntimeError(f"the runner returned no logits to sample request {s.sid}")
-    return int(logits[row].argmax())
+#: Which running request a `Scheduler` preempts when decode runs out of pages (module docstring).
+VICTIM_POLICIES = ("newest", "fewest_decoded", "priority")
 
 
 @dataclass
@@ -283,9 +156,16 @@ class Scheduler:
         max_batch: the most requests running at once, >= 1.
         chunk_size: the most prompt tokens one request runs in a step (default: the budget),
             so that a long prompt leaves room for others (vLLM's ``long_prefill_token_threshold``).
-        policy: ``"fcfs"`` or ``"lpm"``; victim: ``"newest"`` or ``"fewest_decoded"``.
+        chunked_prefill: split prompts into chunks (default); ``False`` runs each prompt whole
+            in one step, so every request's longest sequence must fit the token budget.
+        policy: one of `ADMISSION_POLICIES` (``"fcfs"``, ``"lpm"``, ``"dfs_weight"``,
+            ``"priority"``); victim: one of `VICTIM_POLICIES` (default ``"priority"`` under
+            the ``"priority"`` policy, ``"newest"`` otherwise).
+        in_batch_prefix: with ``"lpm"``, SGLang's in-batch prefix caching with this threshold
+            in tokens (SGLang's default: 32); ``None`` (default) turns it off.
         starvation_bound: steps a request may wait before it goes first, >= 1.
         lpm_queue_limit: LPM orders the queue only while at most this many wait (SGLang: 128).
+        eos_token_id: the model's end-of-sequence token, which stops a request (``None``: none).
         runner: runs each batch (e.g. `model_runner`); ``None`` simulates (forced tokens only).
         cost_model: simulated seconds per step.
         max_retries: failed steps a blamed request is run again (alone) before it is failed, >= 0.
@@ -298,10 +178,13 @@ class Scheduler:
         token_budget: int = 512,
         max_batch: int = 64,
         chunk_size: int | None = None,
+        chunked_prefill: bool = True,
         policy: str = "fcfs",
-        victim: str = "newest",
+        victim: str | None = None,
+        in_batch_prefix: int | None = None,
         starvation_bound: int = 64,
         lpm_queue_limit: int = 128,
+        eos_token_id: int | None = None,
         runner: Runner | None = None,
         cost_model: CostModel = LLAMA3_8B_H100,
         max_retries: int = 1,
@@ -315,17 +198,34 @@ class Scheduler:
             if chunk_size is None
             else check_positive_int(chunk_size, "chunk_size")
         )
+        if not isinstance(chunked_prefill, bool):
+            raise TypeError(f"chunked_prefill must be a bool, got {type(chunked_prefill).__name__}")
         self.starvation_bound = check_positive_int(starvation_bound, "starvation_bound")
         self.lpm_queue_limit = check_positive_int(lpm_queue_limit, "lpm_queue_limit")
         self.max_retries = check_size(max_retries, "max_retries")
         if policy not in ADMISSION_POLICIES:
             raise ValueError(f"policy must be one of {ADMISSION_POLICIES}, got {policy!r}")
+        if victim is None:
+            victim = "priority" if policy == "priority" else "newest"
         if victim not in VICTIM_POLICIES:
             raise ValueError(f"victim must be one of {VICTIM_POLICIES}, got {victim!r}")
+        if in_batch_prefix is not None:
+            in_batch_prefix = check_positive_int(in_batch_prefix, "in_batch_prefix")
+            if policy != "lpm":
+                raise ValueError(
+                    f"in_batch_prefix works with the 'lpm' policy (as SGLang's), got {policy!r}"
+                )
+        self.eos_token_id = None if eos_token_id is None else check_size(eos_token_id, "eos")
         if not isinstance(cost_model, CostModel):
             raise TypeError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
         self.flow, self.policy, self.victim = flow, policy, victim
+        self.chunked_prefill, self.in_batch_prefix = chunked_prefill, in_batch_prefix
         self.runner, self.vocab_size = check_runner(runner)
+        eos = self.eos_token_id
+        if self.vocab_size is not None and eos is not None and eos >= self.vocab_size:
+            raise ValueError(
+                f"eos_token_id must lie in [0, {self.vocab_size}), got {self.eos_token_id}"
+            )
         self.cost_model = cost_model
         self.requests: dict[int, SchedRequest] = {}  # every request ever submitted, by sid
         self._lanes: dict[str, dict[int, SchedRequest]] = {lane: {} for lane in LANES.values()}
@@ -403,48 +303,69 @@ class Scheduler:
         forced: torch.Tensor | None = None,
         *,
         extra_key: Hashable = None,
+        priority: int = 0,
+        min_tokens: int = 0,
+        stop_token_ids: Iterable[int] = (),
+        ignore_eos: bool = False,
     ) -> int:
         """Queue a request; returns its id. ``forced``: tokens to emit instead of sampling.
 
         ``extra_key``: its namespace (tenant, adapter; any hashable, ``TypeError`` otherwise):
         it matches, and is cached, only among requests submitted with the same key, at every
-        (re)admission and in LPM's ordering.
+        (re)admission and in LPM's ordering. ``priority``: an integer, smaller first under the
+        ``"priority"`` policy. ``min_tokens``, ``stop_token_ids``, ``ignore_eos`` and
+        ``max_new_tokens``: when it stops, with the scheduler's ``eos_token_id`` (see
+        `StopConditions`).
 
         Refused (``ValueError``) when its longest stored sequence, ``len(prompt) +
-        max_new_tokens - 1`` tokens, needs more pages than the pool has: it could never run;
-        and when a token id (of the prompt, or of the forced tokens it emits) is negative or,
-        for a runner that declares ``vocab_size``, not below it.
+        max_new_tokens - 1`` tokens, needs more pages than the pool has, or (without chunked
+        prefill) more tokens than the step budget: it could never run; and when a token id (of
+        the prompt, of the forced tokens it emits, or a stop token) is negative or, for a
+        runner that declares ``vocab_size``, not below it.
         """
         ids = self._checked_ids(prompt, "prompt")
         if len(ids) == 0:
             raise ValueError("prompt must hold at least one token")
-        check_positive_int(max_new_tokens, "max_new_tokens")
+        stop = StopConditions.make(
+            max_new_tokens,
+            min_tokens=min_tokens,
+            stop_token_ids=stop_token_ids,
+            eos_token_id=self.eos_token_id,
+            ignore_eos=ignore_eos,
+        )
+        stops = sorted(stop.stop_token_ids)
+        self._checked_ids(torch.tensor(stops, dtype=torch.int64), "stop_token_ids")
         check_extra_key(extra_key)
+        rank = as_int(priority, "priority")
+        n = stop.max_new_tokens
         if forced is not None:
-            forced_ids = self._checked_ids(forced, "forced", limit=max_new_tokens)
-            if len(forced_ids) < max_new_tokens:
-                raise ValueError(
-                    f"forced holds {len(forced_ids)} tokens, fewer than "
-                    f"max_new_tokens={max_new_tokens}"
-                )
+            forced_ids = self._checked_ids(forced, "forced", limit=n)
+            if len(forced_ids) < n:
+                raise ValueError(f"forced holds {len(forced_ids)} tokens, fewer than {n=}")
         elif self.runner is None:
             raise ValueError("without a runner there are no logits to sample: pass forced tokens")
         ps, pages = self.flow.page_size, self.flow.allocator.num_pages
-        need = -(-(len(ids) + max_new_tokens - 1) // ps)
+        need = -(-(len(ids) + n - 1) // ps)
         if need > pages:
             raise ValueError(
-                f"request needs up to {need} pages ({len(ids)} prompt + {max_new_tokens} "
+                f"request needs up to {need} pages ({len(ids)} prompt + {n} "
                 f"new tokens, page size {ps}); the pool has {pages}: it can never fit"
+            )
+        if not self.chunked_prefill and len(ids) + n - 1 > self.token_budget:
+            raise ValueError(
+                f"without chunked prefill a request must fit one step: {len(ids)} prompt + {n} "
+                f"new tokens - 1 > token_budget={self.token_budget}"
             )
         sreq = SchedRequest(
             next(self._sids),
             torch.from_numpy(ids.copy()),
-            int(max_new_tokens),
+            stop,
             None if forced is None else forced_ids.tolist(),
             self.steps,
             self.clock,
             enqueued_step=self.steps,
             extra_key=extra_key,
+            priority=rank,
         )
         self.requests[sreq.sid] = sreq
         self._lanes["waiting"][sreq.sid] = sreq
@@ -467,35 +388,115 @@ class Scheduler:
             s.flow_req = None
         self._move(s, "aborted")
 
+    def withdraw(self, sid: int) -> SchedRequest:
+        """Take a waiting or running request out, to be served elsewhere: its pages are freed,
+        nothing is cached, and it ends ``"withdrawn"`` with the output it has so far (a router
+        resubmits the rest on another replica). A running request that has already stopped
+        (its ``finish`` failed) ends ``"finished"`` instead, uncached. Returns its record.
+        A failing flow call changes nothing (the request still runs), or stood and then
+        raised (it is withdrawn, and the error propagates)."""
+        s = self.requests.get(as_int(sid, "sid"))
+        if s is None or s.status not in ("waiting", "running"):
+            raise RuntimeError(f"request {sid} is not waiting or running")
+        if s.status == "waiting":
+            self._move(s, "withdrawn")
+            return s
+        try:
+            self.flow.abort(s.req)
+        except BaseException:
+            if not self._stood(s):
+                raise  # nothing changed: the request still runs
+            self._end_taken(s, "withdrawn")
+            raise
+        self._end_taken(s, "withdrawn")
+        return s
+
+    def _end_taken(self, s: SchedRequest, status: str) -> None:
+        """``s``, whose flow request was just aborted, ends as ``status`` (``"finished"`` if it
+        had stopped already: its output is whole)."""
+        s.flow_req = None
+        if s.complete:
+            s.finish_time = self.clock
+            self._move(s, "finished")
+        else:
+            self._move(s, status)
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> int:
+        """Forget every cached prefix (`RequestFlow.reset_prefix_cache`); returns the number of
+        cached tokens forgotten. Refused (``RuntimeError``) while requests run, unless
+        ``reset_running_requests``: then every running request is preempted first, newest
+        first, its pages freed and nothing cached, and goes back to the front of the queue in
+        admission order (vLLM's ``reset_prefix_cache(reset_running_requests=True)``). A
+        failure part way leaves the preemptions made so far standing and the cache as it
+        was."""
+        if not isinstance(reset_running_requests, bool):
+            raise TypeError(
+                f"reset_running_requests must be a bool, got {type(reset_running_requests).__name__}"
+            )
+        if reset_running_requests:
+            running = self._lanes["running"].values()
+            for s in sorted(running, key=lambda s: s.admitted_at, reverse=True):
+                try:
+                    self.flow.abort(s.req)
+                except BaseException:
+                    if self._stood(s):
+                        self._preempted_by_reset(s)
+                    raise
+                self._preempted_by_reset(s)
+        return self.flow.reset_prefix_cache()
+
+    def _preempted_by_reset(self, s: SchedRequest) -> None:
+        if s.complete:  # it had stopped: its output is whole, it ends (uncached)
+            self._end_taken(s, "finished")
+            return
+        s.preemptions += 1
+        self.preemptions += 1
+        self._requeue([s])
+
     # ------------------------------------------------------------------ policies
     def _cached_len(self, s: SchedRequest) -> int:
-        """How much of what ``s`` would run is cached now (its last token is always run)."""
-        match, ids = self.flow.manager.match_prefix, s.tokens()[:-1]
-        handle, _ = match(ids) if s.extra_key is None else match(ids, s.extra_key)
-        return handle.cached_len
+        """How much of what ``s`` would run is cached now (its last token is always run),
+        found by looking only (`cached_prefix_len`: no page moves between tiers)."""
+        return cached_prefix_len(self.flow.manager, s.tokens()[:-1], s.extra_key)
 
     def _admission_order(self, batch: _Batch) -> list[SchedRequest]:
-        """Waiting requests in the order admission tries them (starving ones first)."""
+        """Waiting requests in the order admission tries them (starving ones first); see
+        `kvcache.serving.admission` for the policies."""
         waiting = list(self._lanes["waiting"].values())
         bound, now = self.starvation_bound, self.steps
         starving = sorted(
             (s for s in waiting if now - s.enqueued_step >= bound), key=lambda s: s.enqueued_step
         )
         rest = [s for s in waiting if now - s.enqueued_step < bound]
-        if self.policy == "lpm" and len(waiting) <= self.lpm_queue_limit:
-            # SGLang matches every waiting request too; matching only refreshes LRU and splits.
+        policy = self.policy
+        if policy == "priority":
+            rest.sort(key=lambda s: (s.priority, s.sid))  # sid: arrival order
+        elif policy in CACHE_AWARE and (policy != "lpm" or len(waiting) <= self.lpm_queue_limit):
             matched = {}
-            for s in rest:
+            for s in rest:  # SGLang matches every waiting request too
                 batch.current = s
                 matched[s.sid] = self._cached_len(s)
             batch.current = None
-            rest.sort(key=lambda s: -matched[s.sid])  # stable: arrival order among ties
+            keys = [s.extra_key for s in rest]
+            arrays = [s.tokens().numpy() for s in rest]
+            if policy == "dfs_weight":
+                prefixes = [a[: matched[s.sid]] for a, s in zip(arrays, rest, strict=True)]
+                return starving + [rest[i] for i in dfs_weight_order(prefixes, keys)]
+            held: set[int] = set()
+            if self.in_batch_prefix is not None:
+                cached = [matched[s.sid] for s in rest]
+                found = in_batch_deprioritized(arrays, cached, keys, self.in_batch_prefix)
+                held = {rest[i].sid for i in found}
+            # stable: arrival order among ties; the held ones last, in queue order
+            rest.sort(key=lambda s: (1, 0) if s.sid in held else (0, -matched[s.sid]))
         return starving + rest
 
     def _pick_victim(self) -> SchedRequest:
         running = self._lanes["running"].values()
         if self.victim == "newest":
             return max(running, key=lambda s: s.admitted_at)
+        if self.victim == "priority":  # vLLM: the lowest priority, latest arrival
+            return max(running, key=lambda s: (s.priority, s.sid))
         return min(running, key=lambda s: (len(s.output), -len(s.prompt), -s.admitted_at))
 
     def _suspect(self) -> SchedRequest | None:
@@ -564,14 +565,24 @@ class Scheduler:
             batch.items.append((s, 1))
         batch.current = None
         batch.budget -= len(batch.decoders)
+        blocked = False  # a prompt that must run whole and does not fit now: nobody overtakes
         for s in prefilling:
-            if batch.budget == 0:
+            q = self._chunk(s.req, batch.budget)
+            if q == 0:
+                blocked = True
                 break
-            q = min(len(s.req) - s.req.num_computed, batch.budget, self.chunk_size)
             batch.items.append((s, q))
             batch.budget -= q
-        if suspect is None and not batch.preempted:
+        if suspect is None and not batch.preempted and not blocked:
             self._admit(batch)
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        """The prompt tokens ``req`` runs this step with ``budget`` tokens left: a chunk of at
+        most ``chunk_size``, or, without chunked prefill, all the rest or nothing."""
+        rest = len(req) - req.num_computed
+        if self.chunked_prefill:
+            return min(rest, budget, self.chunk_size)
+        return rest if rest <= budget else 0
 
     def _make_room(self, batch: _Batch, active: list[SchedRequest]) -> list[SchedRequest]:
         """Choose the decoders of ``active`` and preempt until the pool has their pages;
@@ -621,6 +632,9 @@ class Scheduler:
         cannot hold it now (nothing changed)."""
         ids = s.tokens()
         batch.current = s
+        if not self.chunked_prefill and len(ids) - self._cached_len(s) > batch.budget:
+            batch.current = None
+            return False  # its prompt cannot run whole this step: it waits (and starts nothing)
         try:
             req = self.flow.begin(ids, compute_last=True, extra_key=s.extra_key)
         except RuntimeError:
@@ -633,8 +647,10 @@ class Scheduler:
         s.flow_req, s.admitted_at = req, next(self._admissions)
         self._move(s, "running")
         batch.admitted.append(s)
-        batch.items.append((s, min(len(req) - req.num_computed, batch.budget, self.chunk_size)))
-        batch.budget -= batch.items[-1][1]
+        q = self._chunk(req, batch.budget)  # 0: a look that promised more than begin found
+        if q:
+            batch.items.append((s, q))
+            batch.budget -= q
         return True
 
     def _execute(self, items: list[tuple[SchedRequest, int]]) -> torch.Tensor | None:
@@ -703,10 +719,11 @@ class Scheduler:
         for s in batch.admitted:
             self._count_admission(s)
         end = 0
+        decoding = {s.sid for s in batch.decoders}
         try:
             for row, (s, q) in enumerate(batch.items):
                 batch.current, end = s, s.req.num_computed + q
-                self._advance(batch, s, q, logits, row)
+                self._advance(batch, s, q, logits, row, s.sid not in decoding)
                 if end >= s.fail_point:
                     s.failures = 0  # past where it failed: no longer suspect
         except BaseException as e:
@@ -717,12 +734,22 @@ class Scheduler:
         return self._record(batch)
 
     def _advance(
-        self, batch: _Batch, s: SchedRequest, q: int, logits: torch.Tensor | None, row: int
+        self,
+        batch: _Batch,
+        s: SchedRequest,
+        q: int,
+        logits: torch.Tensor | None,
+        row: int,
+        prefill: bool,
     ) -> None:
         """Mark ``s``'s ``q`` tokens computed; cache prefill progress, or emit and maybe finish.
 
         The token is chosen before anything changes, so that a request is never left computed
-        without the token its computation yields."""
+        without the token its computation yields. A prefill (a chunk, or the prompt's end)
+        caches what it computed, so that others reuse it at once: after a chunk, and when the
+        prompt completes and the request goes on decoding (mini-sglang's
+        ``cache_req(req, finished=False)``); that cache comes after the token is emitted, so a
+        cache that raises leaves the request decoding, consistent."""
         req = s.req
         start, end = req.num_computed, req.num_computed + q
         token = next_token(s, logits, row) if end == len(req) else None
@@ -730,22 +757,26 @@ class Scheduler:
         self.computed_tokens += q
         self.recomputed_tokens += max(0, min(end, s.high_water) - start)
         s.high_water = max(s.high_water, end)
+        ps = self.flow.page_size
         if token is None:
-            ps = self.flow.page_size
             if end // ps * ps > req.tree_len:
                 self.flow.cache(req)  # others may reuse the prefix while it is computed
             return
         s.output.append(token)
+        s.finish_reason = s.stop.reason_at(len(s.output), token)
         if s.first_token_time is None:
             s.first_token_time = self.clock
-        if s.complete:
-            try:
-                self.flow.finish(req)
-            except BaseException:
-                if self._stood(s):
-                    self._end_finished(batch, s)  # it finished, then raised
-                raise
-            self._end_finished(batch, s)
+        if not s.complete:
+            if prefill and end // ps * ps > req.tree_len:
+                self.flow.cache(req)  # the whole computed prompt, while it decodes
+            return
+        try:
+            self.flow.finish(req)
+        except BaseException:
+            if self._stood(s):
+                self._end_finished(batch, s)  # it finished, then raised
+            raise
+        self._end_finished(batch, s)
 
     def _end_finished(self, batch: _Batch, s: SchedRequest) -> None:
         s.flow_req, s.finish_time = None, self.clock
@@ -824,8 +855,9 @@ class Scheduler:
         holds no flow request; each running one runs in the flow holding exactly its prompt
         and output (``prompt + output[:-1]`` computed, the last token next to run, or
         ``prompt + output`` with something still to compute); nothing runs in the flow that the
-        scheduler did not start; no output is longer than ``max_new_tokens``; at most
-        ``max_batch`` run."""
+        scheduler did not start; no output goes on past the token that stops it, and a
+        request has stopped exactly when its ``finish_reason`` says so (every finished one
+        has); at most ``max_batch`` run."""
         self.flow.check_integrity()
         placed = 0
         for lane, reqs in self._lanes.items():
@@ -837,8 +869,13 @@ class Scheduler:
             raise RuntimeError(f"{len(self.requests) - placed} requests are in no lane")
         rids = set()
         for s in self.requests.values():
-            if len(s.output) > s.max_new_tokens:
-                raise RuntimeError(f"request {s.sid} emitted {len(s.output)} > max_new_tokens")
+            stops = s.stop.first_stop(s.output)
+            if stops not in (None, len(s.output)):
+                raise RuntimeError(f"request {s.sid} emitted {len(s.output)} tokens past its stop")
+            if (stops is not None) != s.complete or s.finish_reason != s.stop.reason(s.output):
+                raise RuntimeError(f"request {s.sid}: finish_reason {s.finish_reason!r} is wrong")
+            if s.complete != (s.status == "finished") and s.status not in ("running", "aborted"):
+                raise RuntimeError(f"request {s.sid} is {s.status} with {s.finish_reason=}")
             if s.status != "running":
                 if s.flow_req is not None:
                     raise RuntimeError(f"{s.status} request {s.sid} still holds a flow request")

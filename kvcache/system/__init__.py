@@ -2,15 +2,19 @@
 KV-cache module, each part built on the serving layer and none needed by it.
 
 Below the device pool, a host-memory tier (`TieredCacheManager`: evicted prefixes move to a
-`HostKVPool` and load back on a match; `HostLink` names the copy bandwidth). Beside one server,
+`HostKVPool` and load back on a match, under four write policies; `HostLink` names the copy
+bandwidth) and a third tier on local disk (`DiskKVStore`: pages in files named by the content
+hash of their prefix); the tier's events carry their medium (`TierEvent`), which a
+`TieredPrefixMirror` follows. Beside one server,
 the `Router` that spreads requests over replicas, cache-aware through a `PrefixMirror` of each
 replica fed by its cache events. Above it, tenants sharing one cache (`PublicPrefixCache`, the
 `multi_tenant` workload and `replay_tenants`).
 """
 
+from .disk_store import DiskKVStore, DiskStats
 from .host_pool import NVLINK_C2C, PCIE4_X16, PCIE5_X16, HostKVPool, HostLink
 from .host_tier import TIER_POLICIES, TieredCacheManager, TierStats
-from .prefix_mirror import PrefixMirror
+from .prefix_mirror import MEDIA, PrefixMirror, TieredPrefixMirror, TierEvent
 from .router import ROUTING_POLICIES, Router, RouterReport, poisson_arrivals
 from .tenancy import PublicPrefixCache, TenantJob, multi_tenant, replay_tenants
 
@@ -18,6 +22,11 @@ __all__ = [
     "TieredCacheManager",
     "TierStats",
     "TIER_POLICIES",
+    "DiskKVStore",
+    "DiskStats",
+    "TierEvent",
+    "TieredPrefixMirror",
+    "MEDIA",
     "HostKVPool",
     "HostLink",
     "PCIE4_X16",

@@ -12,18 +12,35 @@ unchanged:
   copied back into fresh device pages (evicting device leaves to host first if the free list is
   short), inserted into the device tree, and the longer match is returned. So a request runs
   only what neither tier holds.
-* policies, as SGLang's HiRadixCache names them: ``"write_back"`` copies a page to host only
-  when the device evicts it, and a page lives in exactly one tier (a load moves it back);
-  ``"write_through"`` copies every page to host when it is inserted, so an eviction copies
-  nothing and a page may live in both tiers (a load leaves the host copy).
+* `peek_prefix`: how much of a prompt the tiers hold, found by looking only (device, host,
+  disk): what a scheduler orders its queue by; no page moves.
+* write policies (`TIER_POLICIES`):
+
+  - ``"write_back"``: a page is copied to host when the device evicts it, and lives in exactly
+    one tier: a load *moves* it back (its host copy is freed). An *exclusive* write-back: ours
+    from the start, not SGLang's;
+  - ``"write_back_inclusive"``: copied when evicted, but a load leaves the host copy (SGLang's
+    ``HiRadixCache.load_back`` keeps ``node.host_value``; ``_evict_backuped`` then frees only
+    the device slots), so a page evicted again is not copied again;
+  - ``"write_through"``: every page is copied to host when it is inserted; an eviction copies
+    nothing, a load leaves the host copy;
+  - ``"write_through_selective"``: a page is copied to host once it has been *hit* (matched by
+    a request that reuses it) ``write_through_threshold`` times, 2 by default as SGLang's
+    ``write_through_threshold`` for ``--hicache-write-policy write_through_selective``; a page
+    evicted before that is dropped, as SGLang evicts a node that has no host copy.
+* a third tier on disk (``disk``, a `DiskKVStore`): a page the host's LRU gives up is written to
+  a file named by the content hash of its prefix; a match continues device and host with the
+  pages found on disk (each checked against its hash before it is used), and loads them too.
 
 What the tier knows of the device. The device manager reports what it stores and evicts through
 its event log (`take_events`); the tier reads the log at the start of each of its calls (and
 right after an eviction) and keeps from it which device pages the tree holds and, replayed into
 a `PrefixMirror` when it needs them, every page's prefix (the picture a router keeps of a
-replica), so it never reads the manager's internals. The manager must be built with ``events=True``, empty, and be used only
-through the tier. Built with ``events=True`` itself, the tier hands those events on
-(`take_events`), so that a `Router` can mirror a tiered replica.
+replica), so it never reads the manager's internals. The manager must be built with
+``events=True``, empty, and be used only through the tier. Built with ``events=True`` itself,
+the tier hands those events on (`take_events`), so that a `Router` can mirror a tiered replica,
+and `take_tier_events` adds the host's, each a `TierEvent` with its medium (as SGLang's KV
+events carry ``medium``), for a `TieredPrefixMirror` to follow both tiers.
 
 All or nothing. A call orders its steps so that the one that cannot be taken back, the device
 manager's insert, comes last (the flow must never see an insert fail after it happened), and
@@ -46,15 +63,14 @@ too). What a failure leaves, besides the LRU refresh of a match:
 device page the tree holds is one the tier knows, none is also free, none is left in the tier's
 hands, and every host page the index names was written.
 
-The module is long because the tier and its host index are one concept: the index records only
-what the tier does to the host, and each of the tier's calls keeps its undo beside the step it
-takes back, where a reader checks one against the other.
+The module is long because the tier is one concept read call by call: each call (evict, load,
+insert, a copy to host) keeps its undo beside the step it takes back, where a reader checks one
+against the other, and the write policies are branches of those same calls.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -73,15 +89,16 @@ from ..managers.cache_events import (
 from ..managers.radix import RadixCacheHandle, RadixCacheManager
 from ..serving.allocator import PageAllocator
 from ..storage.mha_pool import MHAKVCache
+from .disk_store import DiskKVStore
+from .host_index import HostIndex, HostNode, PageKey, Prefix, page_keys
 from .host_pool import HostKVPool
-from .prefix_mirror import PrefixMirror
+from .prefix_mirror import PrefixMirror, TierEvent
 
-__all__ = ["TIER_POLICIES", "TierStats", "HostNode", "HostIndex", "TieredCacheManager"]
+__all__ = ["TIER_POLICIES", "TierStats", "TieredCacheManager"]
 
-#: The tier's write policies: copy a page to host when the device evicts it, or when it is inserted.
-TIER_POLICIES = ("write_back", "write_through")
-Prefix = tuple[Hashable, tuple[int, ...]]
-PageKey = tuple[int, ...]
+#: The tier's write policies (see the module docstring): when a page is copied to host, and
+#: whether a load moves it (exclusive) or copies it (inclusive).
+TIER_POLICIES = ("write_back", "write_back_inclusive", "write_through", "write_through_selective")
 
 
 @dataclass
@@ -94,6 +111,9 @@ class TierStats:
     host_hits: int = 0  # matches that loaded at least one page
     host_evicted_pages: int = 0  # host pages given up to the host's LRU
     lost_pages: int = 0  # host pages dropped because an ancestor found no host room
+    dropped_pages: int = 0  # device pages evicted without a host copy (selective write-through)
+    disk_saved_pages: int = 0  # host -> disk (pages the host's LRU gave up)
+    disk_loaded_pages: int = 0  # disk -> device
 
     @property
     def saved_bytes(self) -> int:
@@ -102,227 +122,6 @@ class TierStats:
     @property
     def loaded_bytes(self) -> int:
         return self.loaded_pages * self.page_bytes
-
-
-def _page_keys(tokens: np.ndarray | Iterable[int], page_size: int) -> list[PageKey]:
-    """The whole pages of ``tokens`` as tuples (the keys of the host trie)."""
-    arr = np.asarray(tokens if isinstance(tokens, np.ndarray) else list(tokens), dtype=np.int64)
-    n = len(arr) // page_size * page_size
-    return [tuple(r) for r in arr[:n].reshape(-1, page_size).tolist()]
-
-
-# ---------------------------------------------------------------------------------- the host index
-class HostNode:
-    """One page of one prefix in the host trie (see `HostIndex`)."""
-
-    __slots__ = ("below", "children", "depth", "key", "last_use", "page", "parent", "pins")
-
-    def __init__(self, key: PageKey, parent: HostNode | None, depth: int) -> None:
-        self.key = key
-        self.parent = parent
-        self.children: dict[PageKey, HostNode] = {}
-        self.page: int | None = None  # the host page, or None (pass-through)
-        self.below = 0  # host pages strictly below this node
-        self.last_use = 0
-        self.depth = depth  # pages from the root to this node, this one included
-        self.pins = 0  # > 0 while an operation works on its path: never pruned nor evicted
-
-    def tokens(self) -> list[int]:
-        """The prefix this node's page ends: every page key from the root down."""
-        keys: list[PageKey] = []
-        node: HostNode | None = self
-        while node is not None and node.parent is not None:
-            keys.append(node.key)
-            node = node.parent
-        return [t for k in reversed(keys) for t in k]
-
-
-class HostIndex:
-    """Which prefixes the host tier holds: per namespace (``extra_key``) a trie of page keys.
-
-    A node stands for one page of one prefix: the path of page keys (tuples of ``page_size``
-    token ids) from its namespace's root spells the prefix. A node holds a host page (``page``)
-    or is a *pass-through*: a page that lives only on the device but has host pages below it. A
-    node with no host page at or below it is pruned at once, so the trie is exactly the host's
-    pages and their ancestors.
-
-    The LRU victim is a *host leaf*: a node holding a page with no host page below it, least
-    recently used first (ties by age). Taking leaves only means no host page ever loses an
-    ancestor to the host's own eviction. The index only records: it never copies K/V nor hands
-    out host pages, its owner does.
-    """
-
-    def __init__(self, page_size: int) -> None:
-        self.page_size = page_size
-        self._roots: dict[Hashable, HostNode] = {}
-        self._clock = itertools.count(1)
-        self._pages = 0
-
-    @property
-    def num_pages(self) -> int:
-        """Host pages recorded."""
-        return self._pages
-
-    def clear(self) -> None:
-        self._roots.clear()
-        self._pages = 0
-
-    def tick(self) -> int:
-        return next(self._clock)
-
-    def path(self, extra_key: Hashable, keys: Iterable[PageKey]) -> list[HostNode]:
-        """The nodes along ``keys`` from ``extra_key``'s root, as far as the trie goes."""
-        node = self._roots.get(extra_key)
-        out: list[HostNode] = []
-        if node is None:
-            return out
-        for k in keys:
-            node = node.children.get(k)
-            if node is None:
-                break
-            out.append(node)
-        return out
-
-    def ensure_path(self, extra_key: Hashable, keys: list[PageKey]) -> list[HostNode]:
-        """`path` along all of ``keys``, creating pass-through nodes where missing.
-
-        The nodes come back pinned (see `pin`); the caller must `unpin` them when done.
-        """
-        node = self._roots.get(extra_key)
-        if node is None:
-            node = self._roots[extra_key] = HostNode((), None, 0)
-        out = []
-        for k in keys:
-            child = node.children.get(k)
-            if child is None:
-                child = node.children[k] = HostNode(k, node, node.depth + 1)
-            out.append(child)
-            node = child
-        self.pin(out)
-        return out
-
-    def set_page(self, node: HostNode, page: int) -> None:
-        """Record that ``node``'s page is now held at host page ``page`` (it held none)."""
-        node.page = page
-        node.last_use = self.tick()
-        self._pages += 1
-        up = node.parent
-        while up is not None:
-            up.below += 1
-            up = up.parent
-
-    def drop_page(self, node: HostNode) -> int:
-        """Forget ``node``'s host page and return it; prune what is left empty above."""
-        page = node.page
-        if page is None:
-            raise RuntimeError("drop_page of a node that holds no host page")
-        node.page = None
-        self._pages -= 1
-        up = node.parent
-        while up is not None:
-            up.below -= 1
-            up = up.parent
-        self._prune(node)
-        return page
-
-    def pin(self, nodes: Iterable[HostNode]) -> None:
-        """Keep ``nodes`` in the trie (not pruned, not an LRU victim) until `unpin`."""
-        for n in nodes:
-            n.pins += 1
-
-    def unpin(self, nodes: list[HostNode]) -> None:
-        """Undo `pin` and prune whatever the operation left empty (deepest first)."""
-        for n in nodes:
-            n.pins -= 1
-        for n in reversed(nodes):
-            self._prune(n)
-
-    def _prune(self, node: HostNode) -> None:
-        while node.parent is not None and node.page is None and node.below == 0 and not node.pins:
-            parent = node.parent
-            del parent.children[node.key]
-            node.parent = None
-            node = parent
-
-    def subtree_pages(self, node: HostNode) -> list[HostNode]:
-        """The nodes holding a host page at or below ``node``, deepest first."""
-        stack, out = [node], []
-        while stack:
-            n = stack.pop()
-            if n.page is not None:
-                out.append(n)
-            if n.below:
-                stack.extend(n.children.values())
-        out.sort(key=lambda n: -n.depth)
-        return out
-
-    def host_leaves(self) -> Iterator[tuple[Hashable, HostNode]]:
-        """Every node holding a page with no host page below it, with its namespace."""
-        for key, root in self._roots.items():
-            stack = list(root.children.values())
-            while stack:
-                n = stack.pop()
-                if n.page is not None and n.below == 0:
-                    yield key, n
-                elif n.below:
-                    stack.extend(n.children.values())
-
-    def root(self, extra_key: Hashable) -> HostNode | None:
-        """``extra_key``'s root (holds no page), or None when it holds nothing."""
-        return self._roots.get(extra_key)
-
-    def lru_leaf(self) -> tuple[Hashable, HostNode] | None:
-        """The least recently used unpinned host leaf and its namespace; None if there is none."""
-        best: tuple[Hashable, HostNode] | None = None
-        for key, n in self.host_leaves():
-            if not n.pins and (best is None or n.last_use < best[1].last_use):
-                best = (key, n)
-        return best
-
-    def nodes(self) -> Iterator[tuple[Hashable, HostNode]]:
-        """Every non-root node with its namespace, parents before children."""
-        for key, root in self._roots.items():
-            stack = list(root.children.values())
-            while stack:
-                n = stack.pop()
-                yield key, n
-                stack.extend(n.children.values())
-
-    def prefixes(self) -> dict[Prefix, int]:
-        """``(extra_key, prefix tokens through the page) -> host page`` for every host page."""
-        return {(k, tuple(n.tokens())): n.page for k, n in self.nodes() if n.page is not None}
-
-    def check(self) -> list[int]:
-        """Recount ``below`` and the pages, check the pruning; return every host page held.
-
-        ``RuntimeError`` on the first disagreement.
-        """
-        pages: list[int] = []
-        for root in self._roots.values():
-            order: list[HostNode] = []
-            stack = [root]
-            while stack:
-                n = stack.pop()
-                order.append(n)
-                for k, c in n.children.items():
-                    if c.parent is not n or c.key != k or len(k) != self.page_size:
-                        raise RuntimeError(f"host trie: child {k} is filed wrongly")
-                    if c.depth != n.depth + 1:
-                        raise RuntimeError(f"host trie: node {k} has the wrong depth")
-                    stack.append(c)
-            for n in reversed(order):  # children before parents
-                below = sum(c.below + (c.page is not None) for c in n.children.values())
-                if below != n.below:
-                    raise RuntimeError(
-                        f"host trie: node records {n.below} pages below, holds {below}"
-                    )
-                if n.parent is not None and n.page is None and below == 0:
-                    raise RuntimeError("host trie: an empty pass-through node was not pruned")
-                if n.page is not None:
-                    pages.append(n.page)
-        if len(pages) != self._pages:
-            raise RuntimeError(f"host trie records {self._pages} pages, holds {len(pages)}")
-        return pages
 
 
 @dataclass
@@ -343,9 +142,14 @@ class TieredCacheManager(BaseCacheManager):
         kv_cache: the device pool holding the K/V of ``manager``'s slots.
         allocator: the device page free list the flow uses (loads take pages from it).
         host_pages: capacity of the host tier in pages, >= 1.
-        policy: ``"write_back"`` (default) or ``"write_through"``.
+        policy: one of `TIER_POLICIES` (default ``"write_back"``).
+        write_through_threshold: hits after which ``"write_through_selective"`` copies a page
+            to host, >= 1 (SGLang's: 2).
+        disk: a `DiskKVStore` for the pages the host gives up (``None``: they are dropped); its
+            pages must be shaped like ``kv_cache``'s.
         pin_memory: page-lock the host buffer (default: when ``kv_cache`` is on CUDA).
-        events: hand the device tier's cache events on through `take_events` (for a router).
+        events: hand the device tier's cache events on through `take_events` (for a router),
+            and every tier's through `take_tier_events`.
 
     A `RequestFlow` or an `Engine` built on the tier must use its ``allocator`` and
     ``kv_cache``; they ask `check_parts`.
@@ -359,6 +163,8 @@ class TieredCacheManager(BaseCacheManager):
         host_pages: int,
         *,
         policy: str = "write_back",
+        write_through_threshold: int = 2,
+        disk: DiskKVStore | None = None,
         pin_memory: bool | None = None,
         events: bool = False,
     ) -> None:
@@ -373,6 +179,17 @@ class TieredCacheManager(BaseCacheManager):
             raise ValueError(f"policy must be one of {TIER_POLICIES}, got {policy!r}")
         if not isinstance(events, bool):
             raise TypeError(f"events must be a bool, got {type(events).__name__}")
+        threshold = check_positive_int(write_through_threshold, "write_through_threshold")
+        if disk is not None:
+            if not isinstance(disk, DiskKVStore):
+                raise TypeError(f"disk must be a DiskKVStore or None, got {type(disk).__name__}")
+            c = kv_cache
+            shape = (2, c.num_layers, c.page_size, c.local_kv_heads, c.head_dim)
+            if disk.page_shape != shape or disk.dtype != kv_cache.dtype:
+                raise ValueError(
+                    f"disk pages are {disk.page_shape} of {disk.dtype}, the pool's {shape} of "
+                    f"{kv_cache.dtype}"
+                )
         ps = manager.page_size
         if not ps == allocator.page_size == kv_cache.page_size:
             raise ValueError(
@@ -396,7 +213,7 @@ class TieredCacheManager(BaseCacheManager):
             raise ValueError("manager must be built with events=True") from None
         self.manager = manager
         self._kv_cache, self._allocator = kv_cache, allocator
-        self.policy = policy
+        self.policy, self.write_through_threshold, self.disk = policy, threshold, disk
         self.page_size = ps
         self.device = manager.device
         self.host = HostKVPool(kv_cache, host_pages, pin_memory=pin_memory)
@@ -411,6 +228,8 @@ class TieredCacheManager(BaseCacheManager):
         self._in_hand: set[int] = set()  # device pages taken from the tree or the free list
         self._owed_unlocks: list[BaseCacheHandle] = []  # own locks a failed unlock left
         self._published: list[CacheEvent] | None = [] if events else None
+        self._tier_log: list[TierEvent] | None = [] if events else None
+        self._hits = np.zeros(kv_cache.num_pages, dtype=np.int64)  # matches per device page
 
     # ------------------------------------------------------------ the parts
     @property
@@ -475,6 +294,43 @@ class TieredCacheManager(BaseCacheManager):
         out, self._published = self._published, []
         return out
 
+    def take_tier_events(self) -> list[TierEvent]:
+        """The device's and the host's events since the last call, oldest first, each with its
+        medium: ``"device"`` (the device tier's, as `take_events` gives them) and ``"host"``
+        (a page copied to host or given up there, its slots the host page's). Disk pages are
+        not announced: other processes write and read the same files, so no event stream could
+        say what the directory holds. ``RuntimeError`` unless built with ``events=True``."""
+        if self._tier_log is None:
+            raise RuntimeError(
+                "TieredCacheManager records no events; construct it with events=True"
+            )
+        self._settle()
+        out, self._tier_log = self._tier_log, []
+        return out
+
+    def _note(self, medium: str, event: CacheEvent) -> None:
+        if self._tier_log is not None:
+            self._tier_log.append(TierEvent(medium, event))
+
+    def _host_set(self, key: Hashable, node: HostNode, page: int) -> None:
+        """The index records that ``node``'s page is host page ``page`` (and a mirror hears)."""
+        self.index.set_page(node, page)
+        if self._tier_log is not None:
+            ps = self.page_size
+            self._note(
+                "host",
+                BlockStored(key, tuple(node.tokens()), tuple(range(page * ps, (page + 1) * ps))),
+            )
+
+    def _host_drop(self, key: Hashable, node: HostNode) -> int:
+        """The index forgets ``node``'s host page, which it returns (and a mirror hears)."""
+        tokens = tuple(node.tokens()) if self._tier_log is not None else ()
+        page = self.index.drop_page(node)
+        if self._tier_log is not None:
+            ps = self.page_size
+            self._note("host", BlockRemoved(key, tokens, tuple(range(page * ps, (page + 1) * ps))))
+        return page
+
     # ------------------------------------------------------------ what the last call left
     def _settle(self) -> None:
         """Release the locks a failed unlock left, then replay the device's new events into
@@ -494,9 +350,12 @@ class TieredCacheManager(BaseCacheManager):
         for ev in events:
             if isinstance(ev, AllCleared):
                 self._on_device[:] = False
+                self._hits[:] = 0
             else:
                 pages = np.asarray(ev.slots[::ps], dtype=np.int64) // ps
                 self._on_device[pages] = isinstance(ev, BlockStored)
+                self._hits[pages] = 0  # a page that enters or leaves the device starts afresh
+            self._note("device", ev)
         if self._published is not None:
             self._published.extend(events)
         if len(self._unmirrored) > self.kv_cache.num_pages:  # keep the backlog bounded
@@ -519,23 +378,47 @@ class TieredCacheManager(BaseCacheManager):
             raise
 
     # ------------------------------------------------------------ the tiers
+    def peek_prefix(self, input_ids: torch.Tensor, extra_key: Hashable = None) -> int:
+        """Leading tokens of ``input_ids`` the tiers hold, device pages first, then host pages,
+        then (with a disk) page files, found by looking only: no page moves, no LRU changes,
+        no file is read (a file that fails its check when loaded makes the match shorter).
+        What a scheduler orders its waiting queue by."""
+        self._settle()
+        ids = token_ids(input_ids)
+        check_extra_key(extra_key)
+        ps = self.page_size
+        keys = page_keys(ids, ps)
+        n = self._device().match(input_ids, extra_key) // ps
+        path = self.index.path(extra_key, keys)
+        while n < len(path) and path[n].page is not None:
+            n += 1
+        if self.disk is not None and n < len(keys):
+            digests = self._digests(extra_key, ids[: len(keys) * ps])
+            n += 0 if digests is None else self.disk.run_length(digests[n:])
+        return n * ps
+
     def match_prefix(
         self, input_ids: torch.Tensor, extra_key: Hashable = None
     ) -> tuple[RadixCacheHandle, torch.Tensor]:
-        """The longest whole-page prefix cached in either tier; host pages are loaded first.
+        """The longest whole-page prefix cached in any tier; host (and disk) pages are loaded.
 
         Loads only when the device pool can then hold all of ``input_ids`` (free pages plus what
         evicting unlocked device leaves frees): a request that cannot start anyway leaves the
         host's pages where they are. A load that raises keeps the room it made on the device
-        and leaves the prefix on the host (see the module docstring).
+        and leaves the prefix on the host (see the module docstring). Under selective
+        write-through the match is a hit on every device page it covers; a page that reaches
+        ``write_through_threshold`` hits is copied to host first (with the pages before it).
         """
         self._settle()
         handle, idx = self.manager.match_prefix(input_ids, extra_key)
-        if not self.index.num_pages:
-            return handle, idx
         ps, m = self.page_size, handle.cached_len // self.page_size
+        if self.policy == "write_through_selective" and m:
+            self._hit(extra_key, token_ids(input_ids)[: m * ps], idx)
+        if not self.index.num_pages and self.disk is None:
+            return handle, idx
         ids = token_ids(input_ids)
-        path = self.index.path(extra_key, _page_keys(ids, ps))
+        keys = page_keys(ids, ps)
+        path = self.index.path(extra_key, keys)
         tic = self.index.tick()
         for n in path:
             n.last_use = tic
@@ -544,16 +427,57 @@ class TieredCacheManager(BaseCacheManager):
             if n.page is None:
                 break
             run.append(n)
-        if not run:
+        on_disk: list[bytes] = []
+        if self.disk is not None and m + len(run) < len(keys):
+            digests = self._digests(extra_key, ids[: len(keys) * ps]) or []
+            start = m + len(run)
+            on_disk = digests[start : start + self.disk.run_length(digests[start:])]
+        if not run and not on_disk:
             return handle, idx
-        self.manager.lock_handle(handle)  # the make-room eviction must not take the match
         # Load only if the whole request fits after it: a loaded page replaces a page the
         # request would compute, so a request that cannot start would only churn the tiers.
         room = self.allocator.num_free_pages + self.manager.size_info.evictable_size // ps
         if room < -(-len(ids) // ps) - m:
+            return handle, idx
+        self.manager.lock_handle(handle)  # the make-room eviction must not take the match
+        try:
+            staged = self._read_pages(run, on_disk)
+        except BaseException:
+            self._unlock(handle)
+            raise
+        if len(staged) == len(run):
+            on_disk = []  # a file failed its check: the match stops before it
+        if not len(staged):
             self._unlock(handle)
             return handle, idx
-        return self._load(handle, ids[: (m + len(run)) * ps], idx, run, extra_key)
+        end = (m + len(staged)) * ps
+        return self._load(handle, ids[:end], idx, run, extra_key, staged)
+
+    def _read_pages(self, run: list[HostNode], on_disk: list[bytes]) -> torch.Tensor:
+        """The K/V of ``run`` (host pages) and of the pages named ``on_disk``, in order:
+        ``(n, *page_shape)``; the disk pages stop at the first file that fails its check."""
+        staged = self.host.read(torch.tensor([n.page for n in run], dtype=torch.int64))
+        pages = []
+        for digest in on_disk:
+            page = self.disk.get(digest) if self.disk is not None else None
+            if page is None:
+                break
+            pages.append(page)
+        if pages:
+            staged = torch.cat([staged, torch.stack(pages).to(staged.dtype)])
+        return staged
+
+    def _hit(self, key: Hashable, tokens: np.ndarray, idx: torch.Tensor) -> None:
+        """Selective write-through: a match covered the device pages ``idx`` (of ``tokens``):
+        the pages that reach the threshold, and all before them, are copied to host (those
+        not there yet), then every covered page counts the hit."""
+        ps = self.page_size
+        pages = idx[::ps].cpu().numpy().astype(np.int64) // ps
+        hot = np.flatnonzero(self._hits[pages] + 1 >= self.write_through_threshold)
+        if len(hot):
+            upto = (int(hot[-1]) + 1) * ps
+            self._to_host(key, tokens[:upto], idx[:upto].cpu().numpy(), removed=False)
+        self._hits[pages] += 1
 
     def _load(
         self,
@@ -562,27 +486,24 @@ class TieredCacheManager(BaseCacheManager):
         idx: torch.Tensor,
         run: list[HostNode],
         key: Hashable,
+        staged: torch.Tensor,
     ) -> tuple[RadixCacheHandle, torch.Tensor]:
-        """Copy ``run`` (the host pages continuing the device match ``idx``, whose ``handle``
-        the tier has locked) into fresh device pages and insert the prefix ``ids``; returns the
-        new match. Releases the lock on every way out."""
-        ps, moving = self.page_size, self.policy == "write_back"
-        try:
-            staged = self.host.read(torch.tensor([n.page for n in run]))
-        except BaseException:
-            self._unlock(handle)
-            raise
-        keys, first = _page_keys(ids, ps), len(ids) // ps - len(run)
+        """Copy ``staged`` (the K/V of ``run``, the host pages continuing the device match
+        ``idx``, then of pages read from disk) into fresh device pages and insert the prefix
+        ``ids``; returns the new match. ``handle`` is locked by the tier; every way out
+        releases it. Write-back moves the host pages (exclusive); the others keep them."""
+        ps, moving, n = self.page_size, self.policy == "write_back", len(staged)
+        keys, first = page_keys(ids, ps), len(ids) // ps - n
         if moving:  # the host copies go now, making room for what the device evicts for them
-            self._free_host([self.index.drop_page(n) for n in reversed(run)])
+            self._free_host([self._host_drop(key, nd) for nd in reversed(run)])
         try:
             try:
-                short = len(run) - self.allocator.num_free_pages
+                short = n - self.allocator.num_free_pages
                 if short > 0:
                     self._make_room(short * ps)
             finally:
                 self._unlock(handle)
-            new = self.allocator.allocate_slots(len(run) * ps)
+            new = self.allocator.allocate_slots(n * ps)
             self._in_hand.update(self._pages_of(new))
             try:
                 self.host.restore(self.kv_cache, self._page_tensor(new), staged)
@@ -595,14 +516,49 @@ class TieredCacheManager(BaseCacheManager):
                 raise
             self._in_hand.difference_update(self._pages_of(new))
         except BaseException:
-            if moving:
-                self._return_to_host(key, keys, first, staged)
+            if moving and run:
+                hosted = first + len(run)
+                self._return_to_host(key, keys[:hosted], first, staged[: len(run)])
             raise
         self.stats.loaded_pages += len(run)
-        self.stats.host_hits += 1
-        if not moving:  # the pages were inserted: their host copies are refreshed (or remade)
-            self._to_host(key, ids, new.cpu().numpy(), removed=False)
+        self.stats.disk_loaded_pages += n - len(run)
+        self.stats.host_hits += bool(run)
+        if not moving and run:  # inserted: their host copies are refreshed (or remade)
+            hosted = (first + len(run)) * ps
+            self._to_host(key, ids[:hosted], new[: len(run) * ps].cpu().numpy(), removed=False)
         return cast(RadixCacheHandle, res.handle), torch.cat([idx, new])
+
+    # ------------------------------------------------------------ the disk
+    def _digests(self, key: Hashable, tokens: np.ndarray) -> list[bytes] | None:
+        """The disk's names of the whole pages of ``tokens`` under ``key``; ``None`` for a
+        namespace the disk cannot write down alike in every process (it stores none of it)."""
+        if self.disk is None:
+            return None
+        try:
+            return self.disk.prefix_digests(key, tokens)
+        except ValueError:
+            return None
+
+    def _to_disk(
+        self, key: Hashable, tokens: list[int], page: int | None, device_page: int = -1
+    ) -> None:
+        """Write host page ``page`` (or, when it is ``None``, device page ``device_page``), the
+        last page of prefix ``tokens``, to disk, if its namespace can be named there and it is
+        not there already."""
+        digests = self._digests(key, np.asarray(tokens, dtype=np.int64))
+        if not digests or self.disk is None or self.disk.contains(digests[-1]):
+            return
+        if page is not None:
+            staged = self.host.read(torch.tensor([page], dtype=torch.int64))[0]
+        else:
+            pool, dp = self.kv_cache, device_page
+            kv = [
+                torch.stack([pool.k_cache(i)[dp], pool.v_cache(i)[dp]])
+                for i in range(pool.num_layers)
+            ]
+            staged = torch.stack(kv, dim=1).to("cpu")
+        if self.disk.put(digests[-1], staged):
+            self.stats.disk_saved_pages += 1
 
     def _make_room(self, size: int) -> None:
         """Evict ``size`` tokens of device leaves to host and free their pages. All or nothing:
@@ -638,7 +594,7 @@ class TieredCacheManager(BaseCacheManager):
         self.stats.host_evicted_pages += len(undo.victims)
         self.stats.lost_pages += len(keys) - first - len(pages)
         for node, hp in zip(nodes[first:], pages, strict=False):
-            self.index.set_page(node, hp)
+            self._host_set(key, node, hp)
             self._written[hp] = True
         self.index.unpin(nodes)
 
@@ -653,7 +609,8 @@ class TieredCacheManager(BaseCacheManager):
     ) -> InsertResult:
         """`RadixCacheManager.insert_and_match`, with the new pages' slots checked first: whole
         pages of the pool, none twice, none the device holds (the device manager does not know
-        the pool). Write-back: the new pages' host copies (if any) go, a page lives in one tier.
+        the pool). Write-back: the new pages' host copies (if any) go, a page lives in one tier
+        (inclusive write-back and selective write-through keep them: same prefix, same K/V).
         Write-through: the new pages are copied to host *before* the device insert, the one step
         that cannot be taken back, so that it comes last."""
         self._settle()
@@ -665,7 +622,7 @@ class TieredCacheManager(BaseCacheManager):
         ps = self.page_size
         n = len(ids) // ps * ps
         copied: list[HostNode] = []
-        if self.policy == "write_back":  # the device manager checks which slots it may take
+        if self.policy != "write_through":  # the device manager checks which slots it may take
             self._check_new_slots(slots[:n], whole=False)
         elif n > (m := self._device().match(input_ids, extra_key)):
             self._check_new_slots(slots[m:n], whole=True)
@@ -674,7 +631,7 @@ class TieredCacheManager(BaseCacheManager):
             res = self.manager.insert_and_match(input_ids, indices, extra_key)
         except BaseException:  # the copies name pages the device does not hold: they go
             for node in copied:
-                self._free_host([self.index.drop_page(node)])
+                self._free_host([self._host_drop(extra_key, node)])
             raise
         if self.policy == "write_back" and self.index.num_pages:
             self._drop_host_copies(extra_key, ids[:n], (n - res.cached_len) // ps)
@@ -711,7 +668,8 @@ class TieredCacheManager(BaseCacheManager):
 
     def _evict(self, size: int) -> tuple[torch.Tensor, list[BlockRemoved]]:
         """The device evicts ``size`` tokens; each evicted run is copied to host before the
-        slots come back (in the tier's hands), with the runs."""
+        slots come back (in the tier's hands), with the runs. Selective write-through copies
+        nothing here: a page without a host copy is dropped."""
         slots = self.manager.evict(size)
         self._in_hand.update(self._pages_of(slots))
         try:
@@ -721,9 +679,11 @@ class TieredCacheManager(BaseCacheManager):
             self._in_hand.difference_update(self._pages_of(slots))
             raise
         removed = [ev for ev in events if isinstance(ev, BlockRemoved)]
+        copy = self.policy != "write_through_selective"
         try:
             for ev in removed:
-                self._to_host(ev.extra_key, np.asarray(ev.tokens), np.asarray(ev.slots), True)
+                toks, at = np.asarray(ev.tokens), np.asarray(ev.slots)
+                self._to_host(ev.extra_key, toks, at, removed=True, copy=copy)
         except BaseException:
             self._record(events)
             self._put_back(removed)
@@ -766,6 +726,7 @@ class TieredCacheManager(BaseCacheManager):
         self._settle()
         self.manager.reset()
         self.index.clear()
+        self._note("host", AllCleared())
         self.host_allocator.reset()
         self._written[:] = False
 
@@ -788,10 +749,10 @@ class TieredCacheManager(BaseCacheManager):
         host copies go (one tier per page)."""
         if num_new <= 0:
             return
-        keys = _page_keys(tokens, self.page_size)
+        keys = page_keys(tokens, self.page_size)
         first = len(keys) - num_new
         nodes = [n for n in reversed(self.index.path(key, keys)[first:]) if n.page is not None]
-        self._free_host([self.index.drop_page(n) for n in nodes])
+        self._free_host([self._host_drop(key, n) for n in nodes])
 
     def _take_host_page(self, undo: _HostUndo) -> int | None:
         """A free host page, evicting the host's LRU leaf when none is free; None if impossible.
@@ -805,7 +766,9 @@ class TieredCacheManager(BaseCacheManager):
             return None
         key, victim = leaf
         victim_tokens = victim.tokens()  # before the drop cuts it off its path
-        page = self.index.drop_page(victim)
+        if self.disk is not None and victim.page is not None:
+            self._to_disk(key, victim_tokens, victim.page)
+        page = self._host_drop(key, victim)
         undo.victims.append((key, victim_tokens, page, victim.last_use))
         return page
 
@@ -814,30 +777,37 @@ class TieredCacheManager(BaseCacheManager):
         pages were not written over) to the index, newest first."""
         self._free_host(undo.taken)
         for key, tokens, page, last_use in reversed(undo.victims):
-            nodes = self.index.ensure_path(key, _page_keys(tokens, self.page_size))
-            self.index.set_page(nodes[-1], page)
+            nodes = self.index.ensure_path(key, page_keys(tokens, self.page_size))
+            self._host_set(key, nodes[-1], page)
             nodes[-1].last_use = last_use
             self.index.unpin(nodes)
 
     def _to_host(
-        self, key: Hashable, tokens: np.ndarray, slots: np.ndarray, removed: bool
+        self,
+        key: Hashable,
+        tokens: np.ndarray,
+        slots: np.ndarray,
+        removed: bool,
+        copy: bool = True,
     ) -> list[HostNode]:
         """Copy the pages of the run ending ``tokens`` (device ``slots``) to host, parent first;
-        returns the nodes that got a host page.
+        returns the nodes that got a host page. Pages already on host are only refreshed;
+        with ``copy=False`` no page is copied (selective write-through's eviction).
 
-        A page that finds no host room (every host leaf is one of its ancestors) is not copied,
-        nor the rest of the run; when the device just evicted it (``removed``), the host pages
-        below it lost their prefix and are dropped too. The host pages are chosen first, then
+        A page that finds no host room (every host leaf is one of its ancestors), or is not to
+        be copied, is not, nor the rest of the run; when the device just evicted it
+        (``removed``), the host pages below it lost their prefix and are dropped too. The host pages are chosen first, then
         saved in one copy; only then does the index record them, so a failed save changes
         nothing on the host.
         """
         ps = self.page_size
-        keys = _page_keys(tokens, ps)
+        keys = page_keys(tokens, ps)
         first = len(keys) - len(slots) // ps
         nodes = self.index.ensure_path(key, keys)
         undo = _HostUndo()
         copies: list[tuple[HostNode, int, int]] = []  # node, device page, host page
         cut: HostNode | None = None
+        j = len(keys)
         try:
             try:
                 for j in range(first, len(keys)):
@@ -845,11 +815,15 @@ class TieredCacheManager(BaseCacheManager):
                     if node.page is not None:
                         node.last_use = self.index.tick()
                         continue
-                    hp = self._take_host_page(undo)
+                    hp = self._take_host_page(undo) if copy else None
                     if hp is None:
                         cut = node if removed else None
+                        if not copy:
+                            self.stats.dropped_pages += len(keys) - j
                         break
                     copies.append((node, int(slots[(j - first) * ps]) // ps, hp))
+                else:
+                    j = len(keys)
                 if copies:
                     self.host.save(
                         self.kv_cache,
@@ -862,11 +836,18 @@ class TieredCacheManager(BaseCacheManager):
             # The save is done: the index records it.
             self.stats.host_evicted_pages += len(undo.victims)
             for node, _, hp in copies:
-                self.index.set_page(node, hp)
+                self._host_set(key, node, hp)
                 self._written[hp] = True
             self.stats.saved_pages += len(copies)
             if cut is not None:
-                lost = [self.index.drop_page(n) for n in self.index.subtree_pages(cut)]
+                below = self.index.subtree_pages(cut)
+                if self.disk is not None and copy:  # what the host cannot hold goes to disk
+                    for n in below:
+                        self._to_disk(key, n.tokens(), n.page)
+                    for i in range(j, len(keys)):
+                        dp = int(slots[(i - first) * ps]) // ps
+                        self._to_disk(key, tokens[: (i + 1) * ps].tolist(), None, dp)
+                lost = [self._host_drop(key, n) for n in below]
                 self._free_host(lost)
                 self.stats.lost_pages += len(lost)
         finally:

@@ -17,6 +17,7 @@ present.
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -29,9 +30,22 @@ from ..managers.cache_events import (
     check_extra_key,
 )
 
-__all__ = ["PrefixMirror"]
+__all__ = ["PrefixMirror", "TierEvent", "TieredPrefixMirror", "MEDIA"]
 
 Page = tuple[int, ...]
+
+#: Where a tiered replica holds a page: the names SGLang's KV events give their ``medium``
+#: (``StorageMedium.GPU`` / ``CPU``; ``hiradix_cache.py``, ``_record_remove_event(node,
+#: medium=...)``).
+MEDIA = ("device", "host")
+
+
+class TierEvent(NamedTuple):
+    """A cache event of one tier of a tiered replica: ``event`` (`BlockStored`, `BlockRemoved`,
+    `AllCleared`) happened in ``medium`` (one of `MEDIA`); a host event's slots are host slots."""
+
+    medium: str
+    event: CacheEvent
 
 
 def _token_list(tokens: object) -> list[int]:
@@ -97,6 +111,23 @@ class PrefixMirror:
                 break
             n += ps
         return n
+
+    def held_pages(
+        self, tokens: torch.Tensor | Sequence[int], extra_key: Hashable = None
+    ) -> list[bool]:
+        """For each whole page of ``tokens`` from the first on, as far as the mirror's trie
+        goes, whether the replica holds it (a page may be held below one it does not hold:
+        another tier holds that one). Same ``tokens`` as `match`."""
+        toks = _token_list(tokens)
+        check_extra_key(extra_key)
+        node, ps, n, out = self._roots.get(extra_key), self.page_size, 0, []
+        while node is not None and n + ps <= len(toks):
+            node = node.children.get(tuple(toks[n : n + ps]))
+            if node is None:
+                break
+            out.append(node.slots is not None)
+            n += ps
+        return out
 
     def pages(self) -> dict[tuple[Hashable, Page], Page]:
         """Every cached page: ``(extra_key, tokens from the prefix's start through the page) ->
@@ -201,3 +232,52 @@ class PrefixMirror:
             for key, root in list(self._roots.items()):
                 if root is node:
                     del self._roots[key]
+
+
+class TieredPrefixMirror:
+    """A tiered replica's pages in each of its tiers, rebuilt from its `TierEvent` stream
+    (``TieredCacheManager.take_tier_events()``): one `PrefixMirror` per medium (``mirrors``).
+
+    `match` says how many leading tokens of a prompt the replica holds in *some* tier: a page on
+    the host serves a request for the cost of a copy, not a recompute (SGLang's scheduler counts
+    host hits in a request's matched prefix too).
+    """
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = check_positive_int(page_size, "page_size")
+        self.mirrors = {m: PrefixMirror(self.page_size) for m in MEDIA}
+        self.events_applied = 0
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens the replica holds on the device (its cache proper)."""
+        return self.mirrors["device"].cached_tokens
+
+    def apply(self, events: Iterable[TierEvent]) -> None:
+        """Replay ``events``, oldest first, each into its medium's mirror (see
+        `PrefixMirror.apply`; ``TypeError``/``ValueError`` for an event that does not fit,
+        the events before it staying applied)."""
+        if isinstance(events, TierEvent):
+            raise TypeError("events must be an iterable of TierEvents, got one TierEvent")
+        for ev in events:
+            if not isinstance(ev, TierEvent) or ev.medium not in MEDIA:
+                raise TypeError(
+                    f"events must hold TierEvents of a medium in {MEDIA}, got {ev!r:.80}"
+                )
+            self.mirrors[ev.medium].apply([ev.event])
+            self.events_applied += 1
+
+    def match(self, tokens: torch.Tensor | Sequence[int], extra_key: Hashable = None) -> int:
+        """Leading tokens of ``tokens`` held under ``extra_key`` in some tier: whole pages,
+        each on the device or the host, from the first one on."""
+        held = [m.held_pages(tokens, extra_key) for m in self.mirrors.values()]
+        n = 0
+        while any(n < len(h) and h[n] for h in held):
+            n += 1
+        return n * self.page_size
+
+    def pages(self, medium: str) -> dict[tuple[Hashable, Page], Page]:
+        """Every page held in ``medium`` (see `PrefixMirror.pages`)."""
+        if medium not in MEDIA:
+            raise ValueError(f"medium must be one of {MEDIA}, got {medium!r}")
+        return self.mirrors[medium].pages()

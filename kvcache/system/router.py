@@ -19,6 +19,22 @@ events (``manager.take_events()``), as routers do that subscribe to vLLM's or SG
 The events reach the router ``event_delay_s`` simulated seconds after the step that produced
 them (the network, the publisher's batching): the mirror is then exact but late.
 
+Namespaces. A request's ``extra_key`` (its tenant, its adapter) goes with it to `route` and
+`submit`: the mirrors match it only among the prefixes cached under the same key, so a tenant's
+request goes to the replica that holds *that tenant's* prefix.
+
+Replicas come and go. `remove_replica` takes a replica out (it failed a health check, or is
+drained for maintenance) with requests in flight: its waiting and running requests are
+withdrawn (their pages freed) and routed again among the others, each with what it has not yet
+emitted (its prompt and the tokens it has emitted so far become the new prompt, as a
+recomputation after preemption), its mirror and its events in flight are dropped, and nothing is
+lost: `output` gives every request's whole output across the replicas it ran on. `add_replica`
+brings a removed one back (its cache forgotten, so its mirror starts equal to it) or adds a new
+one. sgl-router's cache-aware policy likewise drops a removed worker from its tree
+(``CacheAwarePolicy::remove_worker``: ``tree.remove_tenant(url)``, ``sgl-router/src/policies/
+cache_aware.rs``); the requests already proxied to it are the HTTP client's to retry there,
+which is what `remove_replica` does here for them.
+
 Time. Every replica keeps its own simulated clock (`Scheduler.clock`, the cost model's). `run`
 is a discrete-event simulation: requests arrive at given times; before an arrival, every busy
 replica that is behind it steps; an idle replica's clock jumps to the arrival. Replicas run in
@@ -36,15 +52,22 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .._validate import as_list, check_token_ids
-from ..managers.cache_events import AllCleared, BlockRemoved, BlockStored, CacheEvent
+from .._validate import as_int, as_list, check_token_ids
+from ..managers.cache_events import (
+    AllCleared,
+    BlockRemoved,
+    BlockStored,
+    CacheEvent,
+    check_extra_key,
+)
 from ..serving.cost_model import percentile
+from ..serving.sched_records import SchedRequest
 from ..serving.scheduler import Scheduler
 from ..serving.workload_checks import check_jobs
 from ..serving.workloads import Job
@@ -136,6 +159,29 @@ def _number(value: object, name: str, lo: float, hi: float = math.inf) -> float:
     return float(value)
 
 
+def _fresh(name: str, s: object) -> tuple[PrefixMirror, Callable[[], list[CacheEvent]]]:
+    """A replica a router may take: a `Scheduler` that has served nothing, on a manager that
+    caches nothing yet and records events; its (empty) mirror and its event source."""
+    if not isinstance(s, Scheduler):
+        raise TypeError(f"{name} must be a Scheduler, got {type(s).__name__}")
+    take = getattr(s.flow.manager, "take_events", None)  # radix and block-hash have it
+    if not s.idle or s.steps or s.requests:
+        raise ValueError(f"{name} has served requests already; give a fresh one")
+    if s.flow.manager.size_info.total_size or not callable(take):
+        raise ValueError(
+            f"{name}'s manager must be a radix or block-hash manager with an empty cache, got "
+            f"{type(s.flow.manager).__name__} holding {s.flow.manager.size_info.total_size} tokens"
+        )
+    mirror = PrefixMirror(s.flow.page_size)
+    try:  # the cache is empty: whatever the log held nets to nothing
+        mirror.apply(take())
+    except RuntimeError:
+        raise ValueError(
+            f"{name}'s manager records no events; construct it with events=True"
+        ) from None
+    return mirror, take
+
+
 class Router:
     """Sends each request to one of ``replicas`` (see the module docstring for the policies).
 
@@ -185,29 +231,11 @@ class Router:
             raise ValueError(f"balance_abs_threshold must be >= 0, got {balance_abs_threshold}")
         self.balance_rel_threshold = _number(balance_rel_threshold, "balance_rel_threshold", 1.0)
         self.event_delay_s = _number(event_delay_s, "event_delay_s", 0.0)
-        takes: list[Callable[[], list[CacheEvent]]] = []
-        for i, s in enumerate(replicas):
-            take = getattr(s.flow.manager, "take_events", None)  # radix and block-hash have it
-            if not s.idle or s.steps or s.requests:
-                raise ValueError(f"replicas[{i}] has served requests already; give a fresh one")
-            if s.flow.manager.size_info.total_size or not callable(take):
-                raise ValueError(
-                    f"replicas[{i}]'s manager must be a radix or block-hash manager with an "
-                    f"empty cache, got {type(s.flow.manager).__name__} holding "
-                    f"{s.flow.manager.size_info.total_size} tokens"
-                )
-            takes.append(take)
-        mirrors = [PrefixMirror(s.flow.page_size) for s in replicas]
-        for i, take in enumerate(takes):
-            try:  # the caches are empty: whatever the logs held nets to nothing
-                mirrors[i].apply(take())
-            except RuntimeError:
-                raise ValueError(
-                    f"replicas[{i}]'s manager records no events; construct it with events=True"
-                ) from None
+        fresh = [_fresh(f"replicas[{i}]", s) for i, s in enumerate(replicas)]
         self.replicas: tuple[Scheduler, ...] = tuple(replicas)
-        self.mirrors: tuple[PrefixMirror, ...] = tuple(mirrors)
-        self._take_events = tuple(takes)
+        self.mirrors: tuple[PrefixMirror, ...] = tuple(m for m, _ in fresh)
+        self._take_events = tuple(take for _, take in fresh)
+        self.healthy: list[bool] = [True] * len(replicas)
         self.policy = policy
         self.balance_abs_threshold = balance_abs_threshold
         self.now = 0.0
@@ -220,6 +248,10 @@ class Router:
         self._realized: dict[int, int] = {}
         self._reasons = {"prefix": 0, "load": 0, "room": 0}
         self._flight_sum = 0
+        self._moved: set[tuple[int, int]] = set()  # (replica, sid) withdrawn and routed again
+        #: Requests a removal withdrew and has not routed again yet (it was interrupted).
+        self.orphans: dict[int, SchedRequest] = {}
+        self._carried: dict[int, list[int]] = {}  # router id -> tokens emitted before a move
 
     # ------------------------------------------------------------------ state
     @property
@@ -235,36 +267,40 @@ class Router:
         return sum(len(evs) for _, _, _, evs in self._in_flight)
 
     # ------------------------------------------------------------------ deciding
-    def route(self, prompt: torch.Tensor) -> tuple[int, str, int]:
+    def route(self, prompt: torch.Tensor, extra_key: Hashable = None) -> tuple[int, str, int]:
         """Where ``prompt`` would go now: ``(replica, reason, predicted prefix tokens)``; reason is
-        ``"prefix"``, ``"load"`` or ``"room"`` (round robin: ``"load"``). Changes nothing.
+        ``"prefix"``, ``"load"`` or ``"room"`` (round robin: ``"load"``). Changes nothing. Only
+        healthy replicas are considered (``RuntimeError`` when none is).
 
-        ``prompt``: 1-D integer token ids on the CPU, at least one (``TypeError``/``ValueError``).
+        ``prompt``: 1-D integer token ids on the CPU, at least one (``TypeError``/``ValueError``);
+        ``extra_key``: its namespace, matched only among the prefixes cached under it.
         """
         check_token_ids(prompt, "prompt")
         if len(prompt) == 0:
             raise ValueError("prompt must hold at least one token")
-        n = self.num_replicas
+        check_extra_key(extra_key)
+        live = [i for i, ok in enumerate(self.healthy) if ok]
+        if not live:
+            raise RuntimeError("no healthy replica to route to")
         toks = prompt[:-1]  # the last prompt token is always computed (it yields the logits)
-        matches = [m.match(toks) for m in self.mirrors]
-        loads = self.loads()
+        matches = {i: self.mirrors[i].match(toks, extra_key) for i in live}
+        all_loads = self.loads()
+        loads = {i: all_loads[i] for i in live}
         if self.policy == "round_robin":
-            r = self._next_rr % n
+            r = live[self._next_rr % len(live)]
             return r, "load", matches[r]
-        least = min(range(n), key=lambda i: (loads[i], i))
+        least = min(live, key=lambda i: (loads[i], i))
         if self.policy == "least_loaded":
             return least, "load", matches[least]
-        hi, lo = max(loads), min(loads)
+        hi, lo = max(loads.values()), min(loads.values())
         if hi - lo > self.balance_abs_threshold and hi > self.balance_rel_threshold * lo:
             return least, "load", matches[least]
-        best = max(matches)
-        size = [m.cached_tokens for m in self.mirrors]
+        best = max(matches.values())
+        size = {i: self.mirrors[i].cached_tokens for i in live}
         if best > 0 and best >= self.cache_threshold * len(prompt):
-            r = min(
-                (i for i in range(n) if matches[i] == best), key=lambda i: (loads[i], size[i], i)
-            )
+            r = min((i for i in live if matches[i] == best), key=lambda i: (loads[i], size[i], i))
             return r, "prefix", best
-        r = min(range(n), key=lambda i: (size[i], loads[i], i))
+        r = min(live, key=lambda i: (size[i], loads[i], i))
         return r, "room", matches[r]
 
     # ------------------------------------------------------------------ acting
@@ -275,9 +311,16 @@ class Router:
         forced: torch.Tensor | None = None,
         *,
         at: float | None = None,
+        extra_key: Hashable = None,
+        priority: int = 0,
+        min_tokens: int = 0,
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
     ) -> int:
         """Route a request arriving at simulated time ``at`` (default: now, never earlier) and
         queue it there; returns its router id (`placement` maps it to ``(replica, sid)``).
+        ``extra_key``: its namespace, for the routing and on the replica; ``priority``,
+        ``min_tokens``, ``stop_token_ids``, ``ignore_eos``: as `Scheduler.submit` takes them.
 
         The events due by ``at`` reach the mirrors first. A request the chosen replica refuses
         (`Scheduler.submit`'s errors, or anything it raises) changes nothing here: those events
@@ -287,10 +330,19 @@ class Router:
         t = self.now if at is None else _number(at, "at", self.now)
         delivered = self._deliver(t)
         try:
-            r, reason, predicted = self.route(prompt)
+            r, reason, predicted = self.route(prompt, extra_key)
             sched = self.replicas[r]
             was_idle = sched.idle
-            sid = sched.submit(prompt, max_new_tokens, forced)  # validates; raises before queueing
+            sid = sched.submit(  # validates; raises before queueing
+                prompt,
+                max_new_tokens,
+                forced,
+                extra_key=extra_key,
+                priority=priority,
+                min_tokens=min_tokens,
+                stop_token_ids=stop_token_ids,
+                ignore_eos=ignore_eos,
+            )
         except BaseException:
             self._undeliver(delivered)
             raise
@@ -308,6 +360,130 @@ class Router:
             self._next_rr += 1
         return rid
 
+    def output(self, rid: int) -> list[int]:
+        """Every token request ``rid`` has emitted, across the replicas it ran on."""
+        rid = as_int(rid, "rid")
+        if not 0 <= rid < len(self.placement):
+            raise ValueError(f"rid must be in [0, {len(self.placement)}), got {rid}")
+        r, sid = self.placement[rid]
+        return self._carried.get(rid, []) + self.replicas[r].requests[sid].output
+
+    # ------------------------------------------------------------------ membership
+    def remove_replica(self, r: int) -> list[int]:
+        """Take replica ``r`` out (unhealthy, or drained): its waiting and running requests are
+        withdrawn and routed again among the healthy replicas, each resuming from what it has
+        emitted (see the module docstring); its mirror and its events in flight are dropped.
+        Returns the router ids moved, oldest first.
+
+        Refused, changing nothing: ``ValueError`` for a replica that is neither a healthy one
+        nor one whose removal was interrupted, or when a request to move would not fit some
+        other healthy replica's pool; ``RuntimeError`` when it has requests and no other
+        healthy replica is left. A failure part way (a withdrawal or a submit raising) leaves
+        the requests moved so far moved and the rest where they were, on the replica, which is
+        out of routing and stepping, or withdrawn and not yet routed again (`orphans`):
+        calling `remove_replica` again moves them all."""
+        r = as_int(r, "r")
+        if not 0 <= r < self.num_replicas:
+            raise ValueError(f"replica {r} is not a replica of this router")
+        if not self.healthy[r] and self.replicas[r].idle and not self.orphans:
+            raise ValueError(f"replica {r} is not a healthy replica of this router")
+        self._rehome()
+        sched = self.replicas[r]
+        live = sorted((self._rid_of[(r, s.sid)], s.sid) for s in sched.running + sched.waiting)
+        others = [i for i, ok in enumerate(self.healthy) if ok and i != r]
+        if live and not others:
+            raise RuntimeError(f"replica {r} has {len(live)} requests and no other is healthy")
+        for _, sid in live:
+            s = sched.requests[sid]
+            rest = s.max_new_tokens - len(s.output)
+            for i in others:
+                if rest and not s.complete:
+                    self._check_fits_replica(i, f"request {sid}", len(s.tokens()), rest)
+        self.healthy[r] = False
+        self._drop_mirror(r)
+        moved = []
+        for rid, sid in live:
+            s = sched.withdraw(sid)
+            if s.status == "withdrawn":  # else it had stopped already: it ends here, finished
+                self.orphans[rid] = s
+                self._resubmit(rid, s)
+            moved.append(rid)
+        return moved
+
+    def _rehome(self) -> None:
+        """Route again the requests an interrupted removal withdrew and could not place."""
+        for rid, s in sorted(self.orphans.items()):
+            self._resubmit(rid, s)
+
+    def _resubmit(self, rid: int, s: SchedRequest) -> None:
+        """Route what ``s`` (withdrawn) has not emitted as a new request of router id ``rid``."""
+        done = len(s.output)
+        prompt = s.tokens()
+        dest, reason, predicted = self.route(prompt, s.extra_key)
+        forced = None if s.forced is None else torch.tensor(s.forced[done:], dtype=torch.int64)
+        sched = self.replicas[dest]
+        was_idle = sched.idle
+        sid = sched.submit(
+            prompt,
+            s.max_new_tokens - done,
+            forced,
+            extra_key=s.extra_key,
+            priority=s.priority,
+            min_tokens=max(0, s.stop.min_tokens - done),
+            stop_token_ids=sorted(s.stop.stop_token_ids),
+            ignore_eos=s.stop.ignore_eos,
+        )
+        if was_idle and sched.clock < self.now:
+            sched.clock = self.now
+        sched.requests[sid].arrival_time = s.arrival_time
+        self._moved.add(self.placement[rid])
+        self._carried[rid] = self._carried.get(rid, []) + s.output
+        del self.orphans[rid]
+        self.placement[rid] = (dest, sid)
+        self._rid_of[(dest, sid)] = rid
+        self._reasons[reason] += 1
+        self._predicted[rid] = predicted
+        self._realized.pop(rid, None)
+
+    def _drop_mirror(self, r: int) -> None:
+        """Forget what the router knows of replica ``r``'s cache: its mirror, its events in
+        flight, and those its source still holds."""
+        self.mirrors = tuple(
+            PrefixMirror(m.page_size) if i == r else m for i, m in enumerate(self.mirrors)
+        )
+        self._in_flight = [f for f in self._in_flight if f[2] != r]
+        heapq.heapify(self._in_flight)
+
+    def add_replica(self, scheduler: Scheduler) -> int:
+        """Bring a removed replica back, or add a new one; returns its index. A removed one
+        (which holds no request: they were moved) has its prefix cache forgotten first, so
+        that its new mirror, built from its events alone, starts equal to it; a new one must be
+        fresh, as the constructor's replicas (``ValueError`` otherwise, nothing changed)."""
+        for r, s in enumerate(self.replicas):
+            if s is scheduler:
+                if self.healthy[r]:
+                    raise ValueError(f"replica {r} is in this router already, and healthy")
+                scheduler.reset_prefix_cache()
+                mirror = PrefixMirror(scheduler.flow.page_size)
+                mirror.apply(self._take_events[r]())  # ends with its reset: the mirror is empty
+                self.mirrors = tuple(mirror if i == r else m for i, m in enumerate(self.mirrors))
+                self.healthy[r] = True
+                return r
+        mirror, take = _fresh("the new replica", scheduler)
+        for s in self.replicas:
+            for what, mine, theirs in (
+                ("flow", s.flow, scheduler.flow),
+                ("manager", s.flow.manager, scheduler.flow.manager),
+                ("allocator", s.flow.allocator, scheduler.flow.allocator),
+            ):
+                if mine is theirs:
+                    raise ValueError(f"the new replica must have its own {what}; it shares one")
+        self.replicas += (scheduler,)
+        self.mirrors += (mirror,)
+        self._take_events += (take,)
+        self.healthy.append(True)
+        return len(self.replicas) - 1
+
     def step(self) -> int:
         """One scheduler step of the busy replica furthest behind in time; its events are
         published (due ``event_delay_s`` after the step's end). Returns the replica stepped;
@@ -316,7 +492,7 @@ class Router:
         A step that raises changes nothing here (the scheduler's own promise); when the replica's
         event source raises after its step, the step stands and those events are taken with
         its next step (or by `sync`)."""
-        busy = [i for i, s in enumerate(self.replicas) if not s.idle]
+        busy = [i for i, s in enumerate(self.replicas) if not s.idle and self.healthy[i]]
         if not busy:
             raise RuntimeError("no replica has a request waiting or running")
         r = min(busy, key=lambda i: (self.replicas[i].clock, i))
@@ -362,7 +538,9 @@ class Router:
         delivered, and its own for the next `sync`."""
         self._deliver(math.inf)
         for r, take in enumerate(self._take_events):
-            self.mirrors[r].apply(take())
+            events = take()
+            if self.healthy[r]:  # a removed replica's cache is forgotten when it comes back
+                self.mirrors[r].apply(events)
 
     def run(self, jobs: Sequence[Job], arrivals: Sequence[float] | None = None) -> RouterReport:
         """Serve ``jobs`` (their outputs forced) arriving at ``arrivals`` (non-decreasing, from
@@ -386,7 +564,7 @@ class Router:
             self._check_fits(i, len(job.prompt), max(1, len(job.output)))
         i = 0
         while True:
-            busy = [s.clock for s in self.replicas if not s.idle]
+            busy = [s.clock for i, s in enumerate(self.replicas) if self.healthy[i] and not s.idle]
             if i < len(jobs) and (not busy or times[i] <= min(busy)):
                 job = jobs[i]
                 out = job.output if len(job.output) else torch.zeros(1, dtype=torch.int64)
@@ -398,18 +576,28 @@ class Router:
                 return self.report()
 
     def _check_fits(self, i: int, prompt_len: int, max_new_tokens: int) -> None:
-        """``ValueError`` unless job ``i`` is one every replica's `Scheduler.submit` takes: at
-        least one prompt token, and ``prompt_len + max_new_tokens - 1`` tokens in its pool."""
+        """``ValueError`` unless job ``i`` is one every healthy replica's `Scheduler.submit`
+        takes: at least one prompt token, and ``prompt_len + max_new_tokens - 1`` tokens in its
+        pool."""
         if prompt_len == 0:
             raise ValueError(f"jobs[{i}].prompt must hold at least one token")
-        for r, s in enumerate(self.replicas):
-            ps, pages = s.flow.page_size, s.flow.allocator.num_pages
-            need = -(-(prompt_len + max_new_tokens - 1) // ps)
-            if need > pages:
-                raise ValueError(
-                    f"jobs[{i}] needs up to {need} pages ({prompt_len} prompt + {max_new_tokens} "
-                    f"new tokens, page size {ps}); replica {r}'s pool has {pages}: it can never fit"
-                )
+        for r, ok in enumerate(self.healthy):
+            if ok:
+                self._check_fits_replica(r, f"jobs[{i}]", prompt_len, max_new_tokens)
+
+    def _check_fits_replica(self, r: int, what: str, prompt_len: int, max_new: int) -> None:
+        """``ValueError`` unless ``what`` (``prompt_len`` tokens, ``max_new`` to emit) fits
+        replica ``r``'s pool (and, without chunked prefill, its step budget)."""
+        s = self.replicas[r]
+        ps, pages = s.flow.page_size, s.flow.allocator.num_pages
+        need = -(-(prompt_len + max_new - 1) // ps)
+        if need > pages:
+            raise ValueError(
+                f"{what} needs up to {need} pages ({prompt_len} prompt + {max_new} "
+                f"new tokens, page size {ps}); replica {r}'s pool has {pages}: it can never fit"
+            )
+        if not s.chunked_prefill and prompt_len + max_new - 1 > s.token_budget:
+            raise ValueError(f"{what} does not fit replica {r}'s step without chunked prefill")
 
     # ------------------------------------------------------------------ results
     def report(self) -> RouterReport:
@@ -449,11 +637,22 @@ class Router:
 
     def check_integrity(self) -> None:
         """Every replica's own checks, and: each routed request is on exactly the replica the
-        router sent it to, once, and no replica holds a request the router did not send."""
+        router sent it to, once, and no replica holds a request the router did not send (but
+        those moved off it, withdrawn); a removed replica holds no live request and its mirror
+        nothing."""
         for r, s in enumerate(self.replicas):
             s.check_integrity()
             mine = {sid for rr, sid in self.placement if rr == r}
-            if set(s.requests) != mine:
+            moved = {sid for rr, sid in self._moved if rr == r}
+            if mine & moved or any(s.requests[sid].status != "withdrawn" for sid in moved):
+                raise RuntimeError(f"replica {r}: a moved request is still placed there")
+            for sid in mine:
+                rid = self._rid_of[(r, sid)]
+                if (s.requests[sid].status == "withdrawn") != (rid in self.orphans):
+                    raise RuntimeError(f"request {rid} is withdrawn and no orphan, or the reverse")
+            if not self.healthy[r] and self.mirrors[r].cached_tokens:
+                raise RuntimeError(f"removed replica {r} still has a mirror")
+            if set(s.requests) != mine | moved:
                 raise RuntimeError(
                     f"replica {r} holds requests {sorted(set(s.requests) ^ mine)} the router "
                     "did not send there, or lost some it did"
