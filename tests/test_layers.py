@@ -196,18 +196,11 @@ def _trees() -> dict[str, ast.Module]:
 STILL_TO_MOVE: dict[str, set[str]] = {
     "borrowed_methods": {
         "kvcache/managers/block_hash.py",
-        "kvcache/managers/radix.py",
-        "kvcache/managers/radix_roots.py",
     },
-    "private_bases": {
-        "kvcache/managers/radix.py",
-        "kvcache/managers/radix_locks.py",
-    },
+    "private_bases": set(),
     "private_imports": set(),
     "private_attributes": {
         "kvcache/managers/block_locks.py",
-        "kvcache/managers/radix_locks.py",
-        "kvcache/managers/radix_roots.py",
     },
 }
 

@@ -250,8 +250,9 @@ def _made_again(
 
 
 # ------------------------------------------------------------------------------ leftovers
-# The radix and block-hash managers still import these four names; they go once those managers
-# no longer do. `takes_host_arrays` marks nothing any more: no caller asks for a NumPy form.
+# The block-hash manager still imports these four names; they go once it no longer does (the
+# radix manager takes tensors only). `takes_host_arrays` marks nothing any more: no caller asks
+# for a NumPy form.
 
 # The NumPy twins of the dtypes `check_token_ids` and `check_indices` accept.
 TOKEN_DTYPES = frozenset(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64, np.uint8))
