@@ -154,6 +154,7 @@ class Walk(NamedTuple):
 
 
 _NO_WALK = Walk([], None, 0, 0)  # what a walk in a namespace never inserted into finds
+_NOWHERE = object()  # a namespace key no manager has
 
 
 def common_tokens(key_bytes: bytes, ids: np.ndarray, pos: int) -> int:
@@ -217,7 +218,7 @@ class RadixCacheManager(BaseCacheManager):
         self.root_node = self._new_node(b"", np.empty(0, dtype=np.int32), None)
         self.root_node.ref_count = 1  # a root is never evicted
         self._roots: dict[Hashable, RadixTreeNode] = {None: self.root_node}
-        self._namespace_of: dict[int, Hashable] = {id(self.root_node): None}  # id(root) -> key
+        self._namespace_of: dict[int, Hashable] = {self.root_node.uuid: None}  # root's uuid -> key
         self._locks: dict[int, tuple[RadixCacheHandle, int]] = {}  # id(handle) -> (it, times)
         self._protected_size = 0  # tokens in nodes with ref_count > 0
         self._held_tokens = 0  # tokens in the tree
@@ -466,7 +467,7 @@ class RadixCacheManager(BaseCacheManager):
         if root is None:  # the namespace's first insert: its root, now that nothing can fail
             root = self._roots[key] = self._new_node(b"", np.empty(0, np.int32), None)
             root.ref_count = 1
-            self._namespace_of[id(root)] = key
+            self._namespace_of[root.uuid] = key
         self._clock += 1
         end = self._visit(walk, start or root, self._clock)
         if cached < n:
@@ -604,7 +605,7 @@ class RadixCacheManager(BaseCacheManager):
         while node.parent is not None:
             length += node.length
             node = node.parent
-        if id(node) not in self._namespace_of:  # the root it leads to is not one of ours
+        if self._roots.get(self._namespace_of.get(node.uuid, _NOWHERE)) is not node:  # not ours
             raise RuntimeError("handle belongs to another manager")
         if length != handle.cached_len:
             raise RuntimeError(
@@ -714,7 +715,7 @@ class RadixCacheManager(BaseCacheManager):
                 tokens.append(root.key_bytes)
                 root = root.parent
             ids = np.frombuffer(b"".join(reversed(tokens)), dtype=np.int64).tolist()
-            self._events.removed(self._namespace_of[id(root)], ids, leaf.value_array.tolist())
+            self._events.removed(self._namespace_of[root.uuid], ids, leaf.value_array.tolist())
         del parent.children[self._child_key(leaf.key_bytes)]
         leaf.in_tree = False
         self._release(leaf.value_array)
@@ -751,13 +752,13 @@ class RadixCacheManager(BaseCacheManager):
             raise RuntimeError(
                 f"indices appear more than once in the tree: {uniq[times > 1][:8].tolist()}"
             )
+        if count != self._num_nodes:
+            raise RuntimeError(f"recorded {self._num_nodes} nodes, counted {count}")
         if (evictable, protected) != tuple(self.size_info):
             raise RuntimeError(
                 f"sizes disagree with the nodes: recorded {self.size_info}, counted "
                 f"(evictable={evictable}, protected={protected})"
             )
-        if count != self._num_nodes:
-            raise RuntimeError(f"recorded {self._num_nodes} nodes, counted {count}")
         ps = self.page_size
         pages = slots[::ps] // ps if ps > 1 else slots
         held = np.flatnonzero(self._held)
