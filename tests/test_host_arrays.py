@@ -1,7 +1,8 @@
 """The fused calls (`match_and_lock`, `insert_and_unlock`) take and give tensors, as the public
 calls do: radix's own and the base class's defaults refuse what the public calls refuse (a NumPy
 array included) and change nothing then; the defaults decide as radix's own calls do; and the flow
-hands every manager tensors."""
+hands every manager tensors. `drive_forms` also drives a manager's NumPy forms against its tensor
+forms: `tests/test_block_host.py` uses it for the block-hash manager, which still has them."""
 
 from __future__ import annotations
 
@@ -79,33 +80,42 @@ def test_default_fused_calls_decide_as_radix_own(ops: list) -> None:
     LRU clock the defaults' lock check advances.)"""
     name = "plain2"
     plain, own = DEFAULTS[name]
-    drive_both(own(), plain(), ops, state, same_length)
+    drive_forms(own(), plain(), ops, np.int64, state, same_length, host=False)
+
+
+def as_host(x: Any) -> np.ndarray:
+    return x if isinstance(x, np.ndarray) else x.cpu().numpy()
 
 
 def same_length(a: Any, b: Any) -> bool:
     return a.cached_len == b.cached_len
 
 
-def drive_both(
+def drive_forms(
     tm: BaseCacheManager,
     hm: BaseCacheManager,
     ops: list,
+    id_dtype: type,
     state: Callable[[BaseCacheManager], Any],
     same_handles: Callable[[Any, Any], bool],
+    host: bool = True,
 ) -> None:
-    """Run ``ops`` (from ``OPS``) on both managers; after every step the answers agree,
-    ``same_handles`` holds for the handles, ``state`` is equal and both managers pass
+    """Run ``ops`` (from ``OPS``) on ``tm`` with tensors and on ``hm`` with NumPy arrays of ids
+    in ``id_dtype`` (``host=False``: tensors too, of that dtype); after every step the answers
+    agree, ``same_handles`` holds for the handles, ``state`` is equal and both managers pass
     ``check_integrity``."""
     ps = tm.page_size
-    held: list[tuple[Any, Any, list[int]]] = []  # (tm's handle, hm's handle, tokens)
+    form: Callable[..., Any] = np.array if host else (lambda v, dtype: torch.tensor(v, dtype=dtype))
+    held: list[tuple[Any, Any, list[int]]] = []  # (tensor handle, NumPy handle, tokens)
     fresh = 0  # next free page: every insert brings new pages past it
 
     for kind, toks, k in ops:
         if kind == "match" or (not held and kind in ("insert", "relock")):
             th, tidx = tm.match_and_lock(torch.tensor(toks, dtype=torch.int64))
-            hh, hidx = hm.match_and_lock(torch.tensor(toks, dtype=torch.int64))
-            for idx in (tidx, hidx):
-                assert isinstance(idx, torch.Tensor) and idx.dtype == torch.int32
+            hh, hidx = hm.match_and_lock(form(toks, dtype=id_dtype if host else torch.int64))
+            assert isinstance(tidx, torch.Tensor)
+            assert isinstance(hidx, np.ndarray if host else torch.Tensor)
+            assert hidx.dtype == (np.int32 if host else torch.int32)
             assert hidx.tolist() == tidx.tolist()
             assert same_handles(th, hh)
             held.append((th, hh, toks))
@@ -126,8 +136,8 @@ def drive_both(
             )
             hres = hm.insert_and_unlock(
                 hh,
-                torch.tensor(seq, dtype=torch.int64),
-                torch.tensor(slots, dtype=torch.int32),
+                form(seq, dtype=id_dtype if host else torch.int64),
+                form(slots, dtype=np.int32 if host else torch.int32),
                 relock=relock,
             )
             assert tres.cached_len == hres.cached_len
@@ -136,9 +146,11 @@ def drive_both(
                 held.append((tres.handle, hres.handle, seq))
         else:  # evict what is evictable, up to k pages
             size = min(k * ps, tm.size_info.evictable_size)
-            tout, hout = tm.evict(size), hm.evict(size)
-            assert isinstance(tout, torch.Tensor) and isinstance(hout, torch.Tensor)
-            assert hout.tolist() == tout.tolist()
+            tout = tm.evict(size)
+            hout = hm.evict(size, host=True) if host else hm.evict(size)
+            assert isinstance(tout, torch.Tensor)
+            assert not host or (isinstance(hout, np.ndarray) and hout.dtype == np.int32)
+            assert as_host(hout).tolist() == tout.tolist()
         assert state(tm) == state(hm)
         tm.check_integrity()
         hm.check_integrity()

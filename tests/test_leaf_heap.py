@@ -85,5 +85,5 @@ def test_superseded_entries_are_compacted() -> None:
         leaf = leaves[clock % 10]
         leaf.timestamp = clock
         heap.file(leaf)
-        assert len(heap) <= 2 * 10 + 1024 + 1
+        assert len(heap) <= 2 * 10 + 2 * 1024 + 1
     assert heap.pop(lambda n: True) is max(leaves, key=lambda n: n.timestamp)

@@ -150,10 +150,11 @@ CORRUPTIONS = {
         lambda m: setattr(node(m, 1, 4), "value_array", np.array([3, 9], np.int32)),
         "1 tokens but 2 indices",
     ),
-    "held-slot record wrong": (
+    "slots changed behind the manager": (
         lambda m: setattr(node(m, 1, 4), "value_array", np.array([7], np.int32)),
-        "held slots",
+        "pages disagree with its slots",
     ),
+    "held-slot record wrong": (lambda m: m._held.fill(0), "held slots"),
     "evictable leaf not filed": (lambda m: m._leaves.clear(), "missing from the eviction heap"),
 }
 

@@ -172,11 +172,11 @@ class LeafHeap(Generic[N]):
         priority = self._key(node)
         if entry is None or entry[0] != priority:
             self._push(priority, node)
-            if len(self) > 2 * len(self._live) + 1024:  # superseded entries pile up
-                self._compact()
 
     def _push(self, priority: Any, node: N) -> None:
         self._serial += 1
+        if not self._serial % 1024 and len(self) > 2 * len(self._live) + 1024:
+            self._compact()  # superseded entries pile up: sweep them out now and then
         entry = (priority, node.uuid, self._serial, node)
         self._live[node.uuid] = entry
         if not self._run or self._run[-1] < entry:

@@ -1,25 +1,19 @@
 """`RadixCacheManager`: prefixes shared through a radix tree, protected by locks, evicted by policy.
 
-Read it top to bottom: `RadixTreeNode` (one edge of the tree) and `RadixCacheHandle`; then the
-manager's state, the walk (the one loop that follows ids down the tree, `walk`), the split,
-match, insert, locks, eviction and the integrity check. The eviction policies are beside it,
-in ``eviction.py``.
+Read it top to bottom: `RadixTreeNode` (one edge of the tree), `RadixCacheHandle`, `Walk`; then
+the manager: its state, the walk (the one loop that follows ids down the tree), the split, match,
+insert, locks, eviction and the integrity check. The eviction policies are in ``eviction.py``.
 
-Data. A node's tokens are kept as the bytes of their int64 ids (``key_bytes``): a whole node
-matches with one ``bytes.startswith`` (a memcmp) against a byte view of the ids, with no Python
-work per token, and the walk costs a few C calls per node on the path. Children are filed under
-their first token id (``page_size == 1``) or their first page's bytes (``page_size > 1``), so
-the next child is one dict probe away. Slots are kept as int32 NumPy arrays on the host; the
-public calls take and return tensors (`token_ids` and `slot_array` read them without a copy).
+A node's tokens are the bytes of their int64 ids (``key_bytes``): a whole node matches with one
+``bytes.startswith`` (a memcmp) against the ids' bytes, no Python work per token. Children are
+filed under their first token id (``page_size == 1``) or their first page's bytes, one dict probe
+away. Slots are int32 NumPy arrays on the host; the public calls take and return tensors.
 
-Each count changes in one place: lock counts (and the protected size) in `_add_locks`; the
-tokens the tree holds in `_hold` and `_release`, the record of which pages it holds (the
-evictable size is the held tokens less the protected ones); nodes are made by `_split` and
-`_add_leaf` and removed by `_remove_leaf`; a node enters the eviction heap (`LeafHeap`) through
-`LeafHeap.file` where it becomes an evictable leaf.
-
-All or nothing: every check a call makes (ids, slots, handle, size) comes before its first
-change, so a refused call leaves no trace.
+Each count changes in one place: lock counts and the protected size in `_add_locks`; the tokens
+held in `_hold` and `_release`, the record of the pages the tree holds (the evictable size is
+the held tokens less the protected ones); nodes are made by `_split` and `_add_leaf`, removed by
+`_remove_leaf`, and filed for eviction (`LeafHeap.file`) where they become evictable leaves.
+All or nothing: every check a call makes comes before its first change.
 """
 
 from __future__ import annotations
@@ -61,8 +55,9 @@ class RadixTreeNode:
     ``timestamp``, the manager's clock at the node's last match or insert; ``insert_time``,
     when its tokens were inserted; ``hit_count``, how many matches and inserts used it;
     ``uuid``, a serial number; ``key_bytes``, its token ids as native-order int64 bytes;
-    ``value_array``, its slots (int32 NumPy on the host); ``in_tree``, false once the node was
-    evicted or the tree reset.
+    ``value_array``, its slots (int32 NumPy on the host); ``pages``, the pages of those slots,
+    one per page (``intp``: what eviction hands back to the manager's record of held pages);
+    ``in_tree``, false once the node was evicted or the tree reset.
     """
 
     __slots__ = (
@@ -72,6 +67,7 @@ class RadixTreeNode:
         "in_tree",
         "insert_time",
         "key_bytes",
+        "pages",
         "parent",
         "ref_count",
         "timestamp",
@@ -84,6 +80,7 @@ class RadixTreeNode:
         uuid: int,
         key_bytes: bytes,
         value_array: np.ndarray,
+        pages: np.ndarray,
         timestamp: int,
         device: torch.device,
         parent: RadixTreeNode | None = None,
@@ -96,6 +93,7 @@ class RadixTreeNode:
         self.hit_count = 0 if parent is None else 1
         self.key_bytes = key_bytes
         self.value_array = value_array
+        self.pages = pages
         self.in_tree = True
         self.device = device  # where `value` returns the slots
 
@@ -215,8 +213,7 @@ class RadixCacheManager(BaseCacheManager):
     # ------------------------------------------------------------------ state
     def _clear(self) -> None:
         """An empty tree: one root (``None``'s namespace), no locks, nothing held."""
-        self.root_node = self._new_node(b"", np.empty(0, dtype=np.int32), None)
-        self.root_node.ref_count = 1  # a root is never evicted
+        self.root_node = self._new_root()
         self._roots: dict[Hashable, RadixTreeNode] = {None: self.root_node}
         self._namespace_of: dict[int, Hashable] = {self.root_node.uuid: None}  # root's uuid -> key
         self._locks: dict[int, tuple[RadixCacheHandle, int]] = {}  # id(handle) -> (it, times)
@@ -228,13 +225,23 @@ class RadixCacheManager(BaseCacheManager):
         self._leaves.clear()
 
     def _new_node(
-        self, key_bytes: bytes, value_array: np.ndarray, parent: RadixTreeNode | None
+        self,
+        key_bytes: bytes,
+        slots: np.ndarray,
+        pages: np.ndarray,
+        parent: RadixTreeNode | None,
     ) -> RadixTreeNode:
         """A node stamped with the clock, under the next uuid."""
         self._uuid += 1
         return RadixTreeNode(
-            self._uuid - 1, key_bytes, value_array, self._clock, self.device, parent
+            self._uuid - 1, key_bytes, slots, pages, self._clock, self.device, parent
         )
+
+    def _new_root(self) -> RadixTreeNode:
+        """An empty node holding one lock for ever: a root is never evicted."""
+        root = self._new_node(b"", np.empty(0, np.int32), np.empty(0, np.intp), None)
+        root.ref_count = 1
+        return root
 
     def _child_key(self, key_bytes: bytes) -> Hashable:
         """The key a node whose tokens are ``key_bytes`` is filed under in its parent."""
@@ -317,14 +324,10 @@ class RadixCacheManager(BaseCacheManager):
     def _walk(self, ids: np.ndarray, node: RadixTreeNode, start: int = 0) -> Walk:
         """Follow the whole pages of ``ids`` (C-contiguous int64) from token ``start`` down from
         ``node``, whose path from its root spells ``ids[:start]`` (a root, or where
-        `insert_and_unlock` resumes).
-
-        Per node: one dict probe for the child filed under the next token (or page), and one
-        memcmp of the child's key against the ids' bytes in place. A child that matches only
-        in part ends the walk, with its matching tokens counted in whole pages (at least one:
-        it was found by its first page). Positions here are byte offsets into the ids' bytes
-        (``ITEM`` per token), the unit of the keys.
-        """
+        `insert_and_unlock` resumes). Per node: one dict probe for the child filed under the next
+        token (or page), one memcmp of its key against the ids' bytes in place. A child matching
+        only in part ends the walk, cut at whole pages (at least one: its first page matched).
+        Positions are byte offsets into the ids' bytes (``ITEM`` per token), as the keys are."""
         ps = self.page_size
         data = ids.data.cast("B")  # the ids' own bytes: compared in place, never copied
         end, page = (len(ids) - len(ids) % ps) * ITEM, ps * ITEM
@@ -342,7 +345,8 @@ class RadixCacheManager(BaseCacheManager):
                 cut = common_tokens(key, ids, pos // ITEM) // ps * ps
                 return Walk(path, child, cut, pos // ITEM + cut)
             path.append(child)
-            pos, node = stop, child
+            pos = stop
+            node = child
         return Walk(path, None, 0, pos // ITEM)
 
     def _visit(self, walk: Walk, start: RadixTreeNode, tic: int) -> RadixTreeNode:
@@ -379,12 +383,13 @@ class RadixCacheManager(BaseCacheManager):
         parent = node.parent
         if parent is None:
             raise RuntimeError("internal error: a root holds no tokens to split")
-        at = cut * ITEM
-        new = self._new_node(node.key_bytes[:at], node.value_array[:cut], parent)
+        at, pcut = cut * ITEM, cut // self.page_size
+        new = self._new_node(node.key_bytes[:at], node.value_array[:cut], node.pages[:pcut], parent)
         new.ref_count, new.hit_count = node.ref_count, node.hit_count
         new.timestamp, new.insert_time = node.timestamp, node.insert_time
         parent.children[self._child_key(new.key_bytes)] = new
         node.key_bytes, node.value_array = node.key_bytes[at:], node.value_array[cut:]
+        node.pages = node.pages[pcut:]
         node.parent = new
         new.children[self._child_key(node.key_bytes)] = node
         self._num_nodes += 1
@@ -448,8 +453,9 @@ class RadixCacheManager(BaseCacheManager):
         extra_key: Hashable,
         after: RadixCacheHandle | None,
     ) -> tuple[int, RadixCacheHandle]:
-        """`insert_and_match` (the length already cached, and the handle); the walk starts at ``after.node`` where that handle's prefix is
-        one of ``input_ids`` in this namespace (`insert_and_unlock` passes the locked handle)."""
+        """`insert_and_match`'s length already cached and handle. The walk starts at ``after.node``
+        where that handle names a prefix of ``input_ids`` in this namespace (`insert_and_unlock`
+        passes its locked handle)."""
         ids = token_ids(input_ids)
         slots = slot_array(indices, self.device)
         check_same_length(len(slots), len(ids))
@@ -457,41 +463,44 @@ class RadixCacheManager(BaseCacheManager):
         root = self._roots.get(key)
         n = len(ids) - len(ids) % self.page_size
         start, pos = root, 0
-        if root and after and 0 < after.cached_len <= n and self._spells(after, ids, root):
+        if root is not None and after is not None and self._spells(after, ids, root):
             start, pos = after.node, after.cached_len
         walk = _NO_WALK if start is None else self._walk(ids, start, pos)
         cached = walk.length
         new_slots = slots[cached:n]
         if cached < n:
-            self._hold(new_slots)  # the last check, and the first change
+            pages = self._hold(new_slots)  # the last check, and the first change
         if root is None:  # the namespace's first insert: its root, now that nothing can fail
-            root = self._roots[key] = self._new_node(b"", np.empty(0, np.int32), None)
-            root.ref_count = 1
+            root = self._roots[key] = self._new_root()
             self._namespace_of[root.uuid] = key
         self._clock += 1
         end = self._visit(walk, start or root, self._clock)
         if cached < n:
-            end = self._add_leaf(end, ids[cached:n].tobytes(), new_slots.copy())
+            end = self._add_leaf(end, ids[cached:n].tobytes(), new_slots.copy(), pages)
             if self._events is not None:
                 self._events.stored(key, ids[:n].tolist(), new_slots.tolist())
         return cached, RadixCacheHandle(n, end)
 
     def _spells(self, handle: RadixCacheHandle, ids: np.ndarray, root: RadixTreeNode) -> bool:
-        """Whether the path from ``root`` down to ``handle.node`` spells ``ids[:cached_len]``:
-        one memcmp a node, from the handle's node up."""
+        """Whether the path from ``root`` down to ``handle.node`` (a locked handle: whole pages)
+        spells ``ids[:cached_len]``, a non-empty prefix: one memcmp a node, from the node up."""
         data, hi, node = ids.data.cast("B"), handle.cached_len * ITEM, handle.node
+        if not 0 < hi <= len(data):
+            return False
         while node.parent is not None:
             key = node.key_bytes
-            if hi < len(key) or not key.startswith(data[hi - len(key) : hi]):
+            lo = hi - len(key)
+            if lo < 0 or not key.startswith(data[lo:hi]):
                 return False
-            hi, node = hi - len(key), node.parent
+            hi = lo
+            node = node.parent
         return hi == 0 and node is root
 
     def _add_leaf(
-        self, parent: RadixTreeNode, key_bytes: bytes, slots: np.ndarray
+        self, parent: RadixTreeNode, key_bytes: bytes, slots: np.ndarray, pages: np.ndarray
     ) -> RadixTreeNode:
         """Hang a new leaf (unlocked: evictable) under ``parent``."""
-        leaf = self._new_node(key_bytes, slots, parent)
+        leaf = self._new_node(key_bytes, slots, pages, parent)
         parent.children[self._child_key(key_bytes)] = leaf
         self._num_nodes += 1
         self._leaves.file(leaf)
@@ -523,17 +532,17 @@ class RadixCacheManager(BaseCacheManager):
         self._unlock(locked)
         return InsertResult(cached, new)
 
-    def _hold(self, slots: np.ndarray) -> None:
-        """Record the pages of ``slots`` (the new part of an insert) as held by the tree.
+    def _hold(self, slots: np.ndarray) -> np.ndarray:
+        """Record the pages of ``slots`` (the new part of an insert) as held by the tree, and
+        return them (``intp``, one per page) for the new node to keep; or ``ValueError`` naming
+        the value, holding nothing, when a slot is negative, a page is not ``page_size``
+        consecutive slots from a multiple of ``page_size``, held already, or listed twice.
 
-        ``ValueError`` naming the value, holding nothing, when a slot is negative, a page is not
-        ``page_size`` consecutive slots from a multiple of ``page_size``, a page is held
-        already, or a page is listed twice. The record is one array indexed by page (0: free),
-        grown to the largest page seen, so the cost is that of the new pages, never the pool's.
-        The array calls are chosen for arrays of a few hundred entries, where a call's overhead
-        is its cost: ``intp`` indices (an ``int32`` index array is converted on every use),
-        ``count_nonzero`` rather than ``any``, a bytes compare rather than ``array_equal``
-        (each several times cheaper; ``benchmarks/radix_ops.py`` measures the whole call).
+        The record is one array indexed by page (0: free), grown to the largest page seen: the
+        cost is that of the new pages, never the pool's. For arrays of a few hundred entries a
+        NumPy call's overhead is its cost, so the calls are the cheap ones: ``intp`` indices
+        (``int32`` ones are converted at every use), ``count_nonzero`` rather than ``any``, a
+        bytes compare rather than ``array_equal`` (each several times cheaper).
         """
         ps = self.page_size
         pages = slots[::ps] // ps if ps > 1 else slots
@@ -569,12 +578,12 @@ class RadixCacheManager(BaseCacheManager):
             self._held[index] = 0
             raise ValueError(f"indices lists the same slot more than once: {twice.tolist()[:8]}")
         self._held_tokens += len(slots)
+        return index
 
-    def _release(self, slots: np.ndarray) -> None:
-        """Mark the pages of ``slots`` (whole pages the tree held) as free again."""
-        ps = self.page_size
-        self._held[(slots[::ps] // ps if ps > 1 else slots).astype(np.intp)] = 0
-        self._held_tokens -= len(slots)
+    def _release(self, node: RadixTreeNode) -> None:
+        """Mark the pages of ``node`` (a leaf leaving the tree) as free again."""
+        self._held[node.pages] = 0
+        self._held_tokens -= len(node.value_array)
 
     # ------------------------------------------------------------------ locks
     def lock_handle(self, handle: BaseCacheHandle, unlock: bool = False) -> None:
@@ -616,8 +625,8 @@ class RadixCacheManager(BaseCacheManager):
     def _locked(self, handle: object) -> RadixCacheHandle:
         """``handle``, locked now; ``RuntimeError`` (``TypeError`` for a non-handle) when it is
         not locked."""
-        entry = self._locks.get(id(handle))
-        if entry is None or entry[0] is not handle:
+        entry = self._locks.get(id(handle))  # the entry keeps the handle, so its id is unique
+        if entry is None:
             if not isinstance(handle, RadixCacheHandle):
                 raise TypeError(f"handle must be a RadixCacheHandle, got {type(handle).__name__}")
             raise RuntimeError(
@@ -627,17 +636,19 @@ class RadixCacheManager(BaseCacheManager):
 
     def _lock(self, handle: RadixCacheHandle) -> None:
         """One more lock of ``handle`` (a live handle of this manager)."""
-        entry = self._locks.get(id(handle))
-        self._locks[id(handle)] = (handle, 1 if entry is None else entry[1] + 1)
+        key = id(handle)
+        entry = self._locks.get(key)
+        self._locks[key] = (handle, 1 if entry is None else entry[1] + 1)
         self._add_locks(handle.node, 1)
 
     def _unlock(self, handle: RadixCacheHandle) -> None:
         """One lock less of ``handle`` (locked now)."""
-        times = self._locks[id(handle)][1]
+        key = id(handle)
+        times = self._locks[key][1]
         if times == 1:
-            del self._locks[id(handle)]
+            del self._locks[key]
         else:
-            self._locks[id(handle)] = (handle, times - 1)
+            self._locks[key] = (handle, times - 1)
         self._add_locks(handle.node, -1)
 
     def _add_locks(self, node: RadixTreeNode, delta: int) -> None:
@@ -645,16 +656,21 @@ class RadixCacheManager(BaseCacheManager):
         place lock counts change. A node's tokens count as protected while its count is above
         0; ``node``, left an unlocked leaf, is filed for eviction."""
         end, moved = node, 0
-        while node.parent is not None:
-            if node.ref_count == 0:
-                moved += len(node.value_array)  # locked now: protected
-            node.ref_count += delta
-            if node.ref_count == 0:
-                moved -= len(node.value_array)  # unlocked now: evictable
-            node = node.parent
+        if delta > 0:
+            while node.parent is not None:
+                if not node.ref_count:
+                    moved += len(node.value_array)  # locked now: protected
+                node.ref_count += 1
+                node = node.parent
+        else:
+            while node.parent is not None:
+                node.ref_count -= 1
+                if not node.ref_count:
+                    moved -= len(node.value_array)  # unlocked now: evictable
+                node = node.parent
+            if self._is_evictable_leaf(end):
+                self._leaves.file(end)
         self._protected_size += moved
-        if delta < 0 and self._is_evictable_leaf(end):
-            self._leaves.file(end)
 
     def handle_indices(self, handle: BaseCacheHandle) -> torch.Tensor:
         """The slots of the prefix behind ``handle`` (read-only: no split, no timestamp change)."""
@@ -718,7 +734,7 @@ class RadixCacheManager(BaseCacheManager):
             self._events.removed(self._namespace_of[root.uuid], ids, leaf.value_array.tolist())
         del parent.children[self._child_key(leaf.key_bytes)]
         leaf.in_tree = False
-        self._release(leaf.value_array)
+        self._release(leaf)
         self._num_nodes -= 1
         if self._is_evictable_leaf(parent):
             self._leaves.file(parent)
@@ -731,6 +747,7 @@ class RadixCacheManager(BaseCacheManager):
         (sizes, nodes, held pages) that disagree with the nodes."""
         evictable = protected = count = 0
         every: list[np.ndarray] = [np.empty(0, dtype=np.int32)]
+        kept: list[np.ndarray] = [np.empty(0, dtype=np.intp)]
         for root in self._roots.values():
             if root.ref_count != 1 or root.key_bytes or root.parent is not None:
                 raise RuntimeError("root must be empty, parentless and hold ref_count 1")
@@ -745,6 +762,7 @@ class RadixCacheManager(BaseCacheManager):
                         protected += child.length
                     count += 1
                     every.append(child.value_array)
+                    kept.append(child.pages)
                     stack.append(child)
         slots = np.concatenate(every)
         uniq, times = np.unique(slots, return_counts=True)
@@ -761,6 +779,8 @@ class RadixCacheManager(BaseCacheManager):
             )
         ps = self.page_size
         pages = slots[::ps] // ps if ps > 1 else slots
+        if not np.array_equal(np.concatenate(kept), pages):
+            raise RuntimeError("a node's pages disagree with its slots")
         held = np.flatnonzero(self._held)
         if len(held) != len(pages) or not np.array_equal(held, np.sort(pages)):
             raise RuntimeError("the record of held slots disagrees with the slots in the tree")
