@@ -220,6 +220,7 @@ class RadixCacheManager(BaseCacheManager):
         self._protected_size = 0  # tokens in nodes with ref_count > 0
         self._held_tokens = 0  # tokens in the tree
         self._held = np.zeros(1024, dtype=np.int32)  # per page: 0 free, else held
+        self._rows = self._page_rows(1024)  # page -> its slots, see `_hold`
         self._marks = np.arange(1, 1025, dtype=np.int32)  # 1, 2, 3, ...: see `_hold`
         self._num_nodes = 0  # excluding the roots
         self._leaves.clear()
@@ -275,7 +276,7 @@ class RadixCacheManager(BaseCacheManager):
 
     @property
     def roots(self) -> dict[Hashable, RadixTreeNode]:
-        """The root of each namespace (``extra_key``) inserted into since the last reset (a copy)."""
+        """The root of each namespace (``extra_key``) inserted into since the reset (a copy)."""
         return dict(self._roots)
 
     def nodes(self, extra_key: Hashable = None) -> Iterator[RadixTreeNode]:
@@ -303,7 +304,8 @@ class RadixCacheManager(BaseCacheManager):
         """Forget every prefix. Locks on empty (root) handles are forgotten with them."""
         if self._protected_size > 0:
             raise RuntimeError(
-                f"cannot reset while {self._protected_size} tokens are locked; unlock every handle first"
+                f"cannot reset while {self._protected_size} tokens are locked; "
+                "unlock every handle first"
             )
         for key in self._roots:
             for node in self.nodes(key):
@@ -421,7 +423,7 @@ class RadixCacheManager(BaseCacheManager):
     def match_and_lock(
         self, input_ids: torch.Tensor, extra_key: Hashable = None
     ) -> tuple[RadixCacheHandle, torch.Tensor]:
-        """`match_prefix`, then `lock_handle` of the handle it returns (the flow's steps 1 and 2)."""
+        """`match_prefix`, then `lock_handle` of its handle (the flow's steps 1 and 2)."""
         handle, slots = self.match_prefix(input_ids, extra_key)
         self._lock(handle)
         return handle, slots
@@ -539,30 +541,31 @@ class RadixCacheManager(BaseCacheManager):
         consecutive slots from a multiple of ``page_size``, held already, or listed twice.
 
         The record is one array indexed by page (0: free), grown to the largest page seen: the
-        cost is that of the new pages, never the pool's. For arrays of a few hundred entries a
-        NumPy call's overhead is its cost, so the calls are the cheap ones: ``intp`` indices
-        (``int32`` ones are converted at every use), ``count_nonzero`` rather than ``any``, a
-        bytes compare rather than ``array_equal`` (each several times cheaper).
+        cost is that of the new pages, never the pool's; beside it, a table of each page's slots
+        (`_page_rows`) proves whole aligned pages in one gather. For arrays of a few hundred
+        entries a NumPy call's overhead is its cost, so the calls are the cheap ones: ``intp``
+        indices (``int32`` ones are converted at every use), ``count_nonzero`` rather than
+        ``any``, a bytes compare rather than ``array_equal`` (each several times cheaper).
         """
         ps = self.page_size
         pages = slots[::ps] // ps if ps > 1 else slots
-        # Whole aligned pages: the slots of page p are p * ps + 0, 1, ..., ps - 1.
-        if ps > 1 and (pages[:, None] * ps + self._offsets).tobytes() != slots.tobytes():
-            if slots.min() < 0:
-                raise ValueError(f"indices must be >= 0, got {int(slots.min())}")
-            check_page_aligned(slots, ps)  # raises, naming the slots
-        # Read as unsigned, a negative page lies past any record: it fails the gather, as a page
-        # past the record does, and the slow path below tells the two apart.
+        # Read as unsigned, a negative page lies past any table: it fails the gather, as a page
+        # past the tables does, and the slow path below tells the two apart.
         index = pages.view(np.uint32).astype(np.intp)
         try:
             before = self._held[index]
+            rows = self._rows.take(index, axis=0) if ps > 1 else None
         except IndexError:
             if slots.min() < 0:
                 raise ValueError(f"indices must be >= 0, got {int(slots.min())}") from None
-            grown = np.zeros(max(int(index.max()) + 1, 2 * len(self._held)), np.int32)
-            grown[: len(self._held)] = self._held
-            self._held = grown
+            if index.max() >= len(self._held):  # grown by doubling, zeros: nothing held
+                grown = np.zeros(max(int(index.max()) + 1, 2 * len(self._held)), np.int32)
+                grown[: len(self._held)] = self._held
+                self._held, self._rows = grown, self._page_rows(len(grown))
             before = self._held[index]
+            rows = (index[:, None] * ps + self._offsets).astype(np.int32) if ps > 1 else None
+        if rows is not None and rows.tobytes() != slots.tobytes():  # page p: p * ps + 0, 1, ...
+            check_page_aligned(slots, ps)  # raises, naming the slots
         if np.count_nonzero(before):
             raise ValueError(
                 f"indices holds slots the cache already holds (pages starting at "
@@ -579,6 +582,12 @@ class RadixCacheManager(BaseCacheManager):
             raise ValueError(f"indices lists the same slot more than once: {twice.tolist()[:8]}")
         self._held_tokens += len(slots)
         return index
+
+    def _page_rows(self, num_pages: int) -> np.ndarray:
+        """Row ``p``: the slots of page ``p`` (int32), for the first ``num_pages`` pages but at
+        most the first 2M slots' (8 MiB); none at page size 1. `_hold` computes the rest."""
+        n = min(num_pages, (1 << 21) // self.page_size) if self.page_size > 1 else 0
+        return np.arange(n * self.page_size, dtype=np.int32).reshape(n, self.page_size)
 
     def _release(self, node: RadixTreeNode) -> None:
         """Mark the pages of ``node`` (a leaf leaving the tree) as free again."""
