@@ -151,7 +151,7 @@ class Walk(NamedTuple):
     length: int
 
 
-_NO_WALK = Walk([], None, 0, 0)  # what a walk in a namespace never inserted into finds
+_NO_WALK = Walk([], None, 0, 0)  # read only: what a namespace never inserted into gives
 _NOWHERE = object()  # a namespace key no manager has
 
 
@@ -321,7 +321,7 @@ class RadixCacheManager(BaseCacheManager):
         finds). Same checks as `match_prefix`."""
         ids = token_ids(input_ids)
         root = self._roots.get(check_extra_key(extra_key))
-        return _NO_WALK if root is None else self._walk(ids, root)
+        return Walk([], None, 0, 0) if root is None else self._walk(ids, root)
 
     def _walk(self, ids: np.ndarray, node: RadixTreeNode, start: int = 0) -> Walk:
         """Follow the whole pages of ``ids`` (C-contiguous int64) from token ``start`` down from
