@@ -130,21 +130,21 @@ class _Pool:
 class Ours:
     """`RadixCacheManager` with the calls `RequestFlow` makes on it."""
 
-    # Its keys and values as the flow has them: the host NumPy arrays.
-    key = values = staticmethod(lambda a: a)
+    # Its keys and values as the flow hands them over: CPU tensors over the host arrays.
+    key = values = staticmethod(torch.from_numpy)
 
     def __init__(self, page_size: int) -> None:
         self.cache = RadixCacheManager(page_size=page_size)
 
-    def match_lock(self, ids: np.ndarray) -> tuple[int, np.ndarray, Any]:
+    def match_lock(self, ids: torch.Tensor) -> tuple[int, torch.Tensor, Any]:
         handle, prefix = self.cache.match_and_lock(ids)
         return handle.cached_len, prefix, handle
 
-    def insert_unlock(self, lock: Any, ids: np.ndarray, slots: np.ndarray) -> int:
+    def insert_unlock(self, lock: Any, ids: torch.Tensor, slots: torch.Tensor) -> int:
         return self.cache.insert_and_unlock(lock, ids, slots).cached_len
 
     def evict(self, tokens: int) -> np.ndarray:
-        return self.cache.evict(tokens, host=True)
+        return self.cache.evict(tokens).numpy()
 
 
 class Sglang:

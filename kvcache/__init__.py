@@ -57,6 +57,7 @@ from .managers import (
     Registry,
     RegistryError,
     SizeInfo,
+    Walk,
     create_cache_manager,
     register_eviction_policy,
 )
@@ -185,6 +186,7 @@ __all__ = [
     "NaiveCacheHandle",
     "NaiveCacheManager",
     "RadixTreeNode",
+    "Walk",
     "RadixCacheHandle",
     "RadixCacheManager",
     "BlockHashCacheManager",

@@ -155,11 +155,7 @@ def test_every_chapter_opens_with_objectives_and_closes_with_a_summary():
 
 #: Chapters whose code still reads a private name of the package (issue 26), to be emptied: a
 #: learner copies what a cell does, so a cell uses only public names. A stale entry fails too.
-PRIVATE_NAMES_STILL_READ = {
-    "04_integrity.ipynb",
-    "10_radix_tree.ipynb",
-    "11_lock_evict.ipynb",
-}
+PRIVATE_NAMES_STILL_READ: set[str] = set()
 
 
 def test_chapters_use_only_public_names():

@@ -194,19 +194,10 @@ def _trees() -> dict[str, ast.Module]:
 #: Modules that break a rule of the house below and are still to be moved (issue 26). An entry
 #: must be removed once its module keeps the rule: the tests fail on a stale entry too.
 STILL_TO_MOVE: dict[str, set[str]] = {
-    "borrowed_methods": {
-        "kvcache/managers/radix.py",
-        "kvcache/managers/radix_roots.py",
-    },
-    "private_bases": {
-        "kvcache/managers/radix.py",
-        "kvcache/managers/radix_locks.py",
-    },
+    "borrowed_methods": set(),
+    "private_bases": set(),
     "private_imports": set(),
-    "private_attributes": {
-        "kvcache/managers/radix_locks.py",
-        "kvcache/managers/radix_roots.py",
-    },
+    "private_attributes": set(),
 }
 
 

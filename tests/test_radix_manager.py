@@ -119,7 +119,7 @@ def node(m: RadixCacheManager, *path: int):
 
 CORRUPTIONS = {
     "sizes disagree": (
-        lambda m: setattr(m, "_evictable_size", m._evictable_size + 1),
+        lambda m: setattr(m, "_protected_size", m._protected_size + 1),
         "sizes disagree",
     ),
     "negative ref count": (lambda m: setattr(node(m, 1, 4), "ref_count", -1), "negative ref_count"),
@@ -129,8 +129,8 @@ CORRUPTIONS = {
     ),
     "empty node": (
         lambda m: (
-            setattr(node(m, 1, 4), "_kb", b""),
-            setattr(node(m, 1, 4), "_value", np.empty(0, np.int32)),
+            setattr(node(m, 1, 4), "key_bytes", b""),
+            setattr(node(m, 1, 4), "value_array", np.empty(0, np.int32)),
         ),
         "empty node",
     ),
@@ -139,21 +139,22 @@ CORRUPTIONS = {
         "filed under 5",
     ),
     "wrong parent link": (
-        lambda m: setattr(node(m, 1, 4), "_parent", node(m, 1, 3)),
+        lambda m: setattr(node(m, 1, 4), "parent", node(m, 1, 3)),
         "parent link",
     ),
     "index twice": (
-        lambda m: setattr(node(m, 1, 4), "_value", np.array([0], np.int32)),
+        lambda m: setattr(node(m, 1, 4), "value_array", np.array([0], np.int32)),
         "more than once",
     ),
     "key/value lengths differ": (
-        lambda m: setattr(node(m, 1, 4), "_value", np.array([3, 9], np.int32)),
+        lambda m: setattr(node(m, 1, 4), "value_array", np.array([3, 9], np.int32)),
         "1 tokens but 2 indices",
     ),
-    "held-slot record wrong": (
-        lambda m: setattr(node(m, 1, 4), "_value", np.array([7], np.int32)),
-        "held slots",
+    "slots changed behind the manager": (
+        lambda m: setattr(node(m, 1, 4), "value_array", np.array([7], np.int32)),
+        "pages disagree with its slots",
     ),
+    "held-slot record wrong": (lambda m: m._held.fill(0), "held slots"),
     "evictable leaf not filed": (lambda m: m._leaves.clear(), "missing from the eviction heap"),
 }
 
@@ -424,9 +425,9 @@ def test_a_handle_made_by_hand_with_the_wrong_length_is_refused():
 
 def test_a_subclass_overriding_a_part_takes_the_fused_calls_back():
     """`RequestFlow` makes one call for match + lock and for insert + unlock on a radix manager;
-    a subclass overriding ``match_prefix`` (here: counting) takes the base class's fused calls
-    back, as `BaseCacheManager` documents, and then sees every match. One that does not is
-    bypassed by radix's own fused calls (the rule is the subclass's to keep)."""
+    a subclass overriding ``match_prefix`` (here: counting) that takes the base class's fused
+    calls back, as `BaseCacheManager` documents, sees every match. So does one that does not:
+    radix's own `match_and_lock` is `match_prefix` then the lock."""
     from kvcache import BaseCacheManager, PageAllocator, RequestFlow
 
     class Counting(RadixCacheManager):
@@ -438,14 +439,14 @@ def test_a_subclass_overriding_a_part_takes_the_fused_calls_back():
             Counting.matches += 1
             return super().match_prefix(input_ids, extra_key)
 
-    class Bypassed(RadixCacheManager):
+    class Plain(RadixCacheManager):
         matches = 0
 
         def match_prefix(self, input_ids, extra_key=None):
-            Bypassed.matches += 1
+            Plain.matches += 1
             return super().match_prefix(input_ids, extra_key)
 
-    for manager in (RadixCacheManager(), Counting(), Bypassed()):
+    for manager in (RadixCacheManager(), Counting(), Plain()):
         flow = RequestFlow(manager, PageAllocator(16))
         for _ in range(2):
             req = flow.begin(torch.tensor([1, 2, 3]))
@@ -454,7 +455,7 @@ def test_a_subclass_overriding_a_part_takes_the_fused_calls_back():
             flow.check_integrity()
         assert manager.size_info.total_size == 3 and manager.num_locked_handles == 0
     assert Counting.matches == 2
-    assert Bypassed.matches == 0
+    assert Plain.matches == 2
 
 
 def test_page_alignment_is_checked_past_the_kept_page_rows():

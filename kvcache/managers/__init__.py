@@ -14,7 +14,7 @@ from .block_hash import BlockHashCacheHandle, BlockHashCacheManager, CachedBlock
 from .cache_events import AllCleared, BlockRemoved, BlockStored, CacheEvent
 from .eviction import EVICTION_POLICIES, register_eviction_policy
 from .naive import NaiveCacheHandle, NaiveCacheManager
-from .radix import RadixCacheHandle, RadixCacheManager, RadixTreeNode
+from .radix import RadixCacheHandle, RadixCacheManager, RadixTreeNode, Walk
 from .registry import (
     SUPPORTED_CACHE_MANAGER,
     CacheManagerFactory,
@@ -22,6 +22,10 @@ from .registry import (
     RegistryError,
     create_cache_manager,
 )
+
+SUPPORTED_CACHE_MANAGER.register("naive")(NaiveCacheManager)
+SUPPORTED_CACHE_MANAGER.register("radix")(RadixCacheManager)
+SUPPORTED_CACHE_MANAGER.register("block_hash")(BlockHashCacheManager)
 
 __all__ = [
     "BaseCacheHandle",
@@ -33,6 +37,7 @@ __all__ = [
     "RadixTreeNode",
     "RadixCacheHandle",
     "RadixCacheManager",
+    "Walk",
     "BlockHashCacheManager",
     "BlockHashCacheHandle",
     "CachedBlock",

@@ -10,9 +10,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 
 __all__ = [
@@ -247,31 +246,3 @@ def _made_again(
             raise
         return e
     return None
-
-
-# ------------------------------------------------------------------------------ leftovers
-# The radix and block-hash managers still import these four names; they go once those managers
-# no longer do. `takes_host_arrays` marks nothing any more: no caller asks for a NumPy form.
-
-# The NumPy twins of the dtypes `check_token_ids` and `check_indices` accept.
-TOKEN_DTYPES = frozenset(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64, np.uint8))
-SLOT_DTYPES = frozenset((np.dtype(np.int32),))
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def takes_host_arrays(fn: _F) -> _F:
-    """``fn`` as it is (a mark that once said ``fn`` takes NumPy arrays; nothing reads it now)."""
-    return fn
-
-
-def host_array(values: np.ndarray, name: str, dtypes: frozenset[np.dtype[Any]]) -> np.ndarray:
-    """``values`` after the checks the tensor form gets: 1-D (``ValueError`` naming the shape)
-    and of one of ``dtypes`` (``TypeError`` naming the dtype); returned as it is."""
-    if values.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {tuple(values.shape)}")
-    if values.dtype not in dtypes:
-        want = "dtype int32" if dtypes is SLOT_DTYPES else "an integer dtype"
-        order = "" if values.dtype.isnative else " in this machine's byte order"
-        raise TypeError(f"{name} must have {want}{order}, got {values.dtype}")
-    return values

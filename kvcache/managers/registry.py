@@ -1,22 +1,21 @@
 """Managers by name, as mini-sglang's scheduler picks one (``--cache-type radix``).
 
 `SUPPORTED_CACHE_MANAGER` maps a name to a factory ``(device, **options) -> BaseCacheManager``:
-``"naive"``, ``"radix"`` and ``"block_hash"``; `create_cache_manager(device, type, **options)`
-builds one (the options are the manager's own keywords, e.g. ``page_size``). `Registry` is the
-name table itself, with mini-sglang's methods, for any other kind of variant.
+``"naive"``, ``"radix"`` and ``"block_hash"``, registered where the package's managers are
+gathered (``kvcache/managers/__init__.py``, as mini-sglang registers its own);
+`create_cache_manager(device, type, **options)` builds one (the options are the manager's own
+keywords, e.g. ``page_size``). `Registry` is the name table itself, with mini-sglang's methods,
+for any kind of variant: the eviction policies (`EVICTION_POLICIES`) are one too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
 import torch
 
 from .base import BaseCacheManager
-from .block_hash import BlockHashCacheManager
-from .naive import NaiveCacheManager
-from .radix import RadixCacheManager
 
 __all__ = [
     "Registry",
@@ -77,8 +76,17 @@ class Registry(Generic[T]):
                 f"unsupported {self._kind}: {name!r}; supported: {self.supported_names()}"
             ) from None
 
+    def __delitem__(self, name: str) -> None:
+        """Forget ``name`` (a test's own variant, say); `RegistryError` if it is not registered."""
+        self[name]
+        del self._items[name]
+
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and name in self._items
+
+    def __iter__(self) -> Iterator[str]:
+        """The registered names, in the order they were registered."""
+        return iter(list(self._items))
 
     def __len__(self) -> int:
         return len(self._items)
@@ -114,11 +122,9 @@ class Registry(Generic[T]):
 #: What `SUPPORTED_CACHE_MANAGER` holds: ``(device, **options) -> BaseCacheManager`` (a class).
 CacheManagerFactory = Callable[..., BaseCacheManager]
 
-#: The managers by name; ``SUPPORTED_CACHE_MANAGER.register("name")`` adds one.
+#: The managers by name (the package's own are registered in ``kvcache/managers/__init__.py``);
+#: ``SUPPORTED_CACHE_MANAGER.register("name")`` adds one.
 SUPPORTED_CACHE_MANAGER: Registry[CacheManagerFactory] = Registry("cache manager")
-SUPPORTED_CACHE_MANAGER.register("naive")(NaiveCacheManager)
-SUPPORTED_CACHE_MANAGER.register("radix")(RadixCacheManager)
-SUPPORTED_CACHE_MANAGER.register("block_hash")(BlockHashCacheManager)
 
 
 def create_cache_manager(device: torch.device | str, type: str, **options: Any) -> BaseCacheManager:

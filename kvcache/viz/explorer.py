@@ -282,8 +282,8 @@ class Explorer:
             order = predict_evict(self.history.last, size)
         except (ValueError, RuntimeError):
             return []
-        nodes = self.history.last.by_uuid
-        return [self.tokenizer.decode(list(nodes[u].tokens)) for u in order]
+        nodes = self.history.last.by_uuid  # the explorer's one namespace
+        return [self.tokenizer.decode(list(nodes[u].tokens)) for u in order if u in nodes]
 
     def status(self) -> str:
         """Sizes, free list and held locks, as plain text (what the status pane shows)."""

@@ -17,7 +17,7 @@ from functools import cached_property
 from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 from .._validate import as_list, check_size
-from ..managers.radix import RadixCacheManager
+from ..managers.radix import RadixCacheManager, RadixTreeNode
 
 __all__ = [
     "NodeSnapshot",
@@ -68,7 +68,9 @@ class TreeSnapshot:
     """A whole tree at one moment, plus what the call that produced it changed.
 
     ``nodes`` holds the root first, then depth first with children in insertion order (the
-    order of `RadixCacheManager.nodes`). ``new`` are uuids of nodes inserted by the call,
+    order of `RadixCacheManager.nodes`), of the namespace drawn; ``others`` the nodes of every
+    other namespace, frozen alike (eviction takes leaves from every namespace, so
+    `predict_evict` looks at them too; nothing draws them). ``new`` are uuids of nodes inserted by the call,
     ``split`` the prefix nodes a split created, ``shrunk`` the old nodes that kept the suffix,
     ``evicted`` the nodes the call removed (as they were before it). ``evict_size`` is set when
     the call was ``evict(evict_size)``, so a sequence can preview it on the snapshot before.
@@ -86,6 +88,7 @@ class TreeSnapshot:
     shrunk: frozenset[int] = frozenset()
     evicted: tuple[NodeSnapshot, ...] = ()
     evict_size: int | None = None
+    others: tuple[NodeSnapshot, ...] = ()
 
     @cached_property
     def by_uuid(self) -> dict[int, NodeSnapshot]:
@@ -156,24 +159,16 @@ def snapshot(
         raise TypeError(f"previous must be a TreeSnapshot or None, got {type(previous).__name__}")
     if evict_size is not None:
         check_size(evict_size, "evict_size")
-    nodes = []
-    for node in manager.nodes(extra_key):
-        root = node.is_root()
-        nodes.append(
-            NodeSnapshot(
-                uuid=node.uuid,
-                parent=None if root else node.parent.uuid,  # type: ignore[union-attr]
-                tokens=tuple(node.key.tolist()),
-                indices=tuple(node.value.tolist()),
-                ref_count=node.ref_count,
-                timestamp=node.timestamp,
-                insert_time=node.insert_time,
-                priority=None if root else manager.eviction_priority(node),
-                children=tuple(c.uuid for c in node.children.values()),
-            )
-        )
+    nodes = [_frozen(manager, node) for node in manager.nodes(extra_key)]
     if not nodes:
         raise ValueError(f"extra_key {extra_key!r} names no namespace of this manager")
+    drawn = nodes[0].uuid
+    others = tuple(
+        _frozen(manager, node)
+        for key, root in manager.roots.items()
+        if root.uuid != drawn
+        for node in manager.nodes(key)
+    )
     info = manager.size_info
     snap = TreeSnapshot(
         nodes=tuple(nodes),
@@ -184,8 +179,25 @@ def snapshot(
         protected_size=info.protected_size,
         caption=caption,
         evict_size=evict_size,
+        others=others,
     )
     return diff_snapshots(previous, snap) if previous is not None else snap
+
+
+def _frozen(manager: RadixCacheManager, node: RadixTreeNode) -> NodeSnapshot:
+    """``node`` of ``manager`` as a `NodeSnapshot`."""
+    root = node.is_root()
+    return NodeSnapshot(
+        uuid=node.uuid,
+        parent=None if root else node.parent.uuid,  # type: ignore[union-attr]
+        tokens=tuple(node.key.tolist()),
+        indices=tuple(node.value.tolist()),
+        ref_count=node.ref_count,
+        timestamp=node.timestamp,
+        insert_time=node.insert_time,
+        priority=None if root else manager.eviction_priority(node),
+        children=tuple(c.uuid for c in node.children.values()),
+    )
 
 
 def diff_snapshots(before: TreeSnapshot, after: TreeSnapshot) -> TreeSnapshot:
@@ -249,8 +261,10 @@ def predict_evict(tree: Tree, size: int) -> list[int]:
     """Uuids of the nodes ``evict(size)`` would remove, in the order it would remove them.
 
     Replays the manager's rule on a snapshot: pop the evictable leaf (``ref_count == 0``, no
-    children, not the root) with the smallest policy priority until ``size`` tokens are freed; a
-    parent left childless and unlocked becomes a candidate at once. The manager is not changed.
+    children, not a root) with the smallest policy priority, ties to the smaller uuid, until
+    ``size`` tokens are freed; a parent left childless and unlocked becomes a candidate at once.
+    Every namespace counts (the snapshot's ``others`` too), as for ``evict``: a uuid returned may
+    be of a node the drawing of one namespace does not show. The manager is not changed.
     Raises ``TypeError`` for a ``size`` that is not an int, ``ValueError`` for a negative one and
     ``RuntimeError`` (like ``evict``) when more than the evictable size is asked for.
     """
@@ -261,7 +275,7 @@ def predict_evict(tree: Tree, size: int) -> list[int]:
         raise ValueError(f"size must be >= 0, got {size}")
     if size > snap.evictable_size:
         raise RuntimeError(f"cannot evict {size} tokens: only {snap.evictable_size} are evictable")
-    nodes = snap.by_uuid
+    nodes = {n.uuid: n for n in (*snap.nodes, *snap.others)}
     live_children = {u: len(n.children) for u, n in nodes.items()}
     heap = [
         (n.priority, u)
@@ -283,10 +297,13 @@ def predict_evict(tree: Tree, size: int) -> list[int]:
 
 
 def evict_order(snap: TreeSnapshot, evict_size: int | None) -> dict[int, int]:
-    """``{uuid: rank}`` (rank from 1) of the leaves ``evict(evict_size)`` would take; empty if it would fail."""
+    """``{uuid: rank}`` of the nodes of ``snap``'s namespace that ``evict(evict_size)`` would
+    take, ``rank`` their place (from 1) among every node it takes, other namespaces' included;
+    empty if it would fail."""
     if not evict_size:
         return {}
     try:
-        return {u: i + 1 for i, u in enumerate(predict_evict(snap, evict_size))}
+        order = predict_evict(snap, evict_size)
     except RuntimeError:
         return {}
+    return {u: i + 1 for i, u in enumerate(order) if u in snap.by_uuid}
