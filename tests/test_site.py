@@ -917,15 +917,17 @@ def test_printout_shows_answers_and_uncut_code(browser):
     try:
         b = tab.b
         b.call("Emulation.setEmulatedMedia", {"media": "print"}, session=tab.session)
-        state = tab.eval("""(async () => {
+        state = tab.eval(
+            """(async () => {"""
+            + ANSWER_CELLS
+            + """
             window.dispatchEvent(new Event('beforeprint'));
             await new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)));
             const main = document.querySelector('main');
             const closed = main.querySelectorAll('details:not([open])').length;
             const cut = [...main.querySelectorAll('pre')].filter(
                 p => p.getClientRects().length && p.scrollWidth - p.clientWidth > 1).length;
-            const answer = [...main.querySelectorAll('div.cell')].find(c =>
-                /#\\s*Your answer/.test((c.querySelector('.cell_input') || {}).textContent || ''));
+            const [answer] = ANSWER_CELLS(main)[0] || [null];  // the first exercise's answer
             const pre = answer && answer.querySelector('.cell_input pre');
             const answer_shown = !!pre && pre.checkVisibility();
             // dropdown admonitions (challenge answers) are printed open too
@@ -935,7 +937,8 @@ def test_printout_shows_answers_and_uncut_code(browser):
             window.dispatchEvent(new Event('afterprint'));
             return {closed, cut, answer_shown, folded_notes,
                     closed_after: main.querySelectorAll('details:not([open])').length};
-        })()""")
+        })()"""
+        )
         assert state["closed"] == 0, f"folds left closed in the printout: {state}"
         assert state["answer_shown"], f"the answer cell is not in the printout: {state}"
         assert state["folded_notes"] == 0, f"dropdown answers left folded in the printout: {state}"
