@@ -31,20 +31,17 @@ STOP_REASONS = ("eos", "stop", "length")
 
 @dataclass(frozen=True)
 class StopConditions:
-    """When a request stops (see the module docstring); build it with `StopConditions.make`.
+    """When a request stops (see the module docstring); build it with `StopConditions.make`."""
 
-    Attributes:
-        max_new_tokens: the most tokens it emits, >= 1.
-        min_tokens: it emits at least this many, in ``[0, max_new_tokens]``.
-        stop_token_ids: tokens that stop it once ``min_tokens`` are out.
-        eos_token_id: the model's end-of-sequence token (``None``: the model has none).
-        ignore_eos: do not stop on ``eos_token_id``.
-    """
-
+    #: The most tokens it emits, >= 1.
     max_new_tokens: int
+    #: It emits at least this many, in ``[0, max_new_tokens]``.
     min_tokens: int = 0
+    #: Tokens that stop it once ``min_tokens`` are out.
     stop_token_ids: frozenset[int] = frozenset()
+    #: The model's end-of-sequence token (``None``: the model has none).
     eos_token_id: int | None = None
+    #: Do not stop on ``eos_token_id``.
     ignore_eos: bool = False
 
     @classmethod
