@@ -545,10 +545,12 @@ LAYOUT_PROBE = r"""
     });
   }
   // tables with a caption (the prose's {table} directives, the cells' named Markdown tables)
-  const tables = [...main.querySelectorAll('table')].filter(t => t.querySelector(':scope > caption'))
-    .map(t => ({id: t.id, number: numberOf(t.querySelector(':scope > caption')),
+  // and the tables cells print as text (<figure class="kv-table">, numbered the same way)
+  const captionOf = t => t.querySelector(':scope > caption, :scope > figcaption');
+  const tables = [...main.querySelectorAll('table, figure.kv-table')].filter(captionOf)
+    .map(t => ({id: t.id, number: numberOf(captionOf(t)),
                 numbers: t.querySelectorAll('.caption-number').length,
-                caption: t.querySelector(':scope > caption').textContent.trim().slice(0, 90)}));
+                caption: captionOf(t).textContent.trim().slice(0, 90)}));
   // {numref} links, the number they print and where they point
   const numrefs = [...main.querySelectorAll('a span.std-numref')].map(s => ({
     text: s.textContent.replace(/\s+/g, ' ').trim(), href: s.closest('a').href}));

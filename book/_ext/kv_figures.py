@@ -49,6 +49,10 @@ class kv_figure(nodes.General, nodes.Element):  # docutils names nodes in lower 
     """A kvcache.viz figure: the picture (a raw HTML child) and its `kv_caption`."""
 
 
+class kv_table(nodes.General, nodes.Element):  # docutils names nodes in lower case
+    """A table a cell prints as text: its `kv_caption`, then the cell's output as it is."""
+
+
 class kv_caption(nodes.Part, nodes.FixedTextElement):
     """The caption of a `kv_figure`: translatable text, kept as the package wrote it (a
     FixedTextElement, so Sphinx's smart quotes leave ``'Hello'`` straight, as in the output)."""
@@ -165,7 +169,10 @@ class KvFigures(SphinxTransform):
     def _tables(
         self, cell: nodes.container, specs: list, source: str, where: str
     ) -> None:
-        found = [t for t in cell.findall(nodes.table)]
+        found = list(cell.findall(nodes.table))
+        if not found and len(specs) == 1:
+            self._text_table(cell, specs[0], source, where)
+            return
         if len(found) != len(specs):
             logger.warning(
                 f"{where}: metadata describes {len(specs)} table(s), "
@@ -174,11 +181,7 @@ class KvFigures(SphinxTransform):
             )
             return
         for table, spec in zip(found, specs, strict=True):
-            if (
-                not isinstance(spec, dict)
-                or not spec.get("name")
-                or not spec.get("caption")
-            ):
+            if not _valid_spec(spec):
                 logger.warning(
                     f'{where}: a table needs {{"name": ..., "caption": ...}}, got {spec!r}',
                     location=cell,
@@ -190,6 +193,38 @@ class KvFigures(SphinxTransform):
             table["names"].append(str(spec["name"]))
             self.document.note_explicit_target(table, table)
 
+    def _text_table(
+        self, cell: nodes.container, spec: object, source: str, where: str
+    ) -> None:
+        """A cell that prints its table as text: its output becomes a numbered `kv_table`."""
+        outputs = [
+            c for c in cell.children if c.get("nb_element") == "cell_code_output"
+        ]
+        if len(outputs) != 1 or not _valid_spec(spec):
+            logger.warning(
+                f'{where}: a printed table needs {{"name": ..., "caption": ...}} and an '
+                f"output, got {spec!r}",
+                location=cell,
+            )
+            return
+        output = outputs[0]
+        table = kv_table(classes=["kv-table"])
+        table.source, table.line = source, cell.line
+        caption = kv_caption(spec["caption"], spec["caption"])
+        caption.source, caption.line = source, cell.line
+        table += caption
+        table.extend(output.children)
+        output.children = []
+        output += table
+        table["names"].append(str(spec["name"]))
+        self.document.note_explicit_target(table, table)
+
+
+def _valid_spec(spec: object) -> bool:
+    return (
+        isinstance(spec, dict) and bool(spec.get("name")) and bool(spec.get("caption"))
+    )
+
 
 def _ancestors(node: nodes.Node):
     node = node.parent
@@ -198,7 +233,7 @@ def _ancestors(node: nodes.Node):
         node = node.parent
 
 
-def _caption_text(node: kv_figure) -> str:
+def _caption_text(node: nodes.Element) -> str:
     captions = [c for c in node.children if isinstance(c, kv_caption)]
     return captions[0].astext() if captions else ""
 
@@ -206,11 +241,11 @@ def _caption_text(node: kv_figure) -> str:
 # --------------------------------------------------------------------------- HTML
 
 
-def visit_kv_figure(self, node: kv_figure) -> None:
+def visit_kv_figure(self, node: nodes.Element) -> None:
     self.body.append(self.starttag(node, "figure"))
 
 
-def depart_kv_figure(self, node: kv_figure) -> None:
+def depart_kv_figure(self, node: nodes.Element) -> None:
     self.body.append("</figure>\n")
 
 
@@ -294,6 +329,16 @@ def setup(app):
     app.add_enumerable_node(
         kv_figure,
         "figure",
+        _caption_text,
+        html=(visit_kv_figure, depart_kv_figure),
+        latex=skip,
+        text=skip,
+        man=skip,
+        texinfo=skip,
+    )
+    app.add_enumerable_node(
+        kv_table,
+        "table",
         _caption_text,
         html=(visit_kv_figure, depart_kv_figure),
         latex=skip,
