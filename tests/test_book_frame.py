@@ -204,8 +204,7 @@ def _check_rule(rule: str, broken: dict[str, str], waived: set[str]) -> None:
 
 #: Chapters without a "Before you start" admonition (prerequisites) among their first cells.
 NO_PREREQUISITES_YET = {
-    "04_integrity", "09_naive_manager", "10_radix_tree", "11_lock_evict", "14_scheduling",
-    "17_routing", "18_host_tier",
+    "04_integrity", "09_naive_manager", "10_radix_tree", "11_lock_evict",
 }  # fmt: skip
 
 
@@ -223,7 +222,7 @@ def test_every_chapter_says_what_it_needs_first():
 
 #: Chapters without their 2-4 numbered exercises in the book's form yet.
 NO_EXERCISES_YET = {
-    "04_integrity", "09_naive_manager", "10_radix_tree", "11_lock_evict", "14_scheduling",
+    "04_integrity", "09_naive_manager", "10_radix_tree", "11_lock_evict",
 }  # fmt: skip
 
 
