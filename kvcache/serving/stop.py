@@ -33,12 +33,12 @@ STOP_REASONS = ("eos", "stop", "length")
 class StopConditions:
     """When a request stops (see the module docstring); build it with `StopConditions.make`.
 
-    Attributes:
-        max_new_tokens: the most tokens it emits, >= 1.
-        min_tokens: it emits at least this many, in ``[0, max_new_tokens]``.
-        stop_token_ids: tokens that stop it once ``min_tokens`` are out.
-        eos_token_id: the model's end-of-sequence token (``None``: the model has none).
-        ignore_eos: do not stop on ``eos_token_id``.
+    The fields (plain prose, not an ``Attributes:`` section: autodoc documents a dataclass's
+    fields already, and napoleon's would describe them twice): ``max_new_tokens``, the most
+    tokens it emits, >= 1; ``min_tokens``, it emits at least this many, in
+    ``[0, max_new_tokens]``; ``stop_token_ids``, tokens that stop it once ``min_tokens`` are
+    out; ``eos_token_id``, the model's end-of-sequence token (``None``: the model has none);
+    ``ignore_eos``, do not stop on ``eos_token_id``.
     """
 
     max_new_tokens: int
