@@ -399,6 +399,11 @@ def _numbering_problems(cells: list[dict]) -> list[str]:
             continue
         named = [m.span() for m in _NAMED_TABLE.finditer(src)
                  if re.search(r"^:name: tab-[a-z0-9-]+\s*$", m.group("body"), re.M)]  # fmt: skip
+        problems += [
+            f"cell {i}: a ``` fence whose caption holds a backtick is no fence: use :::{{table}}"
+            for line in re.findall(r"^`{3,}\{table\}.*$", src, re.M)
+            if "`" in line.lstrip("`")
+        ]
         for rule in _TABLE_RULE.finditer(src):
             if not any(a <= rule.start() < b for a, b in named):
                 problems.append(f"cell {i}: a Markdown table outside a named {{table}} directive")
@@ -468,6 +473,10 @@ def test_the_numbering_rule_catches_what_it_should():
     assert "not fig-" in _numbering_problems([fig({"figure": "Fig_1"})])[0]
     assert "caption" in _numbering_problems([fig({"table": {"name": "tab-x"}}, 0)])[0]
     assert "outside" in _numbering_problems([md(table)])[0]
+    backtick = "```{table} The `x` table\n:name: tab-x\n\n" + table + "```"
+    assert "no fence" in _numbering_problems([md(backtick)])[0]
+    colon = ":::{table} The `x` table\n:name: tab-x\n\n" + table + ":::"
+    assert _numbering_problems([md(colon)]) == []
     unnamed = "```{table} A caption here\n\n" + table + "```"
     assert "outside" in _numbering_problems([md(unnamed)])[0]
     for words in ("the figure above", "The table below", "the plot above", "the tree above"):
