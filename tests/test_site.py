@@ -518,6 +518,10 @@ LAYOUT_PROBE = r"""
     if (s.querySelector(':scope > g.graph')) pictures.add(s.closest('.kvp') || s);
   }
   for (const i of main.querySelectorAll('.cell_output img, figure img')) pictures.add(i);
+  // the package's other figures (diagrams drawn as SVG without graphviz): their picture
+  for (const f of main.querySelectorAll('figure.kv-figure')) {
+    if (![...pictures].some(p => f.contains(p))) pictures.add(f.querySelector('svg') || f);
+  }
   const numberOf = el => {
     const n = el ? el.querySelector('.caption-number') : null;
     return n ? n.textContent.replace(/\s+/g, ' ').trim() : '';
@@ -540,7 +544,7 @@ LAYOUT_PROBE = r"""
       captions: fig ? fig.querySelectorAll(':scope > figcaption').length : 0,
       numbers: fig ? fig.querySelectorAll('.caption-number').length : 0,
       tree: !!fig && fig.classList.contains('kv-tree'),
-      graphviz: el.tagName.toLowerCase() === 'svg',
+      graphviz: el.tagName.toLowerCase() === 'svg' && !!el.querySelector(':scope > g.graph'),
       full: full ? full.href : null,
     });
   }
