@@ -70,44 +70,14 @@ def build_html(outdir: Path = BUILD / "html" / "zh") -> int:
 
 
 def extract(pot_dir: Path = POT_DIR) -> int:
-    """The message templates (.pot), one per page, from the English sources, and the captions
-    of the figures the chapters' cells draw."""
+    """The message templates (.pot), one per page, from the English sources (the captions of
+    the figures the chapters' cells draw included: book/_ext/kv_figures.py makes them text)."""
     shutil.rmtree(pot_dir, ignore_errors=True)
     # Its own doctrees (the gettext builder's environment differs from the html one's), read
     # afresh: what is extracted also depends on book/_ext, which Sphinx does not track.
     doctrees = BUILD / ".doctrees-gettext"
     shutil.rmtree(doctrees, ignore_errors=True)
-    rc = _sphinx("gettext", pot_dir, doctrees, {})
-    if not rc:
-        add_figure_captions(pot_dir)
-    return rc
-
-
-def add_figure_captions(pot_dir: Path) -> None:
-    """A figure's caption is prose, but it is a cell's output (kvcache.viz writes it into the
-    figure's HTML), which Sphinx does not extract: add each chapter's captions to its page's
-    template. book/_ext/zh_edition.py puts their translations into the zh pages."""
-    import json
-
-    from babel.messages.pofile import read_po, write_po
-
-    sys.path.insert(0, str(REPO / "book" / "_ext"))
-    from zh_edition import figure_captions
-
-    for notebook in sorted((REPO / "book").glob("*.ipynb")):
-        pot = pot_dir / "book" / (notebook.stem + ".pot")
-        if not pot.exists():
-            continue
-        captions = figure_captions(json.loads(notebook.read_text(encoding="utf-8")))
-        if not captions:
-            continue
-        with pot.open("rb") as f:
-            catalog = read_po(f)
-        for caption in captions:
-            if caption not in catalog:
-                catalog.add(caption)
-        with pot.open("wb") as f:
-            write_po(f, catalog, width=-1, omit_header=False)
+    return _sphinx("gettext", pot_dir, doctrees, {})
 
 
 def update(locale_dir: Path, pot_dir: Path = POT_DIR) -> None:

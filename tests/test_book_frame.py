@@ -203,9 +203,7 @@ def _check_rule(rule: str, broken: dict[str, str], waived: set[str]) -> None:
 
 
 #: Chapters without a "Before you start" admonition (prerequisites) among their first cells.
-NO_PREREQUISITES_YET = {
-    "14_scheduling", "17_routing", "18_host_tier",
-}  # fmt: skip
+NO_PREREQUISITES_YET: set[str] = set()
 
 
 def test_every_chapter_says_what_it_needs_first():
@@ -221,9 +219,7 @@ def test_every_chapter_says_what_it_needs_first():
 
 
 #: Chapters without their 2-4 numbered exercises in the book's form yet.
-NO_EXERCISES_YET = {
-    "14_scheduling",
-}  # fmt: skip
+NO_EXERCISES_YET: set[str] = set()
 
 
 def _exercise_problems(cells: list[dict]) -> str | None:
@@ -337,3 +333,148 @@ def test_the_exercise_rule_catches_what_it_should():
     assert "numbered [1]" in _exercise_problems([good[0], good[-1]])
     assert "numbered [1, 3]" in _exercise_problems([good[0], md("### Exercise 3: x"), good[-1]])
     assert _exercise_problems([md("## Summary")]) == "no '## Exercises' section"
+
+
+#: Chapters whose figures and tables are not all named and referred to by number yet.
+FIGURES_NOT_NUMBERED_YET = {
+    "09_naive_manager", "10_radix_tree", "11_lock_evict", "11b_tree_integrity",
+}  # fmt: skip
+#: Prose that points at a figure or table by position instead of by number ({numref}).
+_BY_POSITION = re.compile(
+    r"\b(?:figure|table|plot|picture|drawing|diagram|chart|tree|panel|player)s?"
+    r"\s+(?:above|below)\b",
+    re.I,
+)
+_KV_FIGURE_OUTPUT = re.compile(r'<figure class="kv-figure\b')
+_TABLE_RULE = re.compile(r"^\s*\|(?:\s*:?-{3,}:?\s*\|)+\s*$", re.M)
+_NAMED_TABLE = re.compile(
+    r"^(?P<fence>`{3,}|:{3,})\{table\}[ \t]+\S.*\n(?P<body>(?:.*\n)*?)(?P=fence)[ \t]*$", re.M
+)
+
+
+def _names(value: object) -> list:
+    return value if isinstance(value, list) else [] if value is None else [value]
+
+
+def _numbering_problems(cells: list[dict]) -> list[str]:
+    """Why a chapter's figures and tables are not named and referred to by number (issue 28).
+
+    - every output that is a kvcache.viz figure (``<figure class="kv-figure ...">``) belongs to
+      a cell that names it in its metadata, ``"figure": "fig-..."`` (a list: one per figure);
+    - a cell's ``"table"`` metadata is ``{"name": "tab-...", "caption": ...}`` (or a list);
+    - every Markdown table of the prose is a ``{table}`` directive with a caption and a
+      ``:name: tab-...``;
+    - the prose never points at a figure or table by position ("the figure above", "the table
+      below", "the plot above", "the tree above", ...): it writes ``{numref}`fig-...` ``."""
+    problems = []
+    for i, c in enumerate(cells):
+        src = "".join(c["source"])
+        if c["cell_type"] == "code":
+            meta = c.get("metadata", {})
+            shown = sum(
+                len(_KV_FIGURE_OUTPUT.findall("".join(o.get("data", {}).get("text/html", ""))))
+                for o in c.get("outputs", [])
+            )
+            names = _names(meta.get("figure"))
+            if len(names) != shown:
+                problems.append(f"cell {i} shows {shown} figure(s), its metadata names {names}")
+            problems += [
+                f"cell {i}: figure name {n!r} is not fig-..."
+                for n in names
+                if not (isinstance(n, str) and re.fullmatch(r"fig-[a-z0-9-]+", n))
+            ]
+            for t in _names(meta.get("table")):
+                if not (
+                    isinstance(t, dict)
+                    and re.fullmatch(r"tab-[a-z0-9-]+", str(t.get("name")))
+                    and len(str(t.get("caption", "")).split()) >= 3
+                ):
+                    problems.append(f"cell {i}: table {t!r} needs a tab- name and a caption")
+            continue
+        if c["cell_type"] != "markdown":
+            continue
+        named = [m.span() for m in _NAMED_TABLE.finditer(src)
+                 if re.search(r"^:name: tab-[a-z0-9-]+\s*$", m.group("body"), re.M)]  # fmt: skip
+        problems += [
+            f"cell {i}: a ``` fence whose caption holds a backtick is no fence: use :::{{table}}"
+            for line in re.findall(r"^`{3,}\{table\}.*$", src, re.M)
+            if "`" in line.lstrip("`")
+        ]
+        for rule in _TABLE_RULE.finditer(src):
+            if not any(a <= rule.start() < b for a, b in named):
+                problems.append(f"cell {i}: a Markdown table outside a named {{table}} directive")
+        problems += [f"cell {i}: {m.group(0)!r}" for m in _BY_POSITION.finditer(src)]
+    return problems
+
+
+def _labels_defined() -> set[str]:
+    """Every figure and table name the chapters define (cell metadata, {table} directives)."""
+    import json
+
+    names: set[str] = set()
+    for nb_path in BOOK.glob("*.ipynb"):
+        for c in json.loads(nb_path.read_text())["cells"]:
+            meta = c.get("metadata", {})
+            names.update(n for n in _names(meta.get("figure")) if isinstance(n, str))
+            names.update(t["name"] for t in _names(meta.get("table")) if isinstance(t, dict))
+            names.update(re.findall(r"^:name: (tab-[a-z0-9-]+)", "".join(c["source"]), re.M))
+    return names
+
+
+def test_figures_and_tables_are_numbered_and_referred_to_by_number():
+    broken = {
+        name: "; ".join(p) for name in _toc_order() if (p := _numbering_problems(_cells(name)))
+    }
+    _check_rule("figures and tables by number", broken, FIGURES_NOT_NUMBERED_YET)
+    pages = {p.stem: p.read_text() for p in BOOK.glob("*.md")}
+    by_position = {n: _BY_POSITION.findall(t) for n, t in pages.items() if _BY_POSITION.search(t)}
+    assert not by_position, f"pages that point at a figure by position: {by_position}"
+    # every {numref} names a figure or table that exists (Sphinx would fail the build too)
+    defined = _labels_defined()
+    refs: dict[str, list[str]] = {}
+    for nb_path in BOOK.glob("*.ipynb"):
+        text = "".join("".join(c["source"]) for c in json_cells(nb_path))
+        for target in re.findall(r"\{numref\}`(?:[^`<]*<)?([^`>]+)>?`", text):
+            refs.setdefault(target, []).append(nb_path.stem)
+    unknown = {t: where for t, where in refs.items() if t not in defined}
+    assert not unknown, f"{{numref}} to names no chapter defines: {unknown}"
+
+
+def json_cells(path: Path) -> list[dict]:
+    import json
+
+    return json.loads(path.read_text())["cells"]
+
+
+def test_the_numbering_rule_catches_what_it_should():
+    def md(s: str) -> dict:
+        return {"cell_type": "markdown", "source": [s], "metadata": {}}
+
+    def fig(meta: dict, n: int = 1) -> dict:
+        html = '<figure class="kv-figure kv-tree"><div class="kv-figure-body"></div></figure>'
+        outputs = [{"output_type": "display_data", "data": {"text/html": html}}] * n
+        return {"cell_type": "code", "source": ["x"], "metadata": meta, "outputs": outputs}
+
+    table = "| a | b |\n|---|---:|\n| 1 | 2 |\n"
+    good = [
+        md("As {numref}`fig-one` shows."),
+        fig({"figure": "fig-one"}),
+        fig({"figure": ["fig-two", "fig-three"]}, 2),
+        md("```{table} What the columns say\n:name: tab-one\n\n" + table + "```"),
+        fig({"table": {"name": "tab-two", "caption": "A table a cell prints"}}, 0),
+    ]
+    assert _numbering_problems(good) == []
+    assert "names []" in _numbering_problems([fig({})])[0]
+    assert "names ['fig-a']" in _numbering_problems([fig({"figure": "fig-a"}, 2)])[0]
+    assert "not fig-" in _numbering_problems([fig({"figure": "Fig_1"})])[0]
+    assert "caption" in _numbering_problems([fig({"table": {"name": "tab-x"}}, 0)])[0]
+    assert "outside" in _numbering_problems([md(table)])[0]
+    backtick = "```{table} The `x` table\n:name: tab-x\n\n" + table + "```"
+    assert "no fence" in _numbering_problems([md(backtick)])[0]
+    colon = ":::{table} The `x` table\n:name: tab-x\n\n" + table + ":::"
+    assert _numbering_problems([md(colon)]) == []
+    unnamed = "```{table} A caption here\n\n" + table + "```"
+    assert "outside" in _numbering_problems([md(unnamed)])[0]
+    for words in ("the figure above", "The table below", "the plot above", "the tree above"):
+        assert _numbering_problems([md(f"As {words} shows.")]), words
+    assert _numbering_problems([md("The cell above checks it.")]) == []

@@ -459,7 +459,9 @@ const ANSWER_CELLS = main => {
 #            (a "# Your answer" comment) and the output of the check after it: whether either
 #            is visible before any click;
 #  sidebar:  the sidebar's links to chapter pages and their text;
-#  figures:  every picture with its <figure>, caption, number and (trees) full-size link.
+#  figures:  every picture with its <figure>, caption, number and (trees) full-size link;
+#  tables:   every captioned table with its number; numrefs: the {numref} links and their text;
+#  chapter:  the page's chapter number (its title's section number), '' on unnumbered pages.
 LAYOUT_PROBE = r"""
 (() => {
   const main = document.querySelector('main') || document.body;
@@ -507,35 +509,58 @@ LAYOUT_PROBE = r"""
     .filter(a => /\/book\/\d\d_[^/]*\.html$/.test(new URL(a.href).pathname))
     .map(a => a.textContent.replace(/\s+/g, ' ').trim());
   // figures: every picture of the page (a graphviz tree, a step player, an output image, a
-  // Markdown figure) with the <figure> around it, its caption, its number (the CSS counter
-  // that book.css shows before the caption) and, for a tree, its link to the full-size SVG.
+  // Markdown figure) with the <figure> around it, its caption, the number Sphinx put at the
+  // caption's start (book/_ext/kv_figures.py numbers the package's figures) and, for a tree,
+  // its link to the full-size SVG.
   const pictures = new Set();
   for (const s of main.querySelectorAll('svg')) {
     if (s.closest('svg') !== s || s.closest('mjx-container, .MathJax, .jupyter-widgets, .widget-area')) continue;
     if (s.querySelector(':scope > g.graph')) pictures.add(s.closest('.kvp') || s);
   }
   for (const i of main.querySelectorAll('.cell_output img, figure img')) pictures.add(i);
+  // the package's other figures (diagrams drawn as SVG without graphviz): their picture
+  for (const f of main.querySelectorAll('figure.kv-figure')) {
+    if (![...pictures].some(p => f.contains(p))) pictures.add(f.querySelector('svg') || f);
+  }
+  const numberOf = el => {
+    const n = el ? el.querySelector('.caption-number') : null;
+    return n ? n.textContent.replace(/\s+/g, ' ').trim() : '';
+  };
   const figures = [];
   for (const el of pictures) {
     const fig = el.closest('figure');
     const cap = fig && fig.querySelector(':scope > figcaption');
-    const text = cap ? cap.textContent.replace(/\s+/g, ' ').trim() : '';
-    const numbered = cap ? (cap.classList.contains('kv-caption') ? cap : cap.querySelector('p') || cap)
-                         : null;
+    const number = numberOf(cap);
+    let text = cap ? cap.textContent.replace(/\s+/g, ' ').trim() : '';
+    if (number && text.startsWith(number)) text = text.slice(number.length).trim();
     const full = fig && fig.querySelector('a.kv-full');
     figures.push({
       kind: el.matches('.kvp') ? 'player' : el.tagName.toLowerCase(),
       // a Chinese caption has no spaces: each CJK character counts as a word
       caption: text.slice(0, 90),
       words: text ? text.split(' ').length + (text.match(/[\u4e00-\u9fff]/g) || []).length : 0,
-      number: numbered ? getComputedStyle(numbered, '::before').content : '',
-      counter: fig ? getComputedStyle(fig).counterIncrement : '',
+      number,
+      id: fig ? fig.id : '',
+      captions: fig ? fig.querySelectorAll(':scope > figcaption').length : 0,
+      numbers: fig ? fig.querySelectorAll('.caption-number').length : 0,
       tree: !!fig && fig.classList.contains('kv-tree'),
-      graphviz: el.tagName.toLowerCase() === 'svg',
+      graphviz: el.tagName.toLowerCase() === 'svg' && !!el.querySelector(':scope > g.graph'),
       full: full ? full.href : null,
     });
   }
-  return {overflow, streams, markers, answers, sidebar, figures};
+  // tables with a caption (the prose's {table} directives, the cells' named Markdown tables)
+  // and the tables cells print as text (<figure class="kv-table">, numbered the same way)
+  const captionOf = t => t.querySelector(':scope > caption, :scope > figcaption');
+  const tables = [...main.querySelectorAll('table, figure.kv-table')].filter(captionOf)
+    .map(t => ({id: t.id, number: numberOf(captionOf(t)),
+                numbers: t.querySelectorAll('.caption-number').length,
+                caption: captionOf(t).textContent.trim().slice(0, 90)}));
+  // {numref} links, the number they print and where they point
+  const numrefs = [...main.querySelectorAll('a span.std-numref')].map(s => ({
+    text: s.textContent.replace(/\s+/g, ' ').trim(), href: s.closest('a').href}));
+  const h1 = main.querySelector('h1 .section-number');
+  const chapter = h1 ? h1.textContent.trim().replace(/\.$/, '') : '';
+  return {overflow, streams, markers, answers, sidebar, figures, tables, numrefs, chapter};
 })()
 """
 # The answer-cell finder, defined inside the probe.
@@ -677,29 +702,80 @@ def test_chapter_figures_render(browser, kind):
         pytest.skip(f"no chapter in the toc shows a {kind} figure yet")
 
 
+def _number_pattern(page: Path, kind: str, chapter: str) -> re.Pattern:
+    """What a figure's or table's number reads like on ``page``: "Figure 17.2" ("图 17.2" in
+    the Chinese edition), the chapter's own number first; "Figure 1" on an unnumbered page."""
+    zh = page_id(page).startswith("zh/")
+    word = {"figure": "图" if zh else "Figure", "table": "表" if zh else "Table"}[kind]
+    prefix = re.escape(chapter) + r"\." if chapter else ""
+    return re.compile(rf"{word} {prefix}(\d+)")
+
+
 @needs_site
 def test_every_figure_is_numbered_and_captioned(browser):
     """Every picture (a tree, a sequence, a step player, a plot, the landing page's tree) sits
-    in a <figure> whose <figcaption> says what it shows, numbered per page by the CSS counter
-    book.css puts before the caption ("Figure 3.")."""
+    in a <figure> with one <figcaption> that says what it shows and starts with the one number
+    Sphinx gave it (book/_ext/kv_figures.py): "Figure 17.2" on chapter 17's page ("图 17.2" in
+    the Chinese edition), the figures of a page numbered 1, 2, 3 ... in order. Captioned tables
+    are numbered the same way ("Table 17.1", "表 17.1")."""
     bad: dict[str, list] = {}
-    found = 0
+    found = tables = 0
     for page in built_pages():
-        for f in visit(browser, page).layout.get("figures") or []:
-            found += 1
-            problems = []
-            if f["words"] < 3:
-                problems.append(f"no caption (or a caption of {f['words']} words)")
-            label = "图" if page_id(page).startswith("zh/") else "Figure"  # the Chinese edition
-            if "counter(kv-figure)" not in f["number"] or label not in f["number"]:
-                problems.append(f"caption not numbered (::before is {f['number']!r})")
-            if "kv-figure" not in f["counter"]:
-                problems.append(f"figure not counted (counter-increment {f['counter']!r})")
-            if problems:
-                bad.setdefault(page_id(page), []).append({**f, "problems": problems})
+        layout = visit(browser, page).layout
+        chapter = layout.get("chapter", "")
+        seen: dict[str, list[int]] = {"figure": [], "table": []}
+        for kind, items in (("figure", layout.get("figures") or []),
+                            ("table", layout.get("tables") or [])):  # fmt: skip
+            pattern = _number_pattern(page, kind, chapter)
+            for f in items:
+                problems = []
+                if kind == "figure":
+                    found += 1
+                    if f["words"] < 3:
+                        problems.append(f"no caption (or a caption of {f['words']} words)")
+                    if f["captions"] != 1:
+                        problems.append(f"{f['captions']} captions")
+                else:
+                    tables += 1
+                m = pattern.fullmatch(f["number"])
+                if f["numbers"] != 1 or not m:
+                    problems.append(
+                        f"{f['numbers']} numbers, {f['number']!r} is not {pattern.pattern!r}"
+                    )
+                elif f["id"] and int(m.group(1)) not in seen[kind]:
+                    seen[kind].append(int(m.group(1)))
+                if problems:
+                    bad.setdefault(page_id(page), []).append({**f, "problems": problems})
+        for kind, numbers in seen.items():  # (the probe lists pictures by kind, not in order)
+            if sorted(numbers) != list(range(1, len(numbers) + 1)):
+                bad.setdefault(page_id(page), []).append(f"{kind}s numbered {numbers}")
     assert found >= 20, f"expected the chapters' figures, found {found}"
+    assert tables >= 5, f"expected the chapters' numbered tables, found {tables}"
     n = sum(map(len, bad.values()))
-    assert not bad, f"{n} of {found} figures without a number or a caption: {bad}"
+    assert not bad, f"{n} of {found} figures and {tables} tables without a good number: {bad}"
+
+
+@needs_site
+def test_numrefs_print_the_number_of_what_they_point_at(browser):
+    """A {numref} in the text prints the number its figure or table shows in its caption (same
+    page or another), in both editions: the text and the captions count the same way."""
+    numbers: dict[tuple[str, str], str] = {}
+    refs: list[tuple[Path, dict]] = []
+    for page in built_pages():
+        layout = visit(browser, page).layout
+        for item in (layout.get("figures") or []) + (layout.get("tables") or []):
+            if item.get("id"):
+                numbers[(page.resolve().as_posix(), item["id"])] = item["number"]
+        refs += [(page, r) for r in layout.get("numrefs") or []]
+    assert len(refs) >= 20, f"expected the chapters' {{numref}} references, found {len(refs)}"
+    bad = []
+    for page, ref in refs:
+        url = urlparse(ref["href"])
+        target = (Path(unquote(url.path)).resolve().as_posix(), url.fragment)
+        shown = numbers.get(target)
+        if shown != ref["text"]:
+            bad.append(f"{page_id(page)}: {ref['text']!r} points at {target[1]!r} ({shown!r})")
+    assert not bad, f"{{numref}} text that is not its target's number: {bad}"
 
 
 @needs_site

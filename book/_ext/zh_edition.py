@@ -17,9 +17,10 @@ and Jupyter Book 1 do not do by themselves:
   table (``locale/terminology.tsv``) as its user dictionary, so 基数树 or 前缀匹配 is a word;
 - the theme's own strings in mainland wording (``locale/theme``: sphinx-book-theme's zh_CN
   catalog says 列印 for "print");
-- the captions of the figures the cells draw (prose, but outputs, which Sphinx does not
-  extract): ``scripts/zh_book.py`` adds them to the page's catalog, and they are translated
-  in the zh pages' HTML;
+- the numbers of figures and tables in Chinese (图 3.1, 表 14.2), in captions and in
+  ``{numref}``. The captions of the figures the cells draw are text nodes of the doctree
+  (``book/_ext/kv_figures.py``), so the catalogs hold them and Sphinx translates them like
+  any paragraph;
 - glued values (``{glue:text}``) in translated paragraphs: Sphinx parses a translation as a
   document of its own, where myst-nb finds no glue data; the lookup falls back to the page's
   notebook;
@@ -104,6 +105,12 @@ def _configure(app, config) -> None:
         "dict": str(userdict),
     }
     _mainland_theme_strings(config.language)
+    # _config.yml's "Figure %s" replaces Sphinx's own (translated) default: say it in Chinese.
+    config.numfig_format = {
+        **config.numfig_format,
+        "figure": "图 %s",
+        "table": "表 %s",
+    }
     config.html_title = _site_title(config)
     _glue_in_translations()
 
@@ -303,45 +310,6 @@ def _language_switch(app, pagename, templatename, context, doctree) -> None:
     }
 
 
-# --------------------------------------------------------------------------- figure captions
-
-#: A figure's caption in a cell's HTML output (kvcache.viz: tree figures, sequences, players,
-#: captioned plots, diagrams), and its inner HTML.
-_FIGCAPTION = re.compile(r"(<figcaption\b[^>]*>)(.*?)(</figcaption>)", re.S)
-
-
-def figure_captions(notebook: dict) -> list[str]:
-    """The captions (inner HTML) of the figures in a notebook's outputs, in order, once each."""
-    found: list[str] = []
-    for cell in notebook.get("cells", []):
-        for output in cell.get("outputs", []):
-            html = output.get("data", {}).get("text/html")
-            if not html:
-                continue
-            html = "".join(html) if isinstance(html, list) else html
-            for _, inner, _ in _FIGCAPTION.findall(html):
-                inner = inner.strip()
-                if re.search(r"[A-Za-z]{3}", inner) and inner not in found:
-                    found.append(inner)
-    return found
-
-
-def _translate_figure_captions(app, pagename, templatename, context, doctree) -> None:
-    """Put the page's catalog's translation in each figure caption of the cells' outputs
-    (before kv_figures adds its full-size link inside the caption)."""
-    body = context.get("body")
-    if not is_zh(app.config) or not body or "<figcaption" not in body:
-        return
-    catalog = _page_catalog(app, pagename)
-
-    def replace(m: re.Match) -> str:
-        inner = m.group(2).strip()
-        text = catalog.gettext(inner)
-        return m.group(1) + (text if text != inner else m.group(2)) + m.group(3)
-
-    context["body"] = _FIGCAPTION.sub(replace, body)
-
-
 # --------------------------------------------------------------------------- notebooks
 
 _PREFIX = re.compile(r"^(\s*(?:(?:#{1,6}|[-*+]|\d+[.)]|>)\s+)*)")
@@ -484,7 +452,5 @@ def setup(app):
     app.connect("doctree-read", _translate_toc_captions, priority=400)
     app.connect("doctree-read", _landing_note)
     app.connect("html-page-context", _language_switch)
-    # before kv_figures (priority 500) adds the full-size link to the captions
-    app.connect("html-page-context", _translate_figure_captions, priority=400)
     app.connect("build-finished", _write_zh_notebooks)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -66,8 +66,8 @@ class TreeFigure(graphviz.Digraph):  # type: ignore[misc]  # graphviz ships no t
 
     Its rich display carries the SVG twice: as ``image/svg+xml`` (for tools that want an
     image) and as ``text/html``, ``<figure class="kv-figure">`` holding the ``<svg>`` element
-    inline (in ``<div class="kv-figure-body">``) and a ``<figcaption>``; the website numbers
-    the figures of a page with CSS counters. Inline, the page's stylesheet reaches the SVG's
+    inline (in ``<div class="kv-figure-body">``) and a ``<figcaption>``; the website's build
+    numbers it with the chapter's figures (``book/_ext/kv_figures.py``). Inline, the page's stylesheet reaches the SVG's
     text, so it is drawn with the font graphviz measured (`FONT`, served by the site); an
     ``<img>`` could not load it.
     """

@@ -2,8 +2,9 @@
 
 Every picture of the book is a ``<figure class="kv-figure kv-{kind}">``: the picture in a
 ``<div class="kv-figure-body">`` and a ``<figcaption class="kv-caption">`` that says what it
-shows and what to look at; the website numbers them per page ("Figure 3.") with CSS counters
-(``book/_static/book.css``). `figure_html` builds that block (for the tree figures of
+shows and what to look at. The book's build (``book/_ext/kv_figures.py``) numbers them with
+the chapter's figures ("Figure 17.2") and puts the number at the start of the caption; a cell
+names a figure in its metadata so that the text can refer to it by number. `figure_html` builds that block (for the tree figures of
 `kvcache.viz.drawing` and the step player), `captioned` wraps a matplotlib figure in it, and
 `tree_caption` / `look_for` write the default caption of a tree from the states it draws.
 """
@@ -30,7 +31,7 @@ _CSS_NAME = re.compile(r"[a-z][a-z0-9-]*")
 def figure_html(body: str, caption: str, kind: str = "tree") -> str:
     """``<figure class="kv-figure kv-{kind}">``: ``body`` (HTML, inserted as is) in a
     ``<div class="kv-figure-body">``, then ``caption`` (plain text, escaped) as its
-    ``<figcaption>``. The website numbers these figures per page ("Figure 3").
+    ``<figcaption>``. The book's build numbers these figures per chapter ("Figure 17.2").
 
     ``kind`` names a CSS class: lower-case letters, digits and ``-``, starting with a letter
     (``ValueError`` naming it otherwise, so nothing unescaped reaches the attribute)."""
@@ -68,7 +69,7 @@ def captioned(fig: Any, caption: str, dpi: int = 100) -> CaptionedPlot:
     """A matplotlib figure ``fig`` as a PNG with a caption that says what to look at.
 
     Shown as the last value of a cell (instead of ``plt.show()``), it displays as a
-    ``<figure>`` with a ``<figcaption>``, numbered on the website like the tree figures. The
+    ``<figure>`` with a ``<figcaption>``, numbered in the book like the tree figures. The
     figure is closed, so Jupyter does not show it a second time. ``TypeError`` for a ``fig``
     without ``savefig`` or a ``caption`` that is not a ``str``; ``ValueError`` for an empty one.
     """
