@@ -336,9 +336,7 @@ def test_the_exercise_rule_catches_what_it_should():
 
 
 #: Chapters whose figures and tables are not all named and referred to by number yet.
-FIGURES_NOT_NUMBERED_YET = {
-    "09_naive_manager", "10_radix_tree", "11_lock_evict", "11b_tree_integrity",
-}  # fmt: skip
+FIGURES_NOT_NUMBERED_YET: set[str] = set()
 #: Prose that points at a figure or table by position instead of by number ({numref}).
 _BY_POSITION = re.compile(
     r"\b(?:figure|table|plot|picture|drawing|diagram|chart|tree|panel|player)s?"
