@@ -200,13 +200,15 @@ def terminology() -> list[dict[str, str]]:
 
 def prose(text: str) -> str:
     """The English that a reader reads as words: roles keep their shown title, code spans,
-    math and link targets go."""
+    math and link targets go. A `{term}` shows its body; a `{ref}`, `{doc}` or `{numref}`
+    without an explicit title shows the target's title or number, never its label
+    (``fig-request-steps`` is no use of the word "request")."""
 
     def shown(m: re.Match) -> str:
         explicit = re.match(r"^(.*?)\s*<[^<>]+>$", m.group(2), re.S)
-        if m.group(1) in {"term", "doc", "ref", "numref"}:
-            return explicit.group(1) if explicit else m.group(2)
-        return " "
+        if explicit and m.group(1) in {"term", "doc", "ref", "numref"}:
+            return explicit.group(1)
+        return m.group(2) if m.group(1) == "term" else " "
 
     text = _ROLE.sub(shown, text)
     text = _CODE.sub(" ", text)
