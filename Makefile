@@ -30,10 +30,10 @@ TRITON_INTERPRET ?= $(eval TRITON_INTERPRET := $$(shell $(PY) -c 'import torch; 
 # PYTHONHASHSEED: set/dict orders of strings are the same in every run.
 RUN_ENV = TRITON_INTERPRET=$(TRITON_INTERPRET) JUPYTER_PREFER_ENV_PATH=1 PYTHONHASHSEED=0
 # Every check a caller can trigger must survive `python -O`, which strips asserts. The package
-# holds no assert and no __debug__ (tests/test_layers.py proves it on the source), so the
+# holds no assert and no __debug__ (tests/package/test_layers.py proves it on the source), so the
 # refusal tests run again under -O as a witness, not the whole suite.
-OPT_TESTS := tests/test_misuse.py tests/test_serving_misuse.py tests/test_registry.py \
-             tests/test_validate.py
+OPT_TESTS := tests/managers/test_misuse.py tests/serving/test_serving_misuse.py \
+             tests/managers/test_registry.py tests/package/test_validate.py
 XDIST ?= -n auto --dist loadfile
 NBVAL_FLAGS := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
                --nbval-cell-timeout=1200
@@ -47,7 +47,7 @@ help:
 setup: system-deps $(STAMP)
 
 # graphviz's `dot` draws the radix trees, in the one font they name ("DejaVu Sans", which the
-# website also serves: book/_static/fonts); Chromium runs the website tests (tests/test_site*.py),
+# website also serves: book/_static/fonts); Chromium runs the website tests (tests/book/),
 # which lay out the Chinese edition's pages with a CJK font (WenQuanYi Micro Hei, 4 MB) as a
 # reader's browser would with its own.
 system-deps:
@@ -85,7 +85,7 @@ book: setup
 	cat _build/zh-book.log; exit $$rc
 
 # After an English edit: extract every page's text (gettext builder) and update the catalogs
-# (sphinx-intl): a changed paragraph becomes fuzzy, a new one empty, and tests/test_zh_edition.py
+# (sphinx-intl): a changed paragraph becomes fuzzy, a new one empty, and tests/book/test_zh_edition.py
 # fails until each is translated (scripts/zh_translate.py dump/fill, or any PO editor).
 .PHONY: catalogs
 catalogs: setup
@@ -102,7 +102,7 @@ refresh: setup
 # JupyterLab (book extra) on the repository, opened at book/, with RUN_ENV: the "python3"
 # kernel is the venv's and runs the chapters as `make refresh` does; ipywidgets' Lab extension
 # makes the explorer live. Extra server options: make lab LAB_ARGS="--no-browser --port=8890".
-# tests/test_jupyter.py starts the same server headless.
+# tests/book/test_jupyter.py starts the same server headless.
 LAB_ARGS ?=
 .PHONY: lab
 lab: setup

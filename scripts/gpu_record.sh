@@ -32,7 +32,7 @@ step 140 "$PY" benchmarks/paged_decode.py --splits-sweep 1 2 4 8 16 \
   --out "$DATA/paged_decode_gpu_v2.json"
 step 15 "$PY" benchmarks/host_cost.py --out "$DATA/host_cost_gpu_v2.json"
 step 85 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
-  tests/test_store_cache.py tests/test_attention.py tests/test_kernel_views.py
+  tests/kernels/test_store_cache.py tests/kernels/test_attention.py tests/kernels/test_kernel_views.py
 if [ "$rc" -eq 0 ]; then
   echo "recorded $DATA/{store_kv,paged_decode,host_cost}_gpu_v2.json: commit them, then re-execute book/19_against_engines.ipynb on a CPU (TRITON_INTERPRET=1)"
 else

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Wrap chapter code cells to 88 columns without changing what they do.
 
-The website shows about 88 columns of code at a laptop's width (tests/test_site.py fails on
+The website shows about 88 columns of code at a laptop's width (tests/book/test_site.py fails on
 code that scrolls sideways). For every code cell with a longer line this script
 
   1. moves a trailing comment of a too-long line onto its own line above,

@@ -16,7 +16,7 @@ Catalogs: ``locale/zh_CN/LC_MESSAGES/<docname>.po``, one per page (``gettext_com
 without source locations or uuids, so inserting a code cell rewrites nothing. ``catalogs``
 runs ``sphinx-intl update``: a changed English paragraph becomes a fuzzy entry (its old
 translation kept as a starting point), a new one an empty entry, a removed one disappears;
-tests/test_zh_edition.py fails on both until the translation is done.
+tests/book/test_zh_edition.py fails on both until the translation is done.
 """
 
 from __future__ import annotations

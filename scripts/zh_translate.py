@@ -13,7 +13,7 @@ fuzzy flag of what it fills, and escapes a translation that would start a list (
 ``- ``): Sphinx would parse such a msgstr as a list and silently keep the English. It also
 spaces ``**`` where a CJK character meets a role or code span, which CommonMark would not
 read as bold.
-tests/test_zh_edition.py checks the result (code spans, roles, math, terminology).
+tests/book/test_zh_edition.py checks the result (code spans, roles, math, terminology).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@
 - Fixtures: TP info is unset before and after every test (autouse: it is process-global state
   that `MHAKVCache` reads); ``torch_store`` makes the pool store through the bit-identical torch
   path instead of the Triton interpreter (about 40 ms a call on this CPU; the Triton store is
-  checked against the torch one in ``tests/test_store_cache.py``); ``read_backs`` counts the
+  checked against the torch one in ``tests/kernels/test_store_cache.py``); ``read_backs`` counts the
   range checks that read values back to the host (``torch.aminmax`` calls; each a sync on a GPU).
 
 Test files import the functions with ``from conftest import ids, slots, unchanged`` (``tests/``

@@ -6,7 +6,7 @@ emits it twice, which throws "Identifier 'THEBE_JS_URL' has already been declare
 has no live kernels, so both thebe scripts are dropped from every page here.
 
 MathJax, require.js and the ipywidgets manager are vendored instead (see _config.yml and
-book/_static/vendor/README.md); tests/test_site.py checks every built page in Chromium.
+book/_static/vendor/README.md); tests/book/test_site.py checks every built page in Chromium.
 
 The widget manager's bundle injects one of its stylesheets before it reads
 ``__jupyter_widgets_assets_path__`` (set by widgets-config.js), so that sheet's icon fonts point
