@@ -10,7 +10,7 @@
 #
 # It writes the second GPU record beside the first (book/data/*_gpu.json, 2026-12-01, commit
 # 54d1a6f), which it never touches: store_kv_gpu_v2.json, paged_decode_gpu_v2.json and
-# host_cost_gpu_v2.json. The appendix (book/19_against_engines.ipynb) plots v2 beside v1 once the
+# host_cost_gpu_v2.json. The appendix (book/23_against_engines.ipynb) plots v2 beside v1 once the
 # files exist.
 set -uo pipefail
 PY=${1:-.venv/bin/python}
@@ -34,7 +34,7 @@ step 15 "$PY" benchmarks/host_cost.py --out "$DATA/host_cost_gpu_v2.json"
 step 85 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
   tests/kernels/test_store_cache.py tests/kernels/test_attention.py tests/kernels/test_kernel_views.py
 if [ "$rc" -eq 0 ]; then
-  echo "recorded $DATA/{store_kv,paged_decode,host_cost}_gpu_v2.json: commit them, then re-execute book/19_against_engines.ipynb on a CPU (TRITON_INTERPRET=1)"
+  echo "recorded $DATA/{store_kv,paged_decode,host_cost}_gpu_v2.json: commit them, then re-execute book/23_against_engines.ipynb on a CPU (TRITON_INTERPRET=1)"
 else
   echo "gpu-record: a step failed (see above); what was recorded is in $DATA/*_gpu_v2.json" >&2
 fi

@@ -1,8 +1,8 @@
 """Sphinx extension: the ``chapter`` role, a link to a chapter that shows its number and title.
 
 The toc numbers the chapters (``numbered`` in _toc.yml), so prose never types a number:
-``{chapter}`08_page_size``` renders as "chapter 8, *Page size beyond 1*", linked to the page;
-``{chapter}`Chapter <08_page_size>``` starts a sentence. The target is a document name, relative
+``{chapter}`10_page_size``` renders as "chapter 8, *Page size beyond 1*", linked to the page;
+``{chapter}`Chapter <10_page_size>``` starts a sentence. The target is a document name, relative
 to the page (like ``{doc}``). The number is the one the toc gave the page, so inserting or
 moving a chapter renumbers every reference. A target that is not a numbered page is a warning
 (the book builds with warnings as errors). In the Chinese edition (``language`` zh_CN) the link

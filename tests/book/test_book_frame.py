@@ -281,7 +281,7 @@ def test_chapters_past_the_source_say_where_real_servers_differ():
     package departs from SGLang, vLLM or mini-sglang, citing the file and version checked."""
     order = _toc_order()
     broken = {}
-    for name in order[order.index("12b_block_hash") :]:
+    for name in order[order.index("16_block_hash") :]:
         md = "\n".join("".join(c["source"]) for c in _cells(name) if c["cell_type"] == "markdown")
         box = re.search(r"```\{admonition\} Where real servers differ\n(.*?)\n```", md, re.S)
         if not box:

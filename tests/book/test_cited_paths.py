@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 #: Paths of other projects' files that a chapter cites, with the project it names beside them.
 EXTERNAL: dict[str, str] = {
-    # mini-sglang's store-kernel test (book/06_mha_pool.ipynb quotes its lines 15-24 and 20).
+    # mini-sglang's store-kernel test (book/08_mha_pool.ipynb quotes its lines 15-24 and 20).
     "tests/kernel/test_store.py": "mini-sglang",
 }
 

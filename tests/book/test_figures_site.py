@@ -11,7 +11,7 @@ measures each ``<text>`` with ``getBBox()`` mapped into the SVG's user space.
 Like tests/book/test_site.py (whose headless Chromium and DevTools client it reuses), it skips when
 ``_build/html`` has not been built. Run as a script to print the measurements of some pages::
 
-    .venv/bin/python tests/book/test_figures_site.py book/10_radix_tree.html
+    .venv/bin/python tests/book/test_figures_site.py book/12_radix_tree.html
 """
 
 from __future__ import annotations

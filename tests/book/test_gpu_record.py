@@ -2,7 +2,7 @@
 
 The recording itself needs a CUDA GPU. Here: the script refuses without one and writes nothing,
 it names files that exist, runs under five minutes and never overwrites the first record, and
-the committed JSON has the fields the appendix (book/19_against_engines.ipynb) reads and was measured on a CUDA device.
+the committed JSON has the fields the appendix (book/23_against_engines.ipynb) reads and was measured on a CUDA device.
 """
 
 from __future__ import annotations

@@ -607,10 +607,23 @@ def toc_files(toc_path: Path) -> list[str]:
     return files
 
 
+def redirects() -> dict[str, str]:
+    """_config.yml's ``redirects``: a chapter file's old docname -> its new page (relative)."""
+    import yaml
+
+    config = yaml.safe_load((REPO / "_config.yml").read_text(encoding="utf-8"))
+    return dict(config["sphinx"]["config"].get("redirects", {}))
+
+
 def built_pages() -> list[Path]:
+    """Every page of the site, the forwarding pages at old chapter names left out."""
     skip = {"_static", "_sources", "_images", "_sphinx_design_static", "_panels_static"}
+    forwards = {f"{old}.html" for old in redirects()}
     return sorted(
-        p for p in HTML.rglob("*.html") if not (set(p.relative_to(HTML).parts[:-1]) & skip)
+        p
+        for p in HTML.rglob("*.html")
+        if not (set(p.relative_to(HTML).parts[:-1]) & skip)
+        and p.relative_to(HTML).as_posix().removeprefix("zh/") not in forwards
     )
 
 
@@ -935,7 +948,7 @@ def test_sidebar_numbers_the_chapters(browser):
 @needs_site
 def test_revealing_an_answer_shows_it(browser):
     """The fold is a real toggle: one click on its summary shows the answer cell."""
-    tab = browser.open_tab((HTML / "book" / "05_layouts.html").as_uri(), DESKTOP_WIDTH)
+    tab = browser.open_tab((HTML / "book" / "07_layouts.html").as_uri(), DESKTOP_WIDTH)
     find = ANSWER_CELLS + "const [cell] = ANSWER_CELLS(document)[0] || [null];"
     try:
         box = tab.eval(
@@ -989,7 +1002,7 @@ def test_search_ranks_the_chapter_named_by_the_query_first(browser):
 def test_printout_shows_answers_and_uncut_code(browser):
     """Printing (or saving as PDF) opens every fold, answers included (book.js on beforeprint),
     and the print styles (book.css) wrap code instead of cutting it at the page's edge."""
-    tab = browser.open_tab((HTML / "book" / "10_radix_tree.html").as_uri(), 800)
+    tab = browser.open_tab((HTML / "book" / "12_radix_tree.html").as_uri(), 800)
     try:
         b = tab.b
         b.call("Emulation.setEmulatedMedia", {"media": "print"}, session=tab.session)
@@ -1177,7 +1190,7 @@ def test_phone_sidebar_toggles_open_the_sidebars(browser, toggle, seen, edition)
     (pydata-sphinx-theme 0.17 listens only on the first toggle of the page, which the book
     theme hides; book/_static/book.js forwards the visible button's click), in both editions
     (the Chinese one has the language switch in the same header)."""
-    page = HTML / edition / "book" / "10_radix_tree.html"
+    page = HTML / edition / "book" / "12_radix_tree.html"
     if not page.exists():
         pytest.skip(f"{page_id(page)} is not built")
     tab = browser.open_tab(page.as_uri(), PHONE_WIDTH)
@@ -1195,7 +1208,7 @@ def test_phone_sidebar_toggles_open_the_sidebars(browser, toggle, seen, edition)
 def test_laptop_sidebar_toggle_collapses_and_restores_the_chapter_list(browser):
     """At 1400 px the article header's button hides the chapter list and brings it back (the
     book theme's handler sits on the hidden header button; book.js forwards to it)."""
-    tab = browser.open_tab((HTML / "book" / "10_radix_tree.html").as_uri(), DESKTOP_WIDTH)
+    tab = browser.open_tab((HTML / "book" / "12_radix_tree.html").as_uri(), DESKTOP_WIDTH)
     try:
         shown = "getComputedStyle(document.querySelector('.bd-sidebar-primary')).visibility"
         assert tab.eval(shown) == "visible"
@@ -1244,3 +1257,26 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+@needs_site
+def test_old_chapter_names_forward_to_the_renamed_pages():
+    """The chapter files were renamed to the site's numbers; each old page, in both editions,
+    is a forwarding page to the chapter's new page, which exists, and no old name is a toc
+    file any more (it would be overwritten)."""
+    moved = redirects()
+    assert moved, "no redirects in _config.yml"
+    toc = set(toc_files(REPO / "_toc.yml"))
+    bad = []
+    for root in [HTML] + ([HTML / "zh"] if (HTML / "zh" / "index.html").exists() else []):
+        for old, target in moved.items():
+            page = root / f"{old}.html"
+            if old in toc:
+                bad.append(f"{old} is still a chapter of the toc")
+            elif not page.exists():
+                bad.append(f"{page.relative_to(HTML)} was not written")
+            elif f'var target = "{target}"' not in page.read_text(encoding="utf-8"):
+                bad.append(f"{page.relative_to(HTML)} does not forward to {target}")
+            elif not (page.parent / target).exists():
+                bad.append(f"{page.relative_to(HTML)} forwards to {target}, which is not built")
+    assert not bad, bad

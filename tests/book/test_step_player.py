@@ -1,6 +1,7 @@
-"""The step player of chapter 15 works on the built website: clicks change the picture and caption.
+"""The explorer's step player (chapter 19) works on the built website: clicks change the
+picture and caption.
 
-Opens ``_build/html/book/15_explorer.html`` in headless Chromium (the DevTools client of
+Opens ``_build/html/book/19_explorer.html`` in headless Chromium (the DevTools client of
 ``tests/book/test_site.py``), and with real mouse clicks on the player's buttons checks that
 *next*, *previous*, *last* and *play* / *pause* move the player: exactly one frame (one
 pre-rendered SVG tree) is shown, it is the frame of the current step, it is drawn with a
@@ -39,7 +40,7 @@ from kvcache import RadixCacheManager
 from kvcache.serving.tokenizer import ByteTokenizer
 from kvcache.viz import TreeRecorder, render_svg, step_player
 
-PAGE = HTML / "book" / "15_explorer.html"
+PAGE = HTML / "book" / "19_explorer.html"
 
 needs_chromium = pytest.mark.skipif(find_chromium() is None, reason="Chromium not found")
 
@@ -202,7 +203,7 @@ def check_shows(s: dict, step: int, captions: dict) -> None:
 # Skips (like tests/book/test_site.py) only when the site was not built: no _build/html/index.html.
 @needs_site
 def test_step_player_clicks_through(browser):  # noqa: F811  (the fixture imported from test_site)
-    assert PAGE.exists(), f"{PAGE} was not built (chapter 15 must be in _toc.yml)"
+    assert PAGE.exists(), f"{PAGE} was not built (chapter 19 must be in _toc.yml)"
     page = Page(browser, PAGE.as_uri())
     try:
         s = page.state()
@@ -389,7 +390,7 @@ def test_step_player_fits_a_phone(browser):  # noqa: F811  (the fixture imported
     """At 420 px the chapter's player shrinks its frames to the column (no sideways scroll)."""
     tab = browser.open_tab(PAGE.as_uri(), PHONE_WIDTH)
     try:
-        check_fits_a_phone(tab, "chapter 15")
+        check_fits_a_phone(tab, "chapter 19")
     finally:
         tab.close()
 
