@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import ids as t
+from conftest import observe
 from conftest import slots as s
 from conftest import unchanged as watch
 
@@ -22,24 +23,8 @@ from kvcache import (
 
 
 def radix_state(m: RadixCacheManager) -> Any:
-    """Everything observable about the tree, for before/after comparison."""
-    return (
-        m.size_info,
-        m.num_nodes,
-        m.clock,
-        [
-            (
-                n.uuid,
-                None if n.parent is None else n.parent.uuid,
-                n.key.tolist(),
-                n.value.tolist(),
-                n.ref_count,
-                n.timestamp,
-                sorted(map(str, n.children)),
-            )
-            for n in m.nodes()
-        ],
-    )
+    """Everything observable about the tree, for before/after comparison (conftest's)."""
+    return observe(m)
 
 
 def populated(page_size: int = 1) -> RadixCacheManager:
