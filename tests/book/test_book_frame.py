@@ -309,6 +309,43 @@ def test_no_chapter_reaches_outside_the_package():
     _check_rule("no reach outside the package", broken, READS_BENCHMARKS_YET)
 
 
+#: The longest code cell a learner reads ("about 30 lines", issue 28): non-blank lines of a cell
+#: whose input the page shows. A longer one is split where the program has a seam, or hidden.
+LONGEST_TEACHING_CELL = 35
+_HIDING_TAGS = {"hide-input", "hide-cell", "remove-input", "remove-cell"}
+
+
+def _long_cells(cells: list[dict]) -> list[str]:
+    return [
+        f"cell {i} shows {n} lines"
+        for i, c in enumerate(cells)
+        if c["cell_type"] == "code"
+        and not _HIDING_TAGS & set(c.get("metadata", {}).get("tags", []))
+        and (n := sum(1 for line in "".join(c["source"]).splitlines() if line.strip()))
+        > LONGEST_TEACHING_CELL
+    ]
+
+
+def test_no_teaching_cell_is_longer_than_a_reader_follows():
+    broken = {n: "; ".join(p) for n in _toc_order() if (p := _long_cells(_cells(n)))}
+    _check_rule("teaching cells of about 30 lines", broken, set())
+
+
+def test_the_cell_length_rule_catches_what_it_should():
+    def code(lines: int, *tags: str) -> dict:
+        return {
+            "cell_type": "code",
+            "source": ["x = 1\n\n"] * lines,
+            "metadata": {"tags": list(tags)},
+        }
+
+    assert _long_cells([code(LONGEST_TEACHING_CELL)]) == []
+    assert _long_cells([code(LONGEST_TEACHING_CELL + 1)]) == [
+        f"cell 0 shows {LONGEST_TEACHING_CELL + 1} lines"
+    ]
+    assert _long_cells([code(80, "hide-input")]) == []
+
+
 def test_the_exercise_rule_catches_what_it_should():
     def md(s: str) -> dict:
         return {"cell_type": "markdown", "source": [s], "metadata": {}}
