@@ -467,7 +467,12 @@ class RadixCacheManager(BaseCacheManager):
         start, pos = root, 0
         if root is not None and after is not None and self._spells(after, ids, root):
             start, pos = after.node, after.cached_len
-        walk = _NO_WALK if start is None else self._walk(ids, start, pos)
+        if start is None:
+            walk = _NO_WALK
+        elif pos and not start.children:  # resumed at a leaf (the flow's usual case): no walk
+            walk = Walk([], None, 0, pos)
+        else:
+            walk = self._walk(ids, start, pos)
         cached = walk.length
         new_slots = slots[cached:n]
         if cached < n:
