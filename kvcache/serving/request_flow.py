@@ -456,7 +456,8 @@ class RequestFlow:
             )
         # A manager evicts what the flow inserted: whole pages, page after page.
         evicted = self.manager.evict(short * ps)
-        self.stats.evicted_tokens += len(evicted)
+        count = evicted.shape[0]  # len() of a tensor costs several times more
+        self.stats.evicted_tokens += count
         self.stats.evictions += 1
         interrupted = _complete(self.allocator.free_page_runs, evicted)
         if interrupted is not None:  # the pages are free: the caller undoes its own part
@@ -467,7 +468,7 @@ class RequestFlow:
                     rid,
                     3,
                     "evict",
-                    f"evicted {len(evicted)} cached tokens to free {short} pages",
+                    f"evicted {count} cached tokens to free {short} pages",
                 )
             )
 
