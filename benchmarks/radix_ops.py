@@ -96,7 +96,9 @@ class RecordedCalls(BaseCacheManager):
     def __init__(self, manager: BaseCacheManager) -> None:
         self.manager = manager
         self.calls: list[tuple] = []  # (method, args) with handles as ("handle", call number)
-        self._handles: dict[int, int] = {}
+        # id(handle) -> (the handle, its call number): kept alive, so that no later argument
+        # can reuse the id of a handle that was freed and be replayed as that handle.
+        self._handles: dict[int, tuple[object, int]] = {}
 
     @property
     def device(self) -> torch.device:  # type: ignore[override]
@@ -112,7 +114,7 @@ class RecordedCalls(BaseCacheManager):
 
     def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         saved = [
-            ("handle", self._handles[id(a)])
+            ("handle", self._handles[id(a)][1])
             if id(a) in self._handles
             else a.clone()
             if isinstance(a, torch.Tensor)
@@ -124,7 +126,7 @@ class RecordedCalls(BaseCacheManager):
         out = getattr(self.manager, name)(*args, **kwargs)
         handle = out[0] if name in _MATCHES else getattr(out, "handle", None)
         if handle is not None:
-            self._handles[id(handle)] = len(self.calls)
+            self._handles[id(handle)] = (handle, len(self.calls))
         self.calls.append((name, saved, kwargs))
         return out
 

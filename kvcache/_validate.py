@@ -21,6 +21,7 @@ _INT_DTYPES = frozenset((torch.int8, torch.int16, torch.int32, torch.int64, torc
 _UNSIGNED = {4: np.uint32, 8: np.uint64}
 _NP_INT_DTYPES = frozenset(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64, np.uint8))
 _I64, _I32 = np.dtype(np.int64), np.dtype(np.int32)
+_CPU = torch.device("cpu")
 
 #: Slots are ``torch.int32``: a pool may hold at most this many token slots.
 MAX_SLOTS = 2**31 - 1
@@ -170,7 +171,7 @@ def slot_array(indices: object, device: torch.device, name: str = "indices") -> 
     ``device``; same errors). On the CPU the result is a view of its memory; from another
     device, a host copy (one transfer).
     """
-    if device.type != "cpu":
+    if device != _CPU and device.type != "cpu":  # ``!=`` first: reading ``type`` costs more
         return check_indices(indices, device, name).cpu().numpy()
     slots: np.ndarray | None = None
     if isinstance(indices, torch.Tensor):

@@ -326,6 +326,7 @@ class BlockHashCacheManager(BaseCacheManager):
         if hash_fn is not None and not callable(hash_fn):
             raise TypeError(f"hash_fn must be callable, got {type(hash_fn).__name__}")
         self.device = check_device(device)
+        self._on_cpu = self.device.type == "cpu"  # asked on every call: kept as a plain bool
         self.page_size = page_size
         self._hasher = ChainHasher(page_size, hash_fn)
         self.hash_fn: HashFn = self._hasher.hash_fn
@@ -394,7 +395,7 @@ class BlockHashCacheManager(BaseCacheManager):
         if not len(pages):
             return self.empty_tensor
         slots = torch.from_numpy(self._table.slots_of(pages))
-        return slots if self.device.type == "cpu" else slots.to(self.device)
+        return slots if self._on_cpu else slots.to(self.device)
 
     def _rows(self, ids: np.ndarray) -> np.ndarray:
         """The full blocks of ``ids`` (1-D int64, C-contiguous) as ``(n, page_size)`` rows (a view)."""

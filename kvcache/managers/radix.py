@@ -205,7 +205,6 @@ class RadixCacheManager(BaseCacheManager):
         self._refile_on_use = not self._leaves.monotone  # see `_visit`
         self.empty_tensor = torch.empty(0, dtype=torch.int32, device=self.device)
         self._on_cpu = self.device.type == "cpu"  # asked on every call: kept as a plain bool
-        self._offsets = np.arange(page_size, dtype=np.int32)  # a page's slots less its first
         self._events = EventLog() if events else None
         self._uuid = self._clock = 0
         self._clear()
@@ -220,7 +219,7 @@ class RadixCacheManager(BaseCacheManager):
         self._protected_size = 0  # tokens in nodes with ref_count > 0
         self._held_tokens = 0  # tokens in the tree
         self._held = np.zeros(1024, dtype=np.int32)  # per page: 0 free, else held
-        self._rows = self._page_rows(1024)  # page -> its slots, see `_hold`
+        self._rows, self._page_of = self._page_rows(1024)  # see `_hold`
         self._marks = np.arange(1, 1025, dtype=np.int32)  # 1, 2, 3, ...: see `_hold`
         self._num_nodes = 0  # excluding the roots
         self._leaves.clear()
@@ -467,7 +466,12 @@ class RadixCacheManager(BaseCacheManager):
         start, pos = root, 0
         if root is not None and after is not None and self._spells(after, ids, root):
             start, pos = after.node, after.cached_len
-        walk = _NO_WALK if start is None else self._walk(ids, start, pos)
+        if start is None:
+            walk = _NO_WALK
+        elif pos and not start.children:  # resumed at a leaf (the flow's usual case): no walk
+            walk = Walk([], None, 0, pos)
+        else:
+            walk = self._walk(ids, start, pos)
         cached = walk.length
         new_slots = slots[cached:n]
         if cached < n:
@@ -541,31 +545,30 @@ class RadixCacheManager(BaseCacheManager):
         consecutive slots from a multiple of ``page_size``, held already, or listed twice.
 
         The record is one array indexed by page (0: free), grown to the largest page seen: the
-        cost is that of the new pages, never the pool's; beside it, a table of each page's slots
-        (`_page_rows`) proves whole aligned pages in one gather. For arrays of a few hundred
-        entries a NumPy call's overhead is its cost, so the calls are the cheap ones: ``intp``
-        indices (``int32`` ones are converted at every use), ``count_nonzero`` rather than
-        ``any``, a bytes compare rather than ``array_equal`` (each several times cheaper).
+        cost is that of the new pages, never the pool's; beside it, two tables (`_page_rows`):
+        each slot's page if it starts one, and each page's slots, so that one lookup finds the
+        pages (no division) and one gather proves whole aligned pages. For arrays of a few
+        hundred entries a NumPy call's overhead is its cost, so the calls are the cheap ones:
+        ``intp`` indices (``int32`` ones are converted at every use), ``count_nonzero`` rather
+        than ``any``, a bytes compare rather than ``array_equal`` (each several times cheaper).
         """
         ps = self.page_size
-        pages = slots[::ps] // ps if ps > 1 else slots
-        # Read as unsigned, a negative page lies past any table: it fails the gather, as a page
-        # past the tables does, and the slow path below tells the two apart.
-        index = pages.view(np.uint32).astype(np.intp)
         try:
-            before = self._held[index]
-            rows = self._rows.take(index, axis=0) if ps > 1 else None
-        except IndexError:
-            if slots.min() < 0:
-                raise ValueError(f"indices must be >= 0, got {int(slots.min())}") from None
-            if index.max() >= len(self._held):  # grown by doubling, zeros: nothing held
-                grown = np.zeros(max(int(index.max()) + 1, 2 * len(self._held)), np.int32)
-                grown[: len(self._held)] = self._held
-                self._held, self._rows = grown, self._page_rows(len(grown))
-            before = self._held[index]
-            rows = (index[:, None] * ps + self._offsets).astype(np.int32) if ps > 1 else None
-        if rows is not None and rows.tobytes() != slots.tobytes():  # page p: p * ps + 0, 1, ...
-            check_page_aligned(slots, ps)  # raises, naming the slots
+            if ps == 1:
+                # Read as unsigned, a negative slot is a page past any table: it fails the gather.
+                index = slots.view(np.uint32).astype(np.intp)
+                before = self._held[index]
+            else:
+                # A slot that starts no page looks up -1 and a negative one wraps round: either
+                # gathers a row of slots that differs from the given ones, refused below.
+                index = self._page_of.take(slots[::ps])
+                before = self._held[index]
+                if self._rows.take(index, axis=0).tobytes() != slots.tobytes():
+                    if slots.min() < 0:
+                        raise ValueError(f"indices must be >= 0, got {int(slots.min())}")
+                    check_page_aligned(slots, ps)  # raises, naming the slots
+        except IndexError:  # past the tables (or far below 0): the slow path decides
+            index, before = self._hold_outside(slots)
         if np.count_nonzero(before):
             raise ValueError(
                 f"indices holds slots the cache already holds (pages starting at "
@@ -583,11 +586,32 @@ class RadixCacheManager(BaseCacheManager):
         self._held_tokens += len(slots)
         return index
 
-    def _page_rows(self, num_pages: int) -> np.ndarray:
-        """Row ``p``: the slots of page ``p`` (int32), for the first ``num_pages`` pages but at
-        most the first 2M slots' (8 MiB); none at page size 1. `_hold` computes the rest."""
-        n = min(num_pages, (1 << 21) // self.page_size) if self.page_size > 1 else 0
-        return np.arange(n * self.page_size, dtype=np.int32).reshape(n, self.page_size)
+    def _hold_outside(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`_hold`'s slow path, for slots past the tables: refuse a negative slot or pages that
+        are not whole and aligned, grow the record (and the tables) to every page; return the
+        pages (``intp``) and what the record held there (all 0 where it grew)."""
+        ps = self.page_size
+        if slots.min() < 0:
+            raise ValueError(f"indices must be >= 0, got {int(slots.min())}")
+        check_page_aligned(slots, ps)  # raises, naming the slots
+        index = slots[::ps].astype(np.intp) // ps
+        if index.max() >= len(self._held):  # grown by doubling, zeros: nothing held
+            grown = np.zeros(max(int(index.max()) + 1, 2 * len(self._held)), np.int32)
+            grown[: len(self._held)] = self._held
+            self._held = grown
+            self._rows, self._page_of = self._page_rows(len(grown))
+        return index, self._held[index]
+
+    def _page_rows(self, num_pages: int) -> tuple[np.ndarray, np.ndarray]:
+        """Row ``p``: the slots of page ``p`` (int32); and per slot its page if it is a page's
+        first slot, else -1 (``intp``: a lookup there is cheaper than dividing); for the first
+        ``num_pages`` pages but at most the first 2M slots' (8 + 16 MiB); none at page size 1.
+        `_hold_outside` computes the rest."""
+        ps = self.page_size
+        n = min(num_pages, (1 << 21) // ps) if ps > 1 else 0
+        page_of = np.full(n * ps, -1, dtype=np.intp)
+        page_of[::ps] = np.arange(n)
+        return np.arange(n * ps, dtype=np.int32).reshape(n, ps), page_of
 
     def _release(self, node: RadixTreeNode) -> None:
         """Mark the pages of ``node`` (a leaf leaving the tree) as free again."""

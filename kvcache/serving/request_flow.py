@@ -186,7 +186,9 @@ class Request:
             views = self._views = (
                 n,
                 torch.from_numpy(self._ids[:n]),
-                slots if self.device.type == "cpu" else slots.to(self.device),
+                slots
+                if self.device == _CPU or self.device.type == "cpu"
+                else slots.to(self.device),
             )
         return views
 
@@ -439,38 +441,36 @@ class RequestFlow:
             req._filled = known
         return known, pages
 
-    def _take(
-        self, rid: int, pages: int, out: np.ndarray, start: int, notes: list[FlowEvent] | None
-    ) -> None:
-        """Step 3: ``pages`` pages off the free list, every slot written into ``out`` from
-        ``start`` on, evicting first when the free list is short. ``RuntimeError`` when the pool
-        cannot hold them; an eviction made before a failure stands (its pages are free)."""
+    def _make_room(self, rid: int, pages: int, notes: list[FlowEvent] | None) -> None:
+        """Step 3's eviction, for a caller about to take ``pages`` pages (more than are free):
+        evict the pages the free list lacks and give them to the allocator. ``RuntimeError``
+        when the pool cannot hold them; an eviction made before a failure stands (its pages
+        are free). The caller then allocates (`allocate_page_slots`), which cannot fail."""
         free = self.allocator.num_free_pages
-        if pages > free:
-            ps = self.page_size
-            evictable = self.manager.size_info.evictable_size // ps
-            short = pages - free
-            if short > evictable:
-                raise RuntimeError(
-                    f"out of KV pages: need {pages}, {free} free and {evictable} evictable"
+        ps = self.page_size
+        evictable = self.manager.size_info.evictable_size // ps
+        short = pages - free
+        if short > evictable:
+            raise RuntimeError(
+                f"out of KV pages: need {pages}, {free} free and {evictable} evictable"
+            )
+        # A manager evicts what the flow inserted: whole pages, page after page.
+        evicted = self.manager.evict(short * ps)
+        count = evicted.shape[0]  # len() of a tensor costs several times more
+        self.stats.evicted_tokens += count
+        self.stats.evictions += 1
+        interrupted = _complete(self.allocator.free_page_runs, evicted)
+        if interrupted is not None:  # the pages are free: the caller undoes its own part
+            raise interrupted
+        if notes is not None:
+            notes.append(
+                FlowEvent(
+                    rid,
+                    3,
+                    "evict",
+                    f"evicted {count} cached tokens to free {short} pages",
                 )
-            # A manager evicts what the flow inserted: whole pages, page after page.
-            evicted = self.manager.evict(short * ps)
-            self.stats.evicted_tokens += len(evicted)
-            self.stats.evictions += 1
-            interrupted = _complete(self.allocator.free_page_runs, evicted)
-            if interrupted is not None:  # the pages are free: the caller undoes its own part
-                raise interrupted
-            if notes is not None:
-                notes.append(
-                    FlowEvent(
-                        rid,
-                        3,
-                        "evict",
-                        f"evicted {len(evicted)} cached tokens to free {short} pages",
-                    )
-                )
-        self.allocator.allocate_page_slots(pages, out, start)
+            )
 
     def _allocated(self, notes: list[FlowEvent], rid: int, slots: np.ndarray) -> None:
         pages = aligned_run_pages(slots, self.page_size).tolist()
@@ -557,7 +557,9 @@ class RequestFlow:
         try:
             filled, pages = self._room(req, n - m)
             if pages:
-                self._take(rid, pages, req._slots, filled, notes)
+                if pages > self.allocator.num_free_pages:
+                    self._make_room(rid, pages, notes)
+                self.allocator.allocate_page_slots(pages, req._slots, filled)
         except BaseException:
             self.manager.lock_handle(req.handle, unlock=True)
             raise
@@ -624,7 +626,9 @@ class RequestFlow:
         total = sum(pages for _, pages in plans)
         got = np.empty(total * ps, dtype=np.int32)
         if total:
-            self._take(reqs[0].rid, total, got, 0, notes)
+            if total > self.allocator.num_free_pages:
+                self._make_room(reqs[0].rid, total, notes)
+            self.allocator.allocate_page_slots(total, got)
         at = 0
         for r, x, (filled, pages) in zip(reqs, new, plans, strict=True):
             size = pages * ps
@@ -684,7 +688,9 @@ class RequestFlow:
         n = req._len
         filled, pages = self._room(req, k)
         if pages:
-            self._take(req.rid, pages, req._slots, filled, notes)
+            if pages > self.allocator.num_free_pages:
+                self._make_room(req.rid, pages, notes)
+            self.allocator.allocate_page_slots(pages, req._slots, filled)
             if notes is not None:
                 self._allocated(
                     notes, req.rid, req._slots[filled : filled + pages * self.page_size]
