@@ -424,8 +424,7 @@ class BlockHashCacheManager(BaseCacheManager):
         blocks out of the free queue, so the match's move of them to its tail is left out (only
         their ``last_use`` shows it: the release that queues them again sets it)."""
         handle, pages = self._match(input_ids, extra_key, refresh=False)
-        if len(pages):
-            self._lock(handle, pages)
+        self._lock(handle, pages)
         return handle, self._slots(pages)
 
     def _match(
@@ -597,12 +596,11 @@ class BlockHashCacheManager(BaseCacheManager):
         """
         if not isinstance(relock, bool):
             raise TypeError(f"relock must be a bool, got {type(relock).__name__}")
-        lock = self._held(handle)  # None: an empty handle, which holds nothing
+        lock = self._held(handle)
         cached, made, pages = self._insert(input_ids, indices, extra_key, lock)
-        if relock and len(pages):
+        if relock:
             self._lock(made, pages)
-        if lock is not None:
-            self._release(handle, lock)
+        self._release(handle, lock)
         return InsertResult(cached, made)
 
     def _insert(
@@ -627,6 +625,7 @@ class BlockHashCacheManager(BaseCacheManager):
         known_hashes: tuple[int, ...] = ()
         if (
             held is not None
+            and len(held.pages)
             and raw.startswith(held.handle.tokens)
             and table.ns.get(int(held.pages[0])) == extra_key
         ):  # the handle's chain is cached (locked): only what follows it is hashed
@@ -658,19 +657,17 @@ class BlockHashCacheManager(BaseCacheManager):
         Unlocking a handle that is not locked (never locked, or unlocked as often as locked)
         raises ``RuntimeError``, even while its blocks are locked through another handle. A block
         whose count drops to 0 joins the tail of the free queue; the chain is released deepest
-        block first, so its tail is evicted before its head. A handle of length 0 needs no
-        protection: nothing happens.
+        block first, so its tail is evicted before its head. A handle of length 0 protects no
+        block, but its locks are counted as any handle's, so an unmatched unlock raises here as
+        in every manager.
         """
         if not isinstance(unlock, bool):
             raise TypeError(f"unlock must be a bool, got {type(unlock).__name__}")
         if unlock:
-            lock = self._held(handle)
-            if lock is not None:
-                self._release(handle, lock)
+            self._release(handle, self._held(handle))
             return
         pages = self._pages(handle)
-        if len(pages):
-            self._lock(handle, pages)  # type: ignore[arg-type]  # `_pages` checked its type
+        self._lock(handle, pages)  # type: ignore[arg-type]  # `_pages` checked its type
 
     def _lock(self, handle: BlockHashCacheHandle, pages: np.ndarray) -> None:
         lock = self._locks.get(handle)
@@ -678,13 +675,15 @@ class BlockHashCacheManager(BaseCacheManager):
             self._locks[handle] = _Lock(handle, pages)
         else:
             lock.count += 1
-        self._table.lock(pages)
+        if len(pages):  # a handle of length 0: counted, no block to protect
+            self._table.lock(pages)
 
     def _release(self, handle: BaseCacheHandle, lock: _Lock) -> None:
         lock.count -= 1
         if not lock.count:
             del self._locks[handle]  # type: ignore[arg-type]
-        self._table.release(lock.pages, self._clock)
+        if len(lock.pages):
+            self._table.release(lock.pages, self._clock)
 
     def _lock_of(self, handle: BaseCacheHandle) -> _Lock | None:
         """The lock of ``handle``, when it is locked itself or through an equal handle made for
@@ -694,11 +693,12 @@ class BlockHashCacheManager(BaseCacheManager):
         lock = self._locks.get(handle)
         return lock if lock is not None and handle.tokens == lock.handle.tokens else None
 
-    def _held(self, handle: BaseCacheHandle) -> _Lock | None:
-        """The lock of ``handle`` (`_lock_of`), ``None`` for an empty handle; ``TypeError`` or
-        ``RuntimeError`` (not valid, or not locked) otherwise."""
+    def _held(self, handle: BaseCacheHandle) -> _Lock:
+        """The lock of ``handle`` (`_lock_of`); ``TypeError`` or ``RuntimeError`` (not valid,
+        or not locked) otherwise."""
         lock = self._lock_of(handle)
-        if lock is None and len(self._chain(handle)):  # an invalid handle says so first
+        if lock is None:
+            self._chain(handle)  # an invalid handle says so first
             raise RuntimeError(
                 f"cannot unlock a handle that is not locked ({handle.cached_len // self.page_size} "
                 f"blocks, cached_len={handle.cached_len})"
@@ -788,7 +788,8 @@ class BlockHashCacheManager(BaseCacheManager):
         return self._slots(victims)
 
     def reset(self) -> None:
-        """Forget every block; ``RuntimeError`` (changing nothing) while any is locked."""
+        """Forget every block and every lock of a handle of length 0; ``RuntimeError``
+        (changing nothing) while any block is locked."""
         if self._table.num_locked:
             raise RuntimeError(
                 f"cannot reset while {self._table.num_locked * self.page_size} tokens are locked; "
@@ -796,6 +797,7 @@ class BlockHashCacheManager(BaseCacheManager):
             )
         self._table = BlockTable(self.page_size, self._max_pages)
         self._recent = RecentChains(self.page_size)
+        self._locks = {}  # only handles of length 0 were left: dropped, as the radix tree does
         if self._events is not None:
             self._events.cleared()
 
