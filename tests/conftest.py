@@ -46,7 +46,9 @@ from kvcache import (
 )
 from kvcache.storage.distributed import reset_tp_info
 
-__all__ = ["ids", "slots", "page_slots", "observe", "unchanged", "integrity_error", "param_id"]
+__all__ = [
+    "ids", "slots", "page_slots", "greedy", "observe", "unchanged", "integrity_error", "param_id",
+]  # fmt: skip
 
 # CI (``CI`` set, as CI services do) runs the same hypothesis examples every time, so that a red
 # run is one anybody can repeat and a green one is not luck; a developer's run explores new ones.
@@ -71,6 +73,16 @@ def page_slots(pages: list[int], page_size: int, n: int | None = None) -> torch.
     """The slots of ``pages`` in order (``page * page_size + offset``), cut to the first ``n``."""
     out = [p * page_size + j for p in pages for j in range(page_size)]
     return torch.tensor(out[:n] if n is not None else out, dtype=torch.int32)
+
+
+def greedy(model: Any, prompt: torch.Tensor, n: int) -> list[int]:
+    """``n`` greedy tokens after ``prompt`` from ``model.reference_logits`` (dense attention,
+    no cache): what any cached serving path must reproduce."""
+    seq, out = prompt, []
+    for _ in range(n):
+        out.append(int(model.reference_logits(seq)[-1].argmax()))
+        seq = torch.cat([seq, ids(out[-1])])
+    return out
 
 
 # ------------------------------------------------------------ misuse harness

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import greedy, ids
 from faults import Faults, public_methods
 
 from kvcache import (
@@ -48,24 +49,12 @@ CONFIG = TinyLlamaConfig(
 EXCEPTIONS = [RuntimeError, KeyboardInterrupt]
 
 
-def ids(*xs: int) -> torch.Tensor:
-    return torch.tensor(xs, dtype=torch.int64)
-
-
 @pytest.fixture(scope="module")
 def model():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield TinyLlama(CONFIG)
     torch.set_num_threads(threads)
-
-
-def greedy(model: TinyLlama, prompt: torch.Tensor, n: int) -> list[int]:
-    seq, out = prompt, []
-    for _ in range(n):
-        out.append(int(model.reference_logits(seq)[-1].argmax()))
-        seq = torch.cat([seq, ids(out[-1])])
-    return out
 
 
 def make_engine(model: TinyLlama, kind: str, ps: int, faults: Faults, inner: bool) -> Engine:

@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import greedy, ids
 from faults import Faults, public_methods
 
 from kvcache import (
@@ -44,10 +45,6 @@ from kvcache import (
 
 MOD = 1 << 20
 EXCEPTIONS = [RuntimeError, KeyboardInterrupt]
-
-
-def ids(*xs: int) -> torch.Tensor:
-    return torch.tensor(xs, dtype=torch.int64)
 
 
 def prefix_codes(tokens: torch.Tensor) -> torch.Tensor:
@@ -273,15 +270,6 @@ def model():
     torch.set_num_threads(1)
     yield TinyLlama(MODEL_CONFIG)
     torch.set_num_threads(threads)
-
-
-def greedy(model: TinyLlama, prompt: torch.Tensor, n: int) -> list[int]:
-    """``n`` greedy tokens after ``prompt``, dense attention, no cache."""
-    seq, out = prompt, []
-    for _ in range(n):
-        out.append(int(model.reference_logits(seq)[-1].argmax()))
-        seq = torch.cat([seq, ids(out[-1])])
-    return out
 
 
 def run_model(
