@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import device_label, time_fn, write_json
+from harness import device_label, time_fn, wall_time, write_json
 
 from kvcache import KVCacheLayout, MHAKVCache, store_cache
 from kvcache.kernels import paged_decode_attention
@@ -47,19 +46,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny sizes, few calls (a smoke run)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/)")
     return p.parse_args(argv)
-
-
-def wall_per_call(fn: Callable[[], object], device: torch.device, calls: int) -> float:
-    """Seconds per call of ``calls`` back-to-back calls, synchronized once at the end."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(max(1, calls // 20)):
-        fn()
-    sync()
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    sync()
-    return (time.perf_counter() - t) / calls
 
 
 def store_calls(
@@ -103,7 +89,7 @@ def main(args: argparse.Namespace) -> dict:
             call=what,
             size=size,
             device_s=time_fn(fn, device, min_run),
-            wall_s=wall_per_call(fn, device, calls),
+            wall_s=wall_time(fn, device, calls),
         )
         rows.append(row)
         print(

@@ -326,26 +326,17 @@ def _link_figures(app, pagename, templatename, context, doctree) -> None:
 
 def setup(app):
     skip = (_skip, None)
-    app.add_enumerable_node(
-        kv_figure,
-        "figure",
-        _caption_text,
-        html=(visit_kv_figure, depart_kv_figure),
-        latex=skip,
-        text=skip,
-        man=skip,
-        texinfo=skip,
-    )
-    app.add_enumerable_node(
-        kv_table,
-        "table",
-        _caption_text,
-        html=(visit_kv_figure, depart_kv_figure),
-        latex=skip,
-        text=skip,
-        man=skip,
-        texinfo=skip,
-    )
+    for node, figtype in ((kv_figure, "figure"), (kv_table, "table")):
+        app.add_enumerable_node(
+            node,
+            figtype,
+            _caption_text,
+            html=(visit_kv_figure, depart_kv_figure),
+            latex=skip,
+            text=skip,
+            man=skip,
+            texinfo=skip,
+        )
     app.add_node(
         kv_caption,
         html=(visit_kv_caption, depart_kv_caption),

@@ -95,6 +95,7 @@ class Request:
         "_filled",
         "_ids",
         "_len",
+        "_on_cpu",
         "_slots",
         "_views",
         "device",
@@ -143,7 +144,7 @@ class Request:
         self.extra_key = None
         self._views = None
         if input_ids is None and indices is None:
-            self.device = _CPU
+            self.device, self._on_cpu = _CPU, True
             self._ids, self._slots, self._len, self._filled = _NO_IDS, _NO_SLOTS, 0, 0
             return
         if input_ids is None or indices is None:
@@ -153,6 +154,7 @@ class Request:
                 f"input_ids {tuple(input_ids.shape)} and indices {tuple(indices.shape)} differ in shape"
             )
         self.device = indices.device
+        self._on_cpu = self.device.type == "cpu"  # asked by every `_tensors`: kept as a bool
         self._hold(token_ids(input_ids), slot_array(indices, indices.device))
 
     def _hold(self, ids: np.ndarray, slots: np.ndarray, room: int = 0) -> None:
@@ -186,9 +188,7 @@ class Request:
             views = self._views = (
                 n,
                 torch.from_numpy(self._ids[:n]),
-                slots
-                if self.device == _CPU or self.device.type == "cpu"
-                else slots.to(self.device),
+                slots if self._on_cpu else slots.to(self.device),
             )
         return views
 
